@@ -1,0 +1,242 @@
+"""All checkpoint and tokenizer I/O: HF-format directories (safetensors only), GGUF files, tokenizers.
+
+Weights are read only from safetensors (or GGUF, converted once to safetensors); pickle checkpoints
+(``.bin``/``.pt``/``.pth``) are refused, never unpickled. q/k/v and gate/up projections are fused at load time
+into ``wqkv`` and ``w13`` (see :mod:`specexec.model` for the per-layer names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from specexec.errors import SpecexecError
+from specexec.model import Globals, ModelConfig, ResidentLayers, Transformer
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' → bf16 on CUDA (fp16 if bf16 is unsupported), fp32 on CPU; else fp32/bf16/fp16."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPES:
+        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16")
+    return DTYPES[name]
+
+
+def parse_device(name: str) -> torch.device:
+    """'auto' → cuda if available else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise SpecexecError(f"unknown device {name!r}; choose auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecexecError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
+    return torch.device(name)
+
+
+def model_dir(path: Path) -> Path:
+    """Validate a model location and return an HF-format directory (GGUF files are converted once, cached)."""
+    if not path.exists():
+        raise SpecexecError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _converted_gguf(path)
+        if path.suffix in PICKLE_SUFFIXES:
+            raise SpecexecError(_pickle_refusal(path))
+        if path.suffix == ".safetensors":
+            path = path.parent
+        else:
+            raise SpecexecError(f"not a model file: {path} (expected a directory, .safetensors or .gguf)")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _converted_gguf(ggufs[0])
+        raise SpecexecError(f"no config.json in {path}: not an HF-format model directory")
+    if not list(path.glob("*.safetensors")):
+        pickles = [p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise SpecexecError(_pickle_refusal(pickles[0]))
+        raise SpecexecError(f"no .safetensors weights in {path}")
+    return path
+
+
+def _pickle_refusal(path: Path) -> str:
+    return (
+        f"refusing to load pickle checkpoint {path}: unpickling can run arbitrary code; "
+        "convert it to safetensors first (e.g. transformers' save_pretrained(safe_serialization=True))"
+    )
+
+
+def _converted_gguf(path: Path) -> Path:
+    from specexec import convert, hub
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = hub.cache_home() / "converted" / f"{path.stem}-{key}"
+    if (out / ".specexec-complete").exists():
+        return out
+    log.info("converting %s to safetensors in %s (once)", path, out)
+    return convert.gguf_to_hf_dir(path, out)
+
+
+def read_config(path: Path) -> ModelConfig:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        return ModelConfig.from_hf(raw)
+    except (json.JSONDecodeError, KeyError) as e:
+        raise SpecexecError(f"bad config.json in {path}: {e}") from None
+    except ValueError as e:
+        raise SpecexecError(f"{path}: {e}") from None
+
+
+class _Shards:
+    """Name → shard lookup over a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self.handles: dict[Path, Any] = {}
+        self.where: dict[str, Path] = {}
+        files = sorted(path.glob("*.safetensors"))
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise SpecexecError(f"corrupt safetensors file {f}: {e}") from None
+            self.handles[f] = h
+            for name in h.keys():
+                self.where[name] = f
+
+    def get(self, name: str) -> Tensor:
+        f = self.where.get(name)
+        if f is None:
+            raise SpecexecError(f"{self.path}: tensor {name!r} missing from the checkpoint")
+        try:
+            return self.handles[f].get_tensor(name)
+        except Exception as e:
+            raise SpecexecError(f"corrupt or truncated safetensors file {f}: {e}") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+
+def _check_sizes(path: Path) -> None:
+    """Catch truncated files early: the header's data offsets must match the file size."""
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if n <= 0 or n > size - 8:
+                    raise ValueError("header length out of range")
+                header = json.loads(fh.read(n))
+        except (ValueError, OSError) as e:
+            raise SpecexecError(f"corrupt safetensors file {f}: {e}") from None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise SpecexecError(
+                f"corrupt or truncated safetensors file {f}: expected {8 + n + end} bytes, found {size}"
+            )
+
+
+def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
+    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused."""
+    shards = _Shards(path)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731
+        w = {
+            "attn_norm": g("input_layernorm.weight"),
+            "wqkv": torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]),
+            "wo": g("self_attn.o_proj.weight"),
+            "mlp_norm": g("post_attention_layernorm.weight"),
+            "w13": torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
+            "w2": g("mlp.down_proj.weight"),
+        }
+        if cfg.qkv_bias:
+            w["bqkv"] = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
+        yield i, w
+
+
+def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent)."""
+    shards = _Shards(path)
+    embed = shards.get("model.embed_tokens.weight").to(dtype)
+    lm = shards.get("lm_head.weight").to(dtype) if shards.has("lm_head.weight") else embed
+    if cfg.tie_word_embeddings:
+        lm = embed
+    return {"embed": embed, "norm": shards.get("model.norm.weight").to(dtype), "lm_head": lm}
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, layers: Any = None) -> Transformer:
+    """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
+
+    ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the
+    globals are loaded here.
+    """
+    path = model_dir(path)
+    cfg = read_config(path)
+    _check_sizes(path)
+    g = read_globals(path, cfg, dtype)
+    embed = g["embed"].to(device)
+    lm = embed if g["lm_head"] is g["embed"] else g["lm_head"].to(device)
+    glob = Globals(embed=embed, norm=g["norm"].to(device), lm_head=lm)
+    if layers is None:
+        layers = ResidentLayers([{k: t.to(device) for k, t in w.items()} for _, w in iter_layers(path, cfg, dtype)])
+    return Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A tokenizer plus the ids generation stops at."""
+
+    tokenizer: Any
+    eos_ids: frozenset[int]
+
+
+def load_tokenizer(path: Path) -> TokenizerInfo:
+    """The model's tokenizer (transformers) and its EOS ids (tokenizer + generation_config.json)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise SpecexecError(f"cannot load the tokenizer in {path}: {e}") from None
+    eos: set[int] = set()
+    if tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        val = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(val, int):
+            eos.add(val)
+        elif isinstance(val, list):
+            eos.update(int(v) for v in val)
+    return TokenizerInfo(tokenizer=tok, eos_ids=frozenset(eos))
+
+
+def check_tokenizers_match(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer maps text to different ids than the target's."""
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv == dv:
+        return
+    common = sum(1 for k, v in dv.items() if tv.get(k) == v)
+    raise SpecexecError(
+        f"draft {draft_name} and target {target_name} use different tokenizers "
+        f"({len(dv)} vs {len(tv)} tokens, {common} shared ids): pick a draft from the target's model family"
+    )
