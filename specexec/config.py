@@ -1,0 +1,61 @@
+"""Frozen, validated configuration dataclasses for decoding (passed around instead of ``**kwargs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ar", "chain", "specexec")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """SpecExec draft-tree growth (arXiv 2406.02532, Alg. 1 in batched best-first form)."""
+
+    budget: int = 64  # draft tokens in the tree the target verifies (the root, i.e. the pending token, is extra)
+    max_beams: int = 128  # nodes expanded by one draft pass
+    max_branch: int = 32  # children proposed per expanded node
+    max_depth: int = 32  # draft passes per tree (so also the deepest node)
+    verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.budget > 65536:
+            raise ValueError(f"budget {self.budget} is absurdly large (max 65536)")
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023)."""
+
+    gamma: int = 4  # draft tokens per step
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma <= 256:
+            raise ValueError(f"gamma must be in 1..256, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Token choice. temperature 0 means greedy (argmax); top_k 0 and top_p 1 and min_p 0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
