@@ -81,7 +81,7 @@ class Drafter:
         dev = self.model.device
         n = len(seq) - 1
         budget = cfg.budget
-        tree = Tree(seq[-1], budget + 1 + cfg.max_beams * cfg.max_branch, dev)
+        tree = Tree(seq[-1], 2 * budget + 1, dev)  # live nodes + at most budget candidates
         stats = GrowStats(passes=1, beams=[len(seq) - self.length])
         root_lq = logprobs(self._catch_up(seq))  # (1, V)
         tree.draft_slot[0] = n
@@ -118,9 +118,7 @@ class Drafter:
         """(k, length) bool: the committed prefix plus each row's expanded ancestors (itself included)."""
         mask = torch.zeros(rows.shape[0], length, dtype=torch.bool, device=tree.device)
         mask[:, :n] = True
-        has_slot = (tree.draft_slot[: tree.size] >= 0).nonzero().squeeze(1)  # (E,)
-        mask[:, tree.draft_slot[has_slot]] = tree.anc[rows][:, has_slot]
-        return mask
+        return tree.ancestor_slots(rows, length, base=mask)
 
     @staticmethod
     def _add_children(tree: Tree, parents: Tensor, lq: Tensor, cfg: TreeConfig, budget: int) -> None:

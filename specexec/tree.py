@@ -2,8 +2,10 @@
 
 Node 0 is the root: the pending token (the last emitted one, not yet in either model's cache). Every other node
 is a draft-proposed token. Invariants, kept by every operation here: parents precede children
-(``parent[i] < i``), ``anc[i, j]`` is True iff j is i or an ancestor of i, ``depth[i] = depth[parent[i]] + 1``,
-and ``logp`` (cumulative draft log-probability of the path root→i) never increases along a path.
+(``parent[i] < i``), ``depth[i] = depth[parent[i]] + 1``, and ``logp`` (cumulative draft log-probability of the
+path root→i) never increases along a path. The ancestry mask (``anc[i, j]`` True iff j is i or an ancestor of i)
+is derived from the parent pointers on demand by pointer chasing, O(N x depth), rather than stored: growth
+compacts the tree after every level, and moving an (N, N) matrix each time would dominate the draft time.
 
 Shapes: N = live nodes (``self.size``), C = capacity.
 """
@@ -25,9 +27,7 @@ class Tree:
         self.depth = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,) root = 0
         self.logp = torch.zeros(capacity, dtype=torch.float32, device=device)  # (C,) cumulative draft log-prob
         self.draft_slot = torch.full((capacity,), -1, dtype=torch.long, device=device)  # (C,) -1 = not expanded
-        self.anc = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)  # (C, C) ancestry (incl. self)
         self.tokens[0] = root_token
-        self.anc[0, 0] = True
         self.size = 1
 
     # -- views of the live part ---------------------------------------------------------------------------------
@@ -47,9 +47,38 @@ class Tree:
     def n_logp(self) -> Tensor:
         return self.logp[: self.size]
 
-    @property
-    def n_anc(self) -> Tensor:
-        return self.anc[: self.size, : self.size]
+    def max_depth(self) -> int:
+        return int(self.depth[: self.size].max())
+
+    def ancestry(self, rows: Tensor | None = None, cols: int | None = None) -> Tensor:
+        """(R, cols) bool: ``anc[r, j]`` True iff node j is row r's node or one of its ancestors.
+
+        ``rows`` defaults to all live nodes, ``cols`` to the live size.
+        """
+        rows = torch.arange(self.size, device=self.device) if rows is None else rows
+        cols = self.size if cols is None else cols
+        anc = torch.zeros(rows.shape[0], cols, dtype=torch.bool, device=self.device)
+        r = torch.arange(rows.shape[0], device=self.device)
+        cur = rows.clone()
+        for _ in range(int(self.depth[rows].max()) + 1 if rows.numel() else 0):
+            ok = cur >= 0
+            anc[r[ok], cur[ok]] = True
+            cur = torch.where(ok, self.parents[cur.clamp(min=0)], cur)
+        return anc
+
+    def ancestor_slots(self, rows: Tensor, length: int, base: Tensor | None = None) -> Tensor:
+        """(R, length) bool over draft-cache slots: True at ``draft_slot`` of each row's ancestors (and itself).
+
+        Every ancestor of a node being expanded has been expanded, so all of them have slots.
+        """
+        mask = torch.zeros(rows.shape[0], length, dtype=torch.bool, device=self.device) if base is None else base
+        r = torch.arange(rows.shape[0], device=self.device)
+        cur = rows.clone()
+        for _ in range(int(self.depth[rows].max()) + 1):
+            ok = cur >= 0
+            mask[r[ok], self.draft_slot[cur[ok]]] = True
+            cur = torch.where(ok, self.parents[cur.clamp(min=0)], cur)
+        return mask
 
     # -- growth -------------------------------------------------------------------------------------------------
     def add(self, parents: Tensor, tokens: Tensor, logp: Tensor) -> Tensor:
@@ -62,8 +91,6 @@ class Tree:
         self.parents[idx] = parents
         self.depth[idx] = self.depth[parents] + 1
         self.logp[idx] = logp
-        self.anc[idx] = self.anc[parents]
-        self.anc[idx, idx] = True
         self.size += k
         return idx
 
@@ -78,10 +105,6 @@ class Tree:
         self.parents[:m] = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
         for t in (self.tokens, self.depth, self.logp, self.draft_slot):
             t[:m] = t[idx].clone()
-        block = self.anc[idx][:, idx]
-        self.anc[:m, :m] = block
-        self.anc[m:n] = False
-        self.anc[:m, m:n] = False
         self.size = m
 
     def top_k_mask(self, k: int) -> Tensor:
@@ -108,7 +131,10 @@ class Tree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices root→node (inclusive)."""
-        return self.anc[node, : self.size].nonzero().squeeze(1).tolist()
+        path = [node]
+        while path[-1] > 0:
+            path.append(int(self.parents[path[-1]]))
+        return path[::-1]
 
     def check(self) -> None:
         """Assert the invariants (for tests)."""
@@ -125,4 +151,4 @@ class Tree:
             while j >= 0:
                 expect[i, j] = True
                 j = int(par[j]) if j > 0 else -1
-        assert torch.equal(expect, self.anc[:n, :n]), "ancestry mask differs from parent pointers"
+        assert torch.equal(expect, self.ancestry()), "ancestry mask differs from parent pointers"

@@ -26,12 +26,13 @@ def score_tree(target: Transformer, cache: KVCache, tree: Tree, n: int, chunk: i
     N = tree.size
     dev = target.device
     out = []
+    anc = tree.ancestry()  # (N, N)
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
         rows = torch.arange(s, e, device=dev)
         mask = torch.zeros(e - s, n + e, dtype=torch.bool, device=dev)  # (rows, L)
         mask[:, :n] = True
-        mask[:, n:] = tree.anc[s:e, :e]
+        mask[:, n:] = anc[s:e, :e]
         pos = n + tree.depth[s:e]
         out.append(target.forward(tree.tokens[s:e], pos, n + rows, mask, cache))
     return torch.cat(out) if len(out) > 1 else out[0]

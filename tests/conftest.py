@@ -78,3 +78,25 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = make_tiny(root / "target", "llama", seed=11)
     draft = make_tiny(root / "draft", "llama", seed=11, layers=1)
     return target, draft
+
+
+def make_noisy_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
+    """A draft for ``src``: the same architecture and tokenizer with Gaussian noise added to every weight."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(f)
+        sd = {k: v + noise * torch.randn(v.shape, generator=gen) * v.std().clamp(min=1e-3) for k, v in sd.items()}
+        save_file(sd, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def noisy_pairs(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per family: (target, draft) where the draft is the target plus noise (high but imperfect agreement)."""
+    root = tmp_path_factory.mktemp("noisy")
+    return {f: (p, make_noisy_copy(p, root / f, 0.1)) for f, p in tiny_models.items()}

@@ -1,0 +1,91 @@
+"""``specexec generate``: one prompt in, streamed text (or one JSON object) out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from specexec.cli.common import guarded, setup_logging
+from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.errors import SpecexecError
+
+DEMO_TARGET = "qwen2.5-coder-1.5b"
+
+
+def read_prompt(prompt: str) -> str:
+    """``-`` reads the prompt from stdin (must be UTF-8)."""
+    if prompt != "-":
+        return prompt
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecexecError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
+
+
+def stats_line(stats: dict) -> str:
+    s = stats
+    extra = f" budget={s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
+    return (f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
+            f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
+            f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s, "
+            f"wall {s['wall_s']:.2f}s")
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (raw unless --chat); '-' reads stdin."),
+    target: str = typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model (alias, HF id or path)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
+    method: Optional[str] = typer.Option(
+        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
+    budget: int = typer.Option(64, "--budget", help="SpecExec: draft tokens per tree."),
+    max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
+    max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
+    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
+    gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
+    context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
+    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stats line."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Generate a continuation of one prompt."""
+    setup_logging(verbose, quiet)
+
+    def run() -> None:
+        import specexec.api as api
+
+        text = read_prompt(prompt)
+        samp = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        tree = TreeConfig(budget=budget, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth)
+        chain_cfg = ChainConfig(gamma=gamma)
+        if method is not None and method not in METHODS:
+            raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        engine = api.load(target, draft, device=device, dtype=dtype, context=context, tree=tree,
+                          progress=not quiet and not as_json)
+        g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp, tree=tree, chain=chain_cfg,
+                          chat=chat)
+        for piece in g:
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        assert g.result is not None
+        if as_json:
+            sys.stdout.write(json.dumps(g.result.to_json()) + "\n")
+        else:
+            sys.stdout.write("\n")
+            if not quiet:
+                typer.echo(stats_line(g.result.stats.to_json()), err=True)
+
+    guarded(run)

@@ -1,0 +1,136 @@
+"""SpecExec and chain speculative decoding reproduce the target's greedy output exactly; tree invariants;
+KV-cache compaction equals a fresh prefill of the accepted sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specexec.config import ChainConfig, TreeConfig
+from specexec.draft import Drafter
+from specexec.engine import Engine
+from specexec.loading import load_model, load_tokenizer
+from tests.conftest import FAMILIES
+
+CPU = torch.device("cpu")
+PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
+
+
+def _engine(target, draft, context=512):
+    t = load_model(target, CPU, torch.float32)
+    d = load_model(draft, CPU, torch.float32) if draft is not None else None
+    return Engine(t, load_tokenizer(target), d, context=context)
+
+
+@pytest.fixture(scope="module")
+def engines(noisy_pairs):
+    return {f: _engine(*noisy_pairs[f]) for f in FAMILIES}
+
+
+def _ar(engine, ids, n):
+    engine.reset()
+    return engine.generate(ids, n, method="ar").tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [1, 2, 16, 128, 1024, 200])
+def test_specexec_equals_ar(engines, family, budget):
+    e = engines[family]
+    for ids in PROMPTS:
+        ref = _ar(e, ids, 40)
+        e.reset()
+        # budget 200 > vocab (96): the tree must go deep instead of wide
+        tree = TreeConfig(budget=budget, max_beams=16 if budget == 200 else 128)
+        r = e.generate(ids, 40, method="specexec", tree=tree)
+        assert r.tokens == ref, f"{family} budget={budget} prompt={ids}"
+        assert r.stats.mean_tree_size <= budget
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_chain_equals_ar(engines, family, gamma):
+    e = engines[family]
+    for ids in PROMPTS:
+        ref = _ar(e, ids, 40)
+        e.reset()
+        r = e.generate(ids, 40, method="chain", chain=ChainConfig(gamma=gamma))
+        assert r.tokens == ref
+
+
+def test_speculation_accepts_more_than_one(engines):
+    e = engines["llama"]
+    e.reset()
+    r = e.generate(PROMPTS[0], 60, method="specexec", tree=TreeConfig(budget=64))
+    assert r.stats.tokens_per_step > 1.5, r.stats
+
+
+@pytest.mark.parametrize("budget", [1, 5, 64, 300])
+def test_tree_invariants(noisy_pairs, budget):
+    target, draft = noisy_pairs["llama"]
+    d = Drafter(load_model(draft, CPU, torch.float32), 2048)
+    tree, stats = d.grow([5, 6, 7, 8], TreeConfig(budget=budget, max_beams=32, max_branch=8))
+    tree.check()  # parents precede children, depths, monotone logp, ancestry mask == parent pointers
+    assert tree.size - 1 == budget, "trimmed to exactly budget nodes"
+    # connected: every non-root node's parent is in the tree (parents index < own index, all >= 0)
+    assert int(tree.n_parents[1:].min()) >= 0
+    # the kept set is the top-budget nodes: nothing outside can beat the worst node inside
+    assert stats.passes >= 1 and stats.tree_size == budget
+
+
+def test_tree_is_exact_top_budget(noisy_pairs):
+    """For a shallow search the best-first tree equals brute-force top-B over depth-2 paths."""
+    target, draft = noisy_pairs["llama"]
+    model = load_model(draft, CPU, torch.float32)
+    d = Drafter(model, 2048)
+    budget = 20
+    tree, _ = d.grow([5, 6, 7], TreeConfig(budget=budget, max_beams=1000, max_branch=96, max_depth=2))
+    # brute force: all depth-1 and depth-2 continuations
+    from specexec.kv_cache import KVCache  # noqa: F401
+    e = Engine(model, load_tokenizer(draft), None, context=64)
+    lp1 = torch.log_softmax(_logits(e, [5, 6, 7]), -1)
+    scores = {(a,): float(lp1[a]) for a in range(lp1.shape[0])}
+    best1 = sorted(scores, key=scores.get, reverse=True)[:budget]
+    for (a,) in best1:
+        lp2 = torch.log_softmax(_logits(e, [5, 6, 7, a]), -1)
+        for b in range(lp2.shape[0]):
+            scores[(a, b)] = scores[(a,)] + float(lp2[b])
+    want = sorted(scores.values(), reverse=True)[:budget]
+    got = sorted(tree.n_logp[1:].tolist(), reverse=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def _logits(engine, ids):
+    m = engine.target
+    cache = m.new_cache(64)
+    pos = torch.arange(len(ids))
+    mask = pos[None, :] <= pos[:, None]
+    return m.forward(torch.tensor(ids), pos, pos, mask, cache)[-1]
+
+
+@pytest.mark.parametrize("method", ["specexec", "chain"])
+def test_cache_compaction_equals_fresh_prefill(noisy_pairs, method):
+    target, draft = noisy_pairs["qwen2"]
+    e = _engine(target, draft)
+    r = e.generate([5, 6, 7, 8], 30, method=method, tree=TreeConfig(budget=32), chain=ChainConfig(gamma=4))
+    assert r.stats.steps < 30  # several multi-token steps happened
+    seq = e.seq
+    for model, cache, length in ((e.target, e._t_cache, e.t_len), (e.draft, e._drafter.cache, e._drafter.length)):
+        fresh = model.new_cache(cache.capacity)
+        pos = torch.arange(length)
+        mask = pos[None, :] <= pos[:, None]
+        model.forward(torch.tensor(seq[:length]), pos, pos, mask, fresh)
+        torch.testing.assert_close(cache.k[:, :, :length], fresh.k[:, :, :length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.v[:, :, :length], fresh.v[:, :, :length], atol=1e-5, rtol=1e-5)
+        assert length >= len(seq) - 1 - 8  # most of the sequence is cached
+
+
+def test_prefix_cache_reuse(noisy_pairs):
+    """A second request extending the first only prefills the new suffix, and still matches AR."""
+    target, draft = noisy_pairs["llama"]
+    e = _engine(target, draft)
+    r1 = e.generate([5, 6, 7, 8], 10, method="specexec")
+    ids2 = [5, 6, 7, 8] + r1.tokens + [11, 12, 13]
+    r2 = e.generate(ids2, 10, method="specexec")
+    assert r2.stats.prefill_tokens <= 4  # only the new turn's tokens (and the old pending one)
+    fresh = _engine(target, None)
+    assert fresh.generate(ids2, 10, method="ar").tokens == r2.tokens
