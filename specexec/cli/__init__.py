@@ -23,12 +23,19 @@ def _root() -> None:
 
 app.command("generate")(_generate.generate)
 
-try:  # sub-apps written in their own modules
-    from specexec.cli.models import app as _models_app
+from specexec.cli.models import app as _models_app  # noqa: E402
 
-    app.add_typer(_models_app, name="models", help="List and pull models (aliases, demo pair).")
-except ImportError:  # pragma: no cover - during development only
-    pass
+app.add_typer(_models_app, name="models", help="List and pull models (aliases, demo pair).")
+
+# commands that live in their own modules: chat, doctor, bench (each module defines one function of that name)
+for _name in ("chat", "doctor", "bench"):
+    try:
+        _mod = __import__(f"specexec.cli.{_name}", fromlist=[_name])
+    except ModuleNotFoundError as _e:  # not written yet
+        if _e.name != f"specexec.cli.{_name}":
+            raise
+        continue
+    app.command(_name)(getattr(_mod, _name))
 
 
 def main() -> None:

