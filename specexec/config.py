@@ -16,13 +16,20 @@ class TreeConfig:
     max_branch: int = 32  # children proposed per expanded node
     max_depth: int = 32  # draft passes per tree (so also the deepest node)
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
+    auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
+    max_budget: int = 2048  # upper limit of the automatic choice
 
     def __post_init__(self) -> None:
-        for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk"):
+        for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.budget > 65536:
-            raise ValueError(f"budget {self.budget} is absurdly large (max 65536)")
+        if self.budget > 65536 or self.max_budget > 65536:
+            raise ValueError(f"budget {max(self.budget, self.max_budget)} is absurdly large (max 65536)")
+
+    @property
+    def largest(self) -> int:
+        """The largest tree this config can grow (sizes the caches)."""
+        return max(self.budget, self.max_budget) if self.auto else self.budget
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from specexec import sampling
+from specexec.budget import AutoBudget, calibrate
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
 from specexec.draft import Drafter
 from specexec.errors import SpecexecError
@@ -45,7 +46,10 @@ class Stats:
     wall_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
-    budget: int | None = None
+    calibration_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
+    budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
+    budgets: dict[int, int] = field(default_factory=dict)  # specexec: budget -> steps that used it
+    budget_auto: bool = False
     gamma: int | None = None
     mean_tree_size: float = 0.0
     draft_passes: int = 0
@@ -55,6 +59,7 @@ class Stats:
     def to_json(self, shapes: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        d["budgets"] = {str(k): v for k, v in sorted(self.budgets.items())}
         if not shapes:
             d.pop("tree_shapes")
         return d
@@ -124,19 +129,22 @@ class Engine:
         self._t_cache = None
         self._drafter: Drafter | None = None
         self._tree_room = 0
+        self._auto: AutoBudget | None = None
         self._ensure_room(tree or TreeConfig(), ChainConfig())
 
     # -- capacity -----------------------------------------------------------------------------------------------
     def _ensure_room(self, tree: TreeConfig, chain: ChainConfig) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
-        room = max(tree.budget, chain.gamma) + 2
+        room = max(tree.largest, chain.gamma) + 2
         if self._t_cache is not None and room <= self._tree_room:
             return
         self._tree_room = room
+        self._t_cache = None  # free the old cache before allocating the new one
         self._t_cache = self.target.new_cache(self.context + room)
         self.t_len = 0
+        self._auto = None
         if self.draft is not None:
-            extra = room + tree.budget + tree.max_beams
+            extra = room + tree.largest + tree.max_beams
             self._drafter = Drafter(self.draft, self.context + extra)
 
     def reset(self) -> None:
@@ -235,6 +243,11 @@ class Engine:
         if not samp.greedy:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(samp.seed if samp.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        auto = g.method == "specexec" and g.tree.auto
+        if auto and self._auto is None:  # once per engine (and cache size), before the caches hold anything
+            tc = time.perf_counter()
+            self._auto = self._calibrate(g.tree)
+            st.calibration_s = time.perf_counter() - tc
         t0 = time.perf_counter()
         self._adopt(g.ids)
         st.prefill_tokens = self._prefill()
@@ -242,6 +255,8 @@ class Engine:
         st.prefill_s = time.perf_counter() - t0
         if g.method == "specexec":
             st.budget = g.tree.budget
+            st.budget_auto = auto
+        chosen: Counter[int] = Counter()
         if g.method == "chain":
             st.gamma = g.chain.gamma
         hist: Counter[int] = Counter()
@@ -257,7 +272,9 @@ class Engine:
                 tree = Tree(self.seq[-1], 1, self.target.device)
             elif g.method == "specexec":
                 assert self._drafter is not None
-                tree, gs = self._drafter.grow(self.seq, g.tree, lambda lg: sampling.logprobs(lg, samp))
+                tcfg = replace(g.tree, budget=self._auto.choose()) if auto else g.tree
+                chosen[tcfg.budget] += 1
+                tree, gs = self._drafter.grow(self.seq, tcfg, lambda lg: sampling.logprobs(lg, samp))
                 st.draft_passes += gs.passes
                 st.tree_shapes.append(gs.beams)
             else:
@@ -280,6 +297,9 @@ class Engine:
             st.draft_s += tt - td
             st.target_s += te - tt
             st.steps += 1
+            if auto:
+                self._auto.update(tcfg.budget, tree.n_logp[1:].tolist(), len(emitted), tt - td, te - tt,
+                                  gs.passes)
             tree_total += tree.size - 1
             hist[len(emitted)] += 1
             # commit: cut at EOS / the token limit; the caches may hold more than is committed, never less
@@ -303,6 +323,40 @@ class Engine:
         st.tokens_per_s = produced / decode_s if decode_s > 0 else 0.0
         st.mean_tree_size = tree_total / max(st.steps, 1)
         st.accepted_hist = dict(hist)
+        if chosen:
+            st.budget = chosen.most_common(1)[0][0]
+            st.budgets = dict(chosen)
+
+    def _calibrate(self, tree: TreeConfig) -> AutoBudget:
+        """Time a few target passes (tree sizes) and draft passes (beam counts) for the auto budget.
+
+        Uses the caches as scratch, so it runs before the prompt is processed (the prefix cache is dropped).
+        """
+        assert self._drafter is not None
+        dev = self.target.device
+
+        def timed(model: Transformer, cache: Any, size: int, reps: int) -> float:
+            pos = torch.arange(size, device=dev)
+            toks = torch.randint(0, model.cfg.vocab_size, (size,), device=dev)
+            mask = pos[None, :] <= pos[:, None]
+            best, spent, i = float("inf"), 0.0, 0
+            while i < reps or (spent < 0.2 and i < 5):  # fast passes: repeat, keep the best (least noisy)
+                self._sync()
+                t = time.perf_counter()
+                model.forward(toks, pos, pos, mask, cache)
+                self._sync()
+                dt = time.perf_counter() - t
+                best, spent, i = min(best, dt), spent + dt, i + 1
+            return best
+
+        timed(self.target, self._t_cache, 1, 1)  # warm-up
+        timed(self.draft, self._drafter.cache, 1, 1)
+        t_s, d_s = calibrate(lambda n: timed(self.target, self._t_cache, n, 1),
+                             lambda n: timed(self.draft, self._drafter.cache, n, 2), tree.max_budget, tree.max_beams)
+        self.seq, self.t_len = [], 0
+        self._drafter.length = 0
+        return AutoBudget(target_s=t_s, draft_pass_s=d_s, max_beams=tree.max_beams, max_depth=tree.max_depth,
+                          max_budget=tree.max_budget, budget=tree.budget)
 
     @staticmethod
     def _pick(logits: torch.Tensor, samp: SamplingConfig, gen: torch.Generator | None):

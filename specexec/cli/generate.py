@@ -26,9 +26,22 @@ def read_prompt(prompt: str) -> str:
         raise SpecexecError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
 
 
+def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, max_depth: int) -> TreeConfig:
+    """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
+    if budget == "auto":
+        return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget, max_beams=max_beams,
+                          max_branch=max_branch, max_depth=max_depth)
+    try:
+        b = int(budget)
+    except ValueError:
+        raise SpecexecError(f"--budget must be a positive integer or 'auto', got {budget!r}") from None
+    return TreeConfig(budget=b, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth)
+
+
 def stats_line(stats: dict) -> str:
     s = stats
-    extra = f" budget={s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
+    auto = "auto→" if s.get("budget_auto") else ""
+    extra = f" budget={auto}{s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
     return (f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
             f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
             f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s, "
@@ -48,7 +61,9 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
-    budget: int = typer.Option(64, "--budget", help="SpecExec: draft tokens per tree."),
+    budget: str = typer.Option(
+        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."),
+    max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
     max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
@@ -68,7 +83,7 @@ def generate(
 
         text = read_prompt(prompt)
         samp = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        tree = TreeConfig(budget=budget, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth)
+        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth)
         chain_cfg = ChainConfig(gamma=gamma)
         if method is not None and method not in METHODS:
             raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

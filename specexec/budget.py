@@ -1,0 +1,164 @@
+"""Automatic tree budget: pick the budget b that maximises expected tokens/s.
+
+    tokens/s(b) = E[emitted | b] / (draft_s(b) + target_s(b))
+
+Costs come from a quick start-up calibration (a few target passes at a few tree sizes, a few draft passes at a
+few beam counts), corrected online by the times each step actually took. Acceptance comes from the trees
+themselves: for a best-first tree, the chance that the target's path runs through node i is estimated by the
+draft's probability of that path, exp(logp_i) (SpecExec, §3), so E[emitted | b] ≈ 1 + sum of the b largest
+exp(logp_i). The tree of the current budget B gives that curve for every b ≤ B; beyond B it is extrapolated
+from the curve's last doubling (damped). A correction factor, the running ratio of actual to predicted
+accepted tokens, absorbs the draft's over- or under-confidence. The budget moves at most ×2 up per step, so
+exploration is cheap, and any budget is exact: only speed depends on the choice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+GRID = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def interp(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear interpolation over measured (size → seconds), linear extrapolation at the ends."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x <= xs[0]:
+        i = 1
+    elif x >= xs[-1]:
+        i = len(xs) - 1
+    else:
+        i = bisect.bisect_left(xs, x)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
+
+
+@dataclass
+class AutoBudget:
+    """Chooses the next step's budget; ``update`` feeds back what the step did."""
+
+    target_s: dict[int, float]  # measured target pass seconds by tokens in the pass
+    draft_pass_s: dict[int, float]  # measured draft pass seconds by tokens (beams) in the pass
+    max_beams: int
+    max_depth: int
+    max_budget: int = 2048
+    budget: int = 64  # current choice
+    grid: tuple[int, ...] = field(default=GRID)
+    _curve: list[float] = field(default_factory=list)  # E[emitted | b] for b = 1..B of the last tree
+    _passes: dict[int, float] = field(default_factory=dict)  # EMA of draft passes per tree, by budget
+    _target_scale: float = 1.0  # EMA of actual / calibrated target time
+    _draft_scale: float = 1.0
+    _acc_scale: float = 1.0  # EMA of actual / predicted emitted tokens
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(b for b in self.grid if b <= self.max_budget) or (self.max_budget,)
+        self.budget = min(self.budget, self.grid[-1])
+
+    # -- model ----------------------------------------------------------------------------------------------
+    def expected_emitted(self, b: int) -> float:
+        """E[tokens emitted per step | budget b] under the current curve and correction."""
+        if not self._curve:
+            raw = 1.0 + 1.2 * math.log2(1 + b)  # prior before any tree: a typical acceptance curve
+        else:
+            B = len(self._curve)
+            if b <= B:
+                raw = self._curve[b - 1]
+            else:  # extrapolate: each further doubling adds a damped share of the last doubling's gain
+                last_gain = self._curve[B - 1] - self._curve[max(B // 2, 1) - 1]
+                raw, g = self._curve[B - 1], last_gain
+                size = B
+                while size < b:
+                    g *= 0.7
+                    raw += g * min(1.0, math.log2(b / size))
+                    size *= 2
+        est = 1.0 + self._acc_scale * (raw - 1.0)
+        return min(est, self.max_depth + 1.0)
+
+    def step_seconds(self, b: int) -> float:
+        passes = self._passes.get(b)
+        if passes is None:
+            passes = min(self.max_depth, 1 + math.ceil(math.log2(1 + b)) + b // self.max_beams)
+        beams = min(b, self.max_beams)
+        draft = passes * interp(self.draft_pass_s, beams) * self._draft_scale
+        target = interp(self.target_s, b + 1) * self._target_scale
+        return draft + target
+
+    def rate(self, b: int) -> float:
+        return self.expected_emitted(b) / self.step_seconds(b)
+
+    # -- decisions ------------------------------------------------------------------------------------------
+    def choose(self) -> int:
+        """The best grid budget, moving up at most one doubling from the current budget."""
+        cap = self.budget * 2
+        options = [b for b in self.grid if b <= cap] or [self.grid[0]]
+        best = max(options, key=self.rate)
+        self.budget = best
+        self.history.append(best)
+        return best
+
+    def update(self, budget: int, tree_logp: list[float], emitted: int, draft_s: float, target_s: float,
+               passes: int) -> None:
+        """Feed back one step: the tree's cumulative draft log-probs (non-root), tokens emitted, times."""
+        probs = sorted((math.exp(x) for x in tree_logp), reverse=True)
+        curve, acc = [], 1.0
+        for p in probs:
+            acc += p
+            curve.append(acc)
+        if curve:
+            # a bigger tree's curve is more informative; a smaller one replaces it only at the head
+            self._curve = curve + self._curve[len(curve):] if len(curve) < len(self._curve) else curve
+            predicted = min(curve[-1], self.max_depth + 1.0)
+            self._acc_scale = _ema(self._acc_scale, emitted / max(predicted, 1.0), 0.2)
+            # keep the correction within reason: one lucky step should not explode the budget
+            self._acc_scale = min(max(self._acc_scale, 0.2), 5.0)
+        self._passes[budget] = _ema(self._passes.get(budget, passes), passes, 0.3)
+        cal_t = interp(self.target_s, budget + 1)
+        self._target_scale = _ema(self._target_scale, target_s / cal_t, 0.3)
+        cal_d = self._passes[budget] * interp(self.draft_pass_s, min(budget, self.max_beams))
+        if cal_d > 0 and draft_s > 0:
+            self._draft_scale = _ema(self._draft_scale, draft_s / cal_d, 0.3)
+
+
+def _ema(old: float, new: float, alpha: float) -> float:
+    return (1 - alpha) * old + alpha * new
+
+
+def calibrate(time_target: Callable[[int], float], time_draft: Callable[[int], float], max_budget: int,
+              max_beams: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Measure target pass seconds at a few sizes and draft pass seconds at a few beam counts.
+
+    Sizes grow geometrically; once a pass costs more than 3x the smallest (compute-bound, e.g. on a CPU) the
+    rest is extrapolated linearly instead of measured, so calibration stays short on slow machines.
+    """
+    target: dict[int, float] = {}
+    for size in (1, 64, 256, 1024, 2048):
+        if size > max_budget + 1 and size != 1:
+            break
+        target[size] = time_target(size)
+        if target[size] > 3 * target[1] and size >= 64:
+            break
+    draft: dict[int, float] = {}
+    for beams in (1, 16, 64, 128):
+        if beams > max_beams and beams != 1:
+            break
+        draft[beams] = time_draft(beams)
+    log.info("auto budget calibration: target %s, draft %s", target, draft)
+    return _monotone(target), _monotone(draft)
+
+
+def _monotone(points: dict[int, float]) -> dict[int, float]:
+    """Timing noise must not make a bigger pass look cheaper: running maximum over increasing sizes."""
+    out, top = {}, 0.0
+    for k in sorted(points):
+        top = max(top, points[k])
+        out[k] = top
+    return out
