@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specexec.config import TreeConfig
 from specexec.kv_cache import KVCache
+from specexec.graphs import StaticPasses
 from specexec.model import Transformer
 from specexec.tree import Tree
 
@@ -42,12 +43,28 @@ class GrowStats:
 
 
 class Drafter:
-    """Owns the draft model's KV cache; ``length`` committed tokens (a prefix of the sequence) are in it."""
+    """Owns the draft model's KV cache; ``length`` committed tokens (a prefix of the sequence) are in it.
 
-    def __init__(self, model: Transformer, capacity: int) -> None:
+    ``static``: run passes of up to ``static_rows`` tokens with padded static shapes (CUDA graphs on a GPU; see
+    :mod:`specexec.graphs`); None = only on CUDA. The cache's last slot is reserved as the padding scratch slot.
+    """
+
+    def __init__(self, model: Transformer, capacity: int, static: bool | None = None, static_rows: int = 128,
+                 ) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(capacity)
+        self.cache: KVCache = model.new_cache(capacity + 1)
+        self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
         self.length = 0
+        use = model.device.type == "cuda" if static is None else static
+        self.static = StaticPasses(model, self.cache, static_rows) if use else None
+
+    def _forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
+        """One draft pass (static/graphed when it fits a bucket, else eager)."""
+        if self.static is not None and tokens.shape[0] <= self.static.max_rows:
+            out = self.static.forward(tokens, pos, slots, mask)
+            return out[-1:] if last_only else out
+        return self.model.forward(tokens, pos, slots, mask, self.cache,
+                                  logits_rows=slice(-1, None) if last_only else None)
 
     def reset(self, keep: int = 0) -> None:
         """Forget all but the first ``keep`` committed tokens."""
@@ -60,7 +77,7 @@ class Drafter:
         toks = torch.tensor(seq[m:], dtype=torch.long, device=dev)
         pos = torch.arange(m, n + 1, device=dev)
         mask = torch.arange(n + 1, device=dev)[None, :] <= pos[:, None]
-        logits = self.model.forward(toks, pos, pos, mask, self.cache, logits_rows=slice(-1, None))
+        logits = self._forward(toks, pos, pos, mask, last_only=True)
         self.length = n  # seq[:n] committed; the root sits at slot n
         return logits
 
@@ -95,7 +112,7 @@ class Drafter:
             n_open = int(open_.sum())
             if n_open == 0:
                 break
-            k = min(n_open, cfg.max_beams, self.cache.capacity - next_slot)
+            k = min(n_open, cfg.max_beams, self.usable - next_slot)
             if k <= 0:
                 break
             cand = torch.where(open_, live, torch.full_like(live, float("-inf")))
@@ -105,7 +122,7 @@ class Drafter:
             next_slot += k
             mask = self._tree_mask(tree, beams, n, next_slot)
             pos = n + tree.depth[beams]
-            lq = logprobs(self.model.forward(tree.tokens[beams], pos, slots, mask, self.cache))  # (k, V)
+            lq = logprobs(self._forward(tree.tokens[beams], pos, slots, mask))  # (k, V)
             stats.passes += 1
             stats.beams.append(k)
             self._add_children(tree, beams, lq, cfg, budget)
@@ -178,7 +195,7 @@ class Drafter:
             tree.draft_slot[i + 1] = slot
             pos = torch.tensor([slot], device=dev)
             mask = torch.ones(1, slot + 1, dtype=torch.bool, device=dev)
-            logits = self.model.forward(tok.view(1), pos, pos, mask, self.cache)
+            logits = self._forward(tok.view(1), pos, pos, mask)
             stats.passes += 1
             stats.beams.append(1)
         stats.tree_size = gamma
