@@ -26,6 +26,7 @@ from specexec.loading import (
     model_dir,
     parse_device,
     parse_dtype,
+    read_config,
 )
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,9 @@ def load(
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
-    ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``).
-    ``dtype`` applies to the target (``nf4`` only through ``offload``), ``draft_dtype`` to the draft (default:
-    same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
+    ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
+    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA, fp32 on CPU), ``draft_dtype``
+    the draft's (default: same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
     """
     if context < 8:
         raise SpecexecError(f"context must be >= 8 tokens, got {context}")
@@ -58,22 +59,52 @@ def load(
         d_path = model_dir(hub.resolve(draft, progress=progress))
         d_tok = load_tokenizer(d_path)
         check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
-    if offload is not None and getattr(offload, "active", True):
-        import offload as offload_pkg
-
-        t_model = offload_pkg.load_offloaded(t_path, dev, dtype, offload, context=context, draft_path=d_path,
-                                             progress=progress)
-    else:
-        if dtype == "nf4":
-            raise SpecexecError("--target-dtype nf4 needs the offload manager (--offload auto|ram|ssd)")
-        t_model = _load(t_path, dev, parse_dtype(dtype, dev))
+    # the draft first: it stays resident, and the target's memory plan then sees what is left
     d_model = None
     if d_path is not None:
-        d_model = _load(d_path, dev, parse_dtype(draft_dtype or (dtype if dtype != "nf4" else "auto"), dev))
-        if d_model.cfg.vocab_size != t_model.cfg.vocab_size:
-            log.info("draft vocab %d != target vocab %d (padding rows)", d_model.cfg.vocab_size,
-                     t_model.cfg.vocab_size)
-    return Engine(t_model, t_tok, d_model, context=min(context, t_model.cfg.max_position_embeddings), tree=tree)
+        d_model = _load(d_path, dev, parse_dtype(draft_dtype or dtype, dev))
+    t_cfg = read_config(t_path)
+    context = min(context, t_cfg.max_position_embeddings)
+    room = (tree or TreeConfig()).largest + 2
+    kv = _kv_bytes(t_cfg, context + room, dev)
+    if d_model is not None:
+        kv += _kv_bytes(d_model.cfg, context + 2 * room + (tree or TreeConfig()).max_beams, dev)
+    if _offloaded(offload, dev):
+        from offload import load_offloaded
+
+        t_model = load_offloaded(t_path, dev, dtype, offload, draft_bytes=0, kv_bytes=kv, max_tokens=room)
+    else:
+        check_host_memory(t_path, kv if dev.type == "cpu" else 0)
+        t_model = _load(t_path, dev, parse_dtype(dtype, dev))
+    return Engine(t_model, t_tok, d_model, context=context, tree=tree)
+
+
+def _offloaded(offload: Any, dev: torch.device) -> bool:
+    """Whether the target goes through the offload manager (streamed or NF4) rather than a plain resident load."""
+    if offload is None or offload.mode == "none" and offload.target_dtype != "nf4":
+        return False
+    if dev.type == "cpu" and offload.mode == "auto" and offload.target_dtype != "nf4":
+        return False  # nothing to stream to on a CPU: the target is simply resident in RAM
+    return True
+
+
+def _kv_bytes(cfg: Any, slots: int, dev: torch.device) -> int:
+    elem = 4 if dev.type == "cpu" else 2
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * slots * elem
+
+
+def check_host_memory(path: Any, extra: int) -> None:
+    """Refuse up front when the weights (fp32 on CPU: 2x the fp16 files) plus ``extra`` bytes exceed free RAM."""
+    import psutil
+
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    need = files * 2 + extra
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise SpecexecError(
+            f"not enough RAM: loading {path.name} needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available "
+            "(lower --context, or use a GPU with --offload)"
+        )
 
 
 def _load(path: Any, dev: torch.device, dt: torch.dtype):

@@ -38,6 +38,13 @@ def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, m
     return TreeConfig(budget=b, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth)
 
 
+def offload_config(mode: str, gpu_memory: float | None, target_dtype: str):
+    """``--offload/--gpu-memory/--target-dtype`` → OffloadConfig (validated there)."""
+    from offload import OffloadConfig
+
+    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory, target_dtype=target_dtype)
+
+
 def stats_line(stats: dict) -> str:
     s = stats
     auto = "auto→" if s.get("budget_auto") else ""
@@ -70,7 +77,11 @@ def generate(
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
+    offload: str = typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
+    target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stats line."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
@@ -87,7 +98,8 @@ def generate(
         chain_cfg = ChainConfig(gamma=gamma)
         if method is not None and method not in METHODS:
             raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        engine = api.load(target, draft, device=device, dtype=dtype, context=context, tree=tree,
+        engine = api.load(target, draft, device=device, dtype=dtype, draft_dtype=draft_dtype, context=context,
+                          offload=offload_config(offload, gpu_memory, target_dtype), tree=tree,
                           progress=not quiet and not as_json)
         g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp, tree=tree, chain=chain_cfg,
                           chat=chat)
