@@ -1,0 +1,152 @@
+"""Build an offloaded target: plan, pack (and quantize) layers one at a time, return a Transformer over a streamer.
+
+Weights pass through memory once: each layer is read from the checkpoint (``loading.iter_layers``), packed into
+its final home — a device buffer (resident), a pinned host buffer (RAM tier) or a cache file (SSD tier, NF4) —
+and dropped before the next layer is read. NF4 layers are quantized once and cached on disk; a later start
+reads the packed files and never quantizes again.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offload.layout import LayerLayout, layer_layout
+from offload.plan import OffloadConfig, Plan, make_plan
+from offload.quant import quantize_layer
+from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore
+from offload.streamer import StreamedLayers
+from specexec.errors import SpecexecError
+from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
+from specexec.model import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+
+def target_compute_dtype(dtype_str: str, offload: OffloadConfig, device: torch.device) -> torch.dtype:
+    """The target's compute dtype: ``dtype_str`` (auto: bf16 on CUDA, fp32 on CPU) unless target_dtype is 16-bit."""
+    if offload.target_dtype in ("bf16", "fp16"):
+        want = {"bf16": torch.bfloat16, "fp16": torch.float16}[offload.target_dtype]
+        if dtype_str != "auto" and parse_dtype(dtype_str, device) != want:
+            raise SpecexecError(f"--dtype {dtype_str} contradicts --target-dtype {offload.target_dtype}")
+        return want
+    return parse_dtype(dtype_str, device)
+
+
+def load_offloaded(
+    path: Path,
+    device: torch.device,
+    dtype_str: str = "auto",
+    offload: OffloadConfig = OffloadConfig(),
+    draft_bytes: int = 0,
+    kv_bytes: int = 0,
+    *,
+    max_tokens: int = 2048,
+    h2d_gbps: float | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Transformer:
+    """Load the target at ``path`` placed by :func:`~offload.plan.make_plan`; ``model.layers`` is the streamer.
+
+    ``draft_bytes``/``kv_bytes``: VRAM the draft and the KV caches will take (the plan reserves it).
+    ``chunk_bytes``: staging/CRC chunk of newly written caches and of staged RAM (tests use small ones).
+    """
+    path = model_dir(Path(path))
+    cfg = read_config(path)
+    dtype = target_compute_dtype(dtype_str, offload, device)
+    plan = make_plan(cfg, offload, device, draft_bytes, kv_bytes, dtype=dtype, model_path=path,
+                     max_tokens=max_tokens, h2d_gbps=h2d_gbps)
+    log.info("%s", plan.describe())
+    layers = build_layers(path, cfg, plan, device, chunk_bytes=chunk_bytes)
+    return load_model(path, device, plan.fmt.dtype, layers=layers)
+
+
+def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
+                 chunk_bytes: int = CHUNK_BYTES) -> StreamedLayers:
+    """Pack every layer into its home as ``plan`` says and return the streamer over them."""
+    layout = layer_layout(cfg, plan.fmt)
+    builder = _Builder(layout, plan, device)
+    store: SsdStore | None = None
+    if plan.cache_dir is not None:
+        store = SsdStore.open(plan.cache_dir, layout, cfg.num_layers)
+        if store is None:
+            store = builder.write_cache(path, cfg, plan.cache_dir, chunk_bytes)
+        else:
+            log.info("reading packed layers from %s", plan.cache_dir)
+            builder.read_cache(store)
+    else:
+        builder.from_checkpoint(path, cfg)
+    host = RamStore(layout, builder.host, device.type == "cuda", chunk_bytes) if plan.mode == "ram" else store
+    return StreamedLayers(
+        layout, cfg.num_layers, device, builder.resident, host if plan.streamed else None,
+        lookahead=plan.lookahead, ring_size=plan.ring_size, plan=plan,
+    )
+
+
+class _Builder:
+    """Puts packed layers where the plan wants them: device buffers (resident) or host buffers (RAM tier)."""
+
+    def __init__(self, layout: LayerLayout, plan: Plan, device: torch.device) -> None:
+        self.layout, self.plan, self.device = layout, plan, device
+        self.resident: dict[int, Tensor] = {}
+        self.host: dict[int, HostBuffer] = {}
+        self._ram = set(plan.streamed) if plan.mode == "ram" else set()
+        self._pin = device.type == "cuda"
+        self._tmp: Tensor | None = None
+
+    def buffer(self, i: int) -> Tensor:
+        """The CPU buffer layer i is packed into: its own host buffer (RAM tier) or a reused temporary."""
+        if i in self._ram:
+            hb = HostBuffer(self.layout.nbytes, pin=self._pin)
+            if self._pin and not hb.pinned:
+                self._pin = False
+                log.warning("could not pin host memory (the driver refused; WSL caps pinned memory): the RAM-tier "
+                            "layers from layer %d on are staged through small pinned buffers, which is slower", i)
+            self.host[i] = hb
+            return hb.tensor
+        if self._tmp is None:
+            self._tmp = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        return self._tmp
+
+    def place(self, i: int, buf: Tensor) -> None:
+        """Layer i is packed in ``buf``: copy it to the device if it is resident."""
+        if i in self.plan.resident:
+            dev = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device)
+            dev.copy_(buf)
+            self.resident[i] = dev
+
+    def wanted(self, i: int) -> bool:
+        return i in self._ram or i in self.plan.resident
+
+    def from_checkpoint(self, path: Path, cfg: ModelConfig) -> None:
+        for i, w in iter_layers(path, cfg, self.layout.fmt.dtype):
+            if self.wanted(i):
+                buf = self.buffer(i)
+                self.layout.pack(w, buf)
+                self.place(i, buf)
+
+    def write_cache(self, path: Path, cfg: ModelConfig, root: Path, chunk_bytes: int) -> SsdStore:
+        nf4 = self.layout.fmt.kind == "nf4"
+        what = "quantizing to NF4 and caching" if nf4 else "packing"
+        log.info("%s %d layers into %s (once)", what, cfg.num_layers, root)
+        source = {"model": str(path.resolve()), "format": self.layout.fmt.name}
+        writer = CacheWriter(root, self.layout, cfg.num_layers, source, chunk_bytes)
+        qdev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        for i, w in iter_layers(path, cfg, self.layout.fmt.dtype):
+            tensors = quantize_layer(w, self.layout, qdev) if nf4 else w
+            buf = self.buffer(i)
+            self.layout.pack(tensors, buf)
+            writer.write(i, buf)
+            self.place(i, buf)
+        return writer.finish()
+
+    def read_cache(self, store: SsdStore) -> None:
+        with ThreadPoolExecutor(4, thread_name_prefix="offload-load") as pool:
+            for i in range(self.plan.num_layers):
+                if self.wanted(i):
+                    buf = self.buffer(i)
+                    store.read_layer(i, buf, pool)
+                    self.place(i, buf)

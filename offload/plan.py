@@ -1,0 +1,335 @@
+"""The memory plan: where each target layer lives (GPU, pinned RAM, SSD), decided before anything is loaded.
+
+Inputs: free VRAM (``torch.cuda.mem_get_info``, capped by ``gpu_memory_gb``), available RAM (psutil) and free disk
+(``shutil.disk_usage``); the exact packed layer size comes from :func:`~offload.layout.layer_layout`.
+Fixed VRAM: the globals (embeddings, final norm, lm_head), the draft, the KV cache and a workspace for a pass
+of ``max_tokens`` tokens. What is left holds the ring of streamed-layer buffers, then as many resident layers as
+fit. ``mode=auto``: ``none`` (all resident) if everything fits in VRAM, else ``ram`` if RAM minus a safety margin
+holds the streamed layers, else ``ssd``. ``target_dtype=auto``: 16-bit when the model fits in VRAM, else NF4
+(3.6x fewer bytes to stream per pass). On a CPU device (tests) the "VRAM" budget is ``gpu_memory_gb`` or
+unlimited, so ``auto`` gives ``none`` unless a cap is set. When the model cannot fit as asked, :func:`make_plan`
+raises a :class:`SpecexecError` saying what is short and what to change — before any weight is read.
+
+Time floor of one forward = streamed bytes / pinned host→device bandwidth (25 GB/s, a PCIe 4.0 x16 desktop, unless
+measured with :func:`measure_h2d_bandwidth`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from offload.layout import LayerFormat, layer_layout, layer_shapes
+from offload.quant import max_linear_numel
+from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
+from specexec.errors import SpecexecError
+from specexec.model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+GIB = 1 << 30
+MODES = ("auto", "none", "ram", "ssd")
+TARGET_DTYPES = ("auto", "bf16", "fp16", "nf4")
+DEFAULT_H2D_GBPS = 25.0  # pinned host->device GB/s assumed when not measured (PCIe 4.0 x16)
+VRAM_HEADROOM = GIB // 2  # bytes kept free on the GPU (allocator fragmentation, cuBLAS workspaces)
+RAM_MARGIN_FRACTION = 0.10  # of total RAM kept free for the OS and everything else ...
+RAM_MARGIN_MIN = 2 * GIB  # ... but at least this many bytes
+DISK_MARGIN = GIB  # bytes kept free on the cache disk
+STAGING_BUFFERS = 4  # pinned chunk buffers for the staged (SSD) path
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How the target model's layers may be placed (validated here; resolved by :func:`make_plan`)."""
+
+    mode: str = "auto"  # auto | none (all on GPU) | ram (stream from pinned RAM) | ssd (stream from disk)
+    gpu_memory_gb: float | None = None  # cap on the VRAM the target may use (GB = 1e9 bytes); None: all free
+    target_dtype: str = "auto"  # auto | bf16 | fp16 | nf4: how target layers are stored and streamed
+    ssd_dir: Path | None = None  # packed-layer cache (SSD tier, NF4 cache); None: offload.store.default_cache_dir()
+    lookahead: int = 1  # streamed layers in flight while one computes
+    ring_size: int | None = None  # GPU layer buffers for streaming; None: lookahead + 1
+    resident_layers: int | None = None  # force this many leading layers to stay on the GPU; None: as many as fit
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
+        if self.ring_size is not None and self.ring_size < max(2, self.lookahead + 1):
+            raise ValueError(
+                f"ring_size must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}, got {self.ring_size}"
+            )
+        if self.resident_layers is not None and self.resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+        if self.ssd_dir is not None and not isinstance(self.ssd_dir, Path):
+            object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
+
+    @property
+    def ring(self) -> int:
+        """GPU layer buffers used for streaming."""
+        return self.ring_size if self.ring_size is not None else max(2, self.lookahead + 1)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of non-quantized compute: bf16 on CUDA (fp16 without bf16 support), fp32 on CPU (tests)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def globals_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Embedding + final norm + lm_head (unless tied) in ``dtype``."""
+    isz = torch.empty((), dtype=dtype).element_size()
+    mats = 1 if cfg.tie_word_embeddings else 2
+    return (mats * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * isz
+
+
+def workspace_bytes(cfg: ModelConfig, fmt: LayerFormat, device: torch.device, max_tokens: int) -> int:
+    """Activations of one pass over ``max_tokens`` tokens (MLP, qkv, fp32 logits) + the NF4 dequant scratch."""
+    isz = torch.empty((), dtype=fmt.dtype).element_size()
+    shapes = layer_shapes(cfg)
+    T = max_tokens
+    act = T * (3 * shapes["w13"][0] + shapes["wqkv"][0] + 4 * cfg.hidden_size) * isz
+    logits = T * cfg.vocab_size * (isz + 4)
+    scratch = max_linear_numel(layer_layout(cfg, fmt)) * isz if fmt.kind == "nf4" and device.type == "cuda" else 0
+    return act + logits + scratch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every layer of the target lives and what that costs. Bytes are exact; GB = 1e9 bytes."""
+
+    mode: str  # resolved: none | ram | ssd
+    fmt: LayerFormat  # how layers are stored; fmt.dtype is the compute dtype
+    num_layers: int
+    layer_bytes: int  # one packed layer
+    resident: tuple[int, ...]  # layers kept on the GPU
+    streamed: tuple[int, ...]  # layers streamed every forward, in order
+    ring_size: int
+    lookahead: int
+    device: str
+    vram_budget: int | None  # bytes the target may use on the GPU (None: unlimited, CPU device)
+    vram_need: int  # globals + draft + KV + workspace + ring + resident layers
+    ram_available: int
+    ram_need: int  # host bytes: RAM-tier layers, or the staging buffers
+    disk_free: int | None
+    disk_need: int  # bytes still to write into the cache (0 if it exists or is not used)
+    cache_dir: Path | None  # the packed-layer cache directory (SSD tier and NF4), None if unused
+    h2d_gbps: float = DEFAULT_H2D_GBPS
+    h2d_measured: bool = False
+
+    @property
+    def bytes_per_forward(self) -> int:
+        return len(self.streamed) * self.layer_bytes
+
+    def floor_seconds(self, h2d_gbps: float | None = None) -> float:
+        """Lower bound on one forward: streamed bytes / pinned H2D bandwidth (GB/s)."""
+        return self.bytes_per_forward / ((h2d_gbps or self.h2d_gbps) * GB)
+
+    def describe(self, h2d_gbps: float | None = None) -> str:
+        """A few lines for humans: placement, memory, bytes and the time floor per forward."""
+        bw = h2d_gbps or self.h2d_gbps
+        measured = "measured" if (h2d_gbps or self.h2d_measured) else "assumed; measure_h2d_bandwidth() measures it"
+        n, k = self.num_layers, len(self.resident)
+        budget = "unlimited" if self.vram_budget is None else f"{self.vram_budget / GB:.1f} GB"
+        lines = [
+            f"offload plan: mode={self.mode}, layers stored as {self.fmt.name} ({self.layer_bytes / GB:.3f} GB each) "
+            f"on {self.device}",
+            f"  GPU: {k} of {n} layers resident{_span(self.resident)}, {len(self.streamed)} streamed"
+            + (f" through a ring of {self.ring_size} buffers (lookahead {self.lookahead})" if self.streamed else "")
+            + f"; VRAM need {self.vram_need / GB:.1f} GB of {budget}",
+        ]
+        if self.mode == "ram":
+            lines.append(
+                f"  host: {self.ram_need / GB:.1f} GB of pinned RAM ({self.ram_available / GB:.1f} GB available)"
+            )
+        if self.cache_dir is not None:
+            todo = f", {self.disk_need / GB:.1f} GB to write" if self.disk_need else " (ready)"
+            lines.append(f"  cache: {self.cache_dir}{todo}")
+        lines.append(
+            f"  per forward: {self.bytes_per_forward / GB:.2f} GB streamed, floor {self.floor_seconds(bw):.3f} s "
+            f"at {bw:.1f} GB/s pinned H2D ({measured})"
+        )
+        return "\n".join(lines)
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return ""
+    if layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f" ({layers[0]}-{layers[-1]})" if len(layers) > 1 else f" ({layers[0]})"
+    return f" {list(layers)}"
+
+
+def _free_disk(path: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``path``."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def make_plan(
+    cfg: ModelConfig,
+    offload: OffloadConfig,
+    device: torch.device,
+    draft_bytes: int = 0,
+    kv_bytes: int = 0,
+    *,
+    dtype: torch.dtype | None = None,
+    model_path: Path | None = None,
+    max_tokens: int = 2048,
+    h2d_gbps: float | None = None,
+) -> Plan:
+    """Decide resident layers, ring, tier and storage format; raise SpecexecError if it cannot fit as asked.
+
+    ``dtype``: compute dtype (default :func:`compute_dtype`); ``target_dtype`` bf16/fp16 overrides it.
+    ``model_path``: lets the plan see an existing packed-layer cache (no disk needed then).
+    ``max_tokens``: the largest pass (tree) the workspace is sized for. ``h2d_gbps``: measured bandwidth.
+    """
+    cuda = device.type == "cuda"
+    dtype = dtype or compute_dtype(device)
+    if offload.target_dtype in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if offload.target_dtype == "bf16" else torch.float16
+    n = cfg.num_layers
+    R = offload.ring
+
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+        budget: int | None = max(0, free - VRAM_HEADROOM)
+        if offload.gpu_memory_gb is not None:
+            budget = min(budget, int(offload.gpu_memory_gb * GB))
+    else:
+        budget = int(offload.gpu_memory_gb * GB) if offload.gpu_memory_gb is not None else None
+
+    def fixed(fmt: LayerFormat) -> int:
+        return globals_bytes(cfg, dtype) + draft_bytes + kv_bytes + workspace_bytes(cfg, fmt, device, max_tokens)
+
+    def fits_all(fmt: LayerFormat) -> bool:
+        return budget is None or fixed(fmt) + n * layer_layout(cfg, fmt).nbytes <= budget
+
+    dense, nf4 = LayerFormat("dense", dtype), LayerFormat("nf4", dtype)
+    if offload.target_dtype == "nf4":
+        fmt = nf4
+    elif offload.target_dtype == "auto" and cuda and not fits_all(dense):
+        fmt = nf4
+    else:
+        fmt = dense
+    lb = layer_layout(cfg, fmt).nbytes
+    fixed_bytes = fixed(fmt)
+
+    mode = offload.mode
+    if mode == "auto":
+        mode = "none" if fits_all(fmt) else "stream"  # CPU without gpu_memory_gb: unlimited, always none
+    if mode == "none":
+        if not fits_all(fmt):
+            raise SpecexecError(
+                f"the target needs {(fixed_bytes + n * lb) / GB:.1f} GB of VRAM with every layer on the GPU "
+                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use --offload auto, ram or ssd"
+                + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
+            )
+        k = n
+    else:
+        k = _resident_count(offload, n, lb, R, fixed_bytes, budget, fmt)
+    resident, streamed = tuple(range(k)), tuple(range(k, n))
+    vram_need = fixed_bytes + k * lb + (R * lb if streamed else 0)
+
+    vm = psutil.virtual_memory()
+    ram_avail = int(vm.available)
+    ram_room = ram_avail - max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * vm.total))
+    host_bytes = len(streamed) * lb
+    staging = STAGING_BUFFERS * min(CHUNK_BYTES, lb)
+    if mode == "stream":
+        mode = "ram" if host_bytes <= ram_room else "ssd"
+    if mode == "ram" and host_bytes > ram_room:
+        raise SpecexecError(
+            f"--offload ram needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} streamed {fmt.name} layers, "
+            f"but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
+            f"({ram_avail / GB:.1f} GB free): use --offload ssd"
+            + ("" if fmt.kind == "nf4" else ", --target-dtype nf4") + ", or free some memory"
+        )
+    ram_need = host_bytes if mode == "ram" else (staging if streamed else 0)
+    if mode == "ssd" and ram_need > ram_room:
+        raise SpecexecError(
+            f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)"
+        )
+
+    cache_dir: Path | None = None
+    disk_free: int | None = None
+    disk_need = 0
+    if mode == "ssd" or fmt.kind == "nf4":
+        root = offload.ssd_dir or default_cache_dir()
+        cache_dir = cache_dir_for(root, model_path, fmt) if model_path is not None else root
+        layout = layer_layout(cfg, fmt)
+        ready = model_path is not None and SsdStore.open(cache_dir, layout, n) is not None
+        disk_need = 0 if ready else n * lb
+        disk_free = _free_disk(cache_dir)
+        if disk_need and disk_need + DISK_MARGIN > disk_free:
+            why = "the SSD tier" if mode == "ssd" else "the NF4 cache (quantized once, reused by later starts)"
+            raise SpecexecError(
+                f"{why} needs {disk_need / GB:.1f} GB of disk in {cache_dir}, but only {disk_free / GB:.1f} GB "
+                "is free: point --ssd-dir at a disk with more space"
+            )
+    return Plan(
+        mode=mode, fmt=fmt, num_layers=n, layer_bytes=lb, resident=resident, streamed=streamed, ring_size=R,
+        lookahead=offload.lookahead, device=str(device), vram_budget=budget, vram_need=vram_need,
+        ram_available=ram_avail, ram_need=ram_need, disk_free=disk_free, disk_need=disk_need, cache_dir=cache_dir,
+        h2d_gbps=h2d_gbps or DEFAULT_H2D_GBPS, h2d_measured=h2d_gbps is not None,
+    )
+
+
+def _resident_count(
+    offload: OffloadConfig, n: int, lb: int, R: int, fixed: int, budget: int | None, fmt: LayerFormat
+) -> int:
+    """How many leading layers stay on the GPU when streaming; raises if even the ring does not fit."""
+    if offload.resident_layers is not None:
+        k = min(offload.resident_layers, n)
+        need = fixed + k * lb + (R * lb if k < n else 0)
+        if budget is not None and need > budget:
+            raise SpecexecError(
+                f"{k} resident layers + a ring of {R} need {need / GB:.1f} GB of VRAM, "
+                f"the budget is {budget / GB:.1f} GB: ask for fewer resident layers"
+            )
+        return k
+    if budget is None or fixed + n * lb <= budget:
+        return n
+    k = (budget - fixed - R * lb) // lb
+    if k < 0:
+        raise SpecexecError(
+            f"VRAM too small to stream the target: globals, draft, KV cache and workspace take {fixed / GB:.1f} GB "
+            f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
+            f"{budget / GB:.1f} GB: shorten the KV cache, use a smaller draft"
+            + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
+        )
+    return int(min(k, n))
+
+
+def measure_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Pinned host→device copy bandwidth in GB/s (1e9 bytes/s): one big copy timed with CUDA events, best of
+    ``repeats`` after three warm-up copies (the PCIe link may idle in a low-power state)."""
+    if device.type != "cuda":
+        raise ValueError("measure_h2d_bandwidth needs a CUDA device")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best / GB
