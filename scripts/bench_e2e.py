@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-graphs", action="store_true", help="eager draft passes (for the before/after)")
     p.add_argument("--out", type=Path, default=Path("bench_out/e2e.json"))
+    p.add_argument("--recompute", type=Path, default=None,
+                   help="no GPU: redo tokens/s from a previous run's JSON (its measured times) with --acceptance")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU: checks the script's logic, measures nothing meaningful")
     return p.parse_args(argv)
@@ -206,55 +208,56 @@ def tree_inputs(T: int, ctx: int, dev):
     return toks, pos, slots, mask
 
 
-def time_draft(draft, budget: int, shape: dict[str, Any], ctx: int, repeats: int, graphs: bool) -> dict[str, float]:
-    """Draft seconds per tree: the recorded shape's passes through the real (graphed) passes + real bookkeeping."""
+BEAM_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def time_draft_passes(draft, ctx: int, capacity: int, repeats: int, graphs: bool) -> dict[int, float]:
+    """Seconds of one draft pass by tokens in the pass (graphed static passes, or eager), over a ctx prefix."""
+    import torch
+
+    from specexec.draft import Drafter
+
+    dev = draft.device
+    drafter = Drafter(draft, capacity, static=graphs, static_rows=128)
+    out = {}
+    for k in BEAM_SIZES:
+        used = ctx + 64  # a prefix plus some tree already in the cache
+        toks = torch.randint(0, draft.cfg.vocab_size, (k,), device=dev)
+        pos = torch.full((k,), ctx + 8, device=dev)
+        slots = torch.arange(used, used + k, device=dev)
+        mask = torch.zeros(k, used + k, dtype=torch.bool, device=dev)
+        mask[:, :ctx] = True
+        mask[torch.arange(k, device=dev), slots] = True
+        out[k] = _time(lambda: drafter._forward(toks, pos, slots, mask), repeats)
+    return out
+
+
+def time_bookkeeping(draft, budget: int, ctx: int, levels: int) -> float:
+    """Seconds per growth level spent outside the draft passes (top-k, pruning, masks, host syncs).
+
+    A real ``Drafter.grow`` on the random draft, minus its own passes replayed at the same sizes.
+    """
     import torch
 
     from specexec.config import TreeConfig
     from specexec.draft import Drafter
 
     dev = draft.device
-    beams = shape.get("beams_per_pass")
-    passes = shape["passes"]
-    if not beams:  # no recorded per-pass beams: spread the budget over the passes, capped at max_beams
-        beams = [1] + [min(128, max(1, round(budget / max(passes - 1, 1))))] * max(int(round(passes)) - 1, 0)
-    drafter = Drafter(draft, ctx + 2 * budget + 256, static=graphs, static_rows=128)
+    drafter = Drafter(draft, ctx + 2 * budget + 256, static=dev.type == "cuda", static_rows=128)
     seq = torch.randint(0, draft.cfg.vocab_size, (ctx + 1,)).tolist()
     drafter.prefill(seq)
-
-    def passes_only():
-        used = ctx + 1
-        for k in beams:
-            k = max(1, min(int(round(k)), 128))
-            toks = torch.randint(0, draft.cfg.vocab_size, (k,), device=dev)
-            pos = torch.full((k,), ctx + 1, device=dev)
-            slots = torch.arange(used, used + k, device=dev)
-            mask = torch.zeros(k, used + k, dtype=torch.bool, device=dev)
-            mask[:, :ctx + 1] = True
-            mask[torch.arange(k, device=dev), slots] = True
-            drafter._forward(toks, pos, slots, mask)
-            used += k
-
-    t_passes = _time(passes_only, repeats)
-    # real growth (random weights give their own tree shape): bookkeeping per level = grow - its passes
-    cfg = TreeConfig(budget=budget, max_beams=128, max_branch=32, max_depth=max(2, int(round(passes))))
-
-    def grow():
-        drafter.length = ctx
-        return drafter.grow(seq, cfg)
-
-    grow()
+    cfg = TreeConfig(budget=budget, max_beams=128, max_branch=32, max_depth=max(2, levels))
+    drafter.grow(seq, cfg)  # warm-up (graph capture)
+    drafter.length = ctx
     _sync()
     t0 = time.perf_counter()
-    _, st = grow()
+    _, st = drafter.grow(seq, cfg)
     _sync()
     t_grow = time.perf_counter() - t0
-    drafter.length = ctx
-    real_beams = st.beams
 
-    def replay_real():
+    def replay():
         used = ctx + 1
-        for k in real_beams:
+        for k in st.beams:
             k = max(1, min(k, 128))
             toks = torch.zeros(k, dtype=torch.long, device=dev)
             pos = torch.full((k,), ctx, device=dev)
@@ -264,16 +267,35 @@ def time_draft(draft, budget: int, shape: dict[str, Any], ctx: int, repeats: int
             drafter._forward(toks, pos, slots, mask)
             used += k
 
-    t_real_passes = _time(replay_real, 1)
-    per_level = max(t_grow - t_real_passes, 0.0) / max(len(real_beams), 1)
-    total = t_passes + per_level * len(beams)
-    return {"draft_s": total, "passes_s": t_passes, "bookkeeping_s_per_level": per_level, "passes": len(beams)}
+    t_passes = _time(replay, 1)
+    return max(t_grow - t_passes, 0.0) / max(len(st.beams), 1)
+
+
+def shape_for(budget: int, acc: dict[str, Any]) -> list[int]:
+    """Tokens per draft pass for one tree at ``budget`` (recorded real-pair shape, else spread evenly)."""
+    beams = acc.get("beams_per_pass")
+    if beams:
+        return [max(1, min(128, int(round(k)))) for k in beams]
+    passes = max(int(round(acc["passes"])), 1)
+    return [1] + [min(128, max(1, round(budget / max(passes - 1, 1))))] * (passes - 1)
+
+
+def draft_seconds(beams: list[int], pass_s: dict[int, float], per_level: float) -> float:
+    """Sum of pass times (each pass costs its bucket's time: static shapes) plus bookkeeping per level."""
+    total = 0.0
+    for k in beams:
+        b = next(s for s in BEAM_SIZES if s >= k)
+        total += pass_s[b]
+    return total + per_level * len(beams)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if args.recompute is not None:
+        return recompute(args, budgets)
     if args.smoke:
         _shrink()
         dev = torch.device("cpu")
@@ -284,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         dev = torch.device("cuda")
     from offload.plan import measure_h2d_bandwidth
 
-    budgets = [int(b) for b in args.budgets.split(",")]
     acc, acc_src = load_acceptance(args.acceptance, args.domain, budgets)
     h2d = measure_h2d_bandwidth(dev) if dev.type == "cuda" else 25.0
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)", "h2d_pinned_gbps": h2d, "acceptance": acc_src,
@@ -297,13 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     t_cfg, d_cfg = _cfg(LLAMA2_70B), draft.cfg
     kv_t = 2 * t_cfg.num_layers * t_cfg.num_kv_heads * t_cfg.head_dim * kv_slots * 2
     kv_d = 2 * d_cfg.num_layers * d_cfg.num_kv_heads * d_cfg.head_dim * (kv_slots + 2 * max(budgets)) * 2
+    cap = args.context + 2 * max(budgets) + 256
+    pass_graphed = time_draft_passes(draft, args.context, cap, args.repeats, graphs=not args.no_graphs)
+    pass_eager = time_draft_passes(draft, args.context, cap, args.repeats, graphs=False)
+    per_level = time_bookkeeping(draft, 1024 if 1024 in budgets else max(budgets), args.context, 16)
+    report.update(draft_pass_s_graphed=pass_graphed, draft_pass_s_eager=pass_eager, bookkeeping_s_per_level=per_level)
+    print(f"draft pass seconds by tokens: graphed {pass_graphed}\n  eager {pass_eager}\n"
+          f"  bookkeeping per level {per_level * 1e3:.2f} ms", flush=True)
     draft_cost = {}
     for b in budgets:
-        draft_cost[b] = time_draft(draft, b, acc[b], args.context, args.repeats, graphs=not args.no_graphs)
-        if not args.no_graphs:
-            eager = time_draft(draft, b, acc[b], args.context, 1, graphs=False)
-            draft_cost[b]["eager_draft_s"] = eager["draft_s"]
-        print(f"  draft budget {b}: {draft_cost[b]}", flush=True)
+        beams = shape_for(b, acc[b])
+        draft_cost[b] = {"draft_s": draft_seconds(beams, pass_graphed, per_level),
+                         "eager_draft_s": draft_seconds(beams, pass_eager, per_level), "passes": len(beams)}
     for fmt in args.formats.split(","):
         model, host, info = build_target(fmt, dev, args.gpu_memory, draft_bytes, kv_t + kv_d, args.host_layers,
                                          max(budgets) + 1, h2d)
@@ -336,6 +362,34 @@ def main(argv: list[str] | None = None) -> int:
             hb.close()
         gc.collect()
         torch.cuda.empty_cache()
+    _print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def recompute(args: argparse.Namespace, budgets: list[int]) -> int:
+    """Recompute draft time and tokens/s for a new acceptance file from a GPU run's measured times."""
+    old = json.loads(args.recompute.read_text())
+    acc, src = load_acceptance(args.acceptance, args.domain, budgets)
+    graphed = {int(k): v for k, v in old["draft_pass_s_graphed"].items()}
+    eager = {int(k): v for k, v in old["draft_pass_s_eager"].items()}
+    per_level = old["bookkeeping_s_per_level"]
+    runs = []
+    for r in old["runs"]:
+        b = r["budget"]
+        if b not in acc:
+            continue
+        beams = shape_for(b, acc[b])
+        d, tps = draft_seconds(beams, graphed, per_level), acc[b]["tokens_per_step"]
+        v, ar = r["verify_s"], r["ar_step_s"]
+        gbp = r["streamed_gb_per_pass"]
+        v4, ar4 = max(v, gbp / PCIE4_GBPS), max(ar, gbp / PCIE4_GBPS)
+        runs.append({**r, "tokens_per_step": tps, "draft_s": d, "eager_draft_s": draft_seconds(beams, eager, per_level),
+                     "draft_over_target": d / v, "tokens_per_s": tps / (d + v), "speedup_vs_ar": tps / (d + v) * ar,
+                     "pcie4_tokens_per_s": tps / (d + v4), "pcie4_ar_tokens_per_s": 1 / ar4, "passes": len(beams)})
+    report = {**old, "acceptance": src, "recomputed_from": str(args.recompute), "runs": runs}
     _print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

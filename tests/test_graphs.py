@@ -49,3 +49,21 @@ def test_engine_with_static_draft_equals_ar(noisy_pairs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_passes_match_eager(noisy_pairs):
     _trees_match(noisy_pairs["llama"][1], torch.device("cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_engine_specexec_equals_ar(noisy_pairs, family):
+    """On the GPU (graphed draft passes, fp32) speculative methods still reproduce AR exactly."""
+    target, draft = noisy_pairs[family]
+    cuda = torch.device("cuda")
+    e = Engine(load_model(target, cuda, torch.float32), load_tokenizer(target), load_model(draft, cuda, torch.float32),
+               context=256)
+    assert e._drafter.static is not None and e._drafter.static.use_graphs
+    ref = e.generate([5, 6, 7], 40, method="ar").tokens
+    for tree in (TreeConfig(budget=16), TreeConfig(budget=200, max_beams=64), TreeConfig(budget=64, auto=True)):
+        e.reset()
+        assert e.generate([5, 6, 7], 40, method="specexec", tree=tree).tokens == ref
+    e.reset()
+    assert e.generate([5, 6, 7], 40, method="chain", chain=ChainConfig(gamma=4)).tokens == ref
