@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_slots = args.context + 2 * max(budgets) + 256
     t_cfg, d_cfg = _cfg(LLAMA2_70B), draft.cfg
     kv_t = 2 * t_cfg.num_layers * t_cfg.num_kv_heads * t_cfg.head_dim * kv_slots * 2
-    kv_d = 2 * d_cfg.num_layers * d_cfg.num_kv_heads * d_cfg.head_dim * (kv_slots + 2 * max(budgets)) * 2
+    kv_d = 2 * d_cfg.num_layers * d_cfg.num_kv_heads * d_cfg.head_dim * (args.context + 2 * max(budgets) + 256) * 2
     cap = args.context + 2 * max(budgets) + 256
     pass_graphed = time_draft_passes(draft, args.context, cap, args.repeats, graphs=not args.no_graphs)
     pass_eager = time_draft_passes(draft, args.context, cap, args.repeats, graphs=False)

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from specexec import sampling
+from specexec.accept import accept
 from specexec.budget import AutoBudget, calibrate
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
 from specexec.draft import Drafter
@@ -27,7 +28,7 @@ from specexec.errors import SpecexecError
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
 from specexec.tree import Tree
-from specexec.verify import commit_target, score_tree, walk
+from specexec.verify import commit_target, score_tree
 
 log = logging.getLogger(__name__)
 
@@ -284,11 +285,7 @@ class Engine:
             self._sync()
             tt = time.perf_counter()
             logits = score_tree(self.target, self._t_cache, tree, n, g.tree.verify_chunk)  # (N, V)
-            if g.method == "chain" and not samp.greedy:
-                path, emitted = _accept_chain(tree, logits, q, samp, gen)
-            else:
-                choice = logits.argmax(-1) if samp.greedy else sampling.choose(sampling.probs(logits, samp), False, gen)
-                path, emitted = walk(tree, choice)
+            path, emitted = accept(tree, logits, q, samp, gen, n)  # q is None unless chain sampling
             commit_target(self._t_cache, path, n)
             if self._drafter is not None and g.method != "ar":
                 self._drafter.commit(tree, path, n)
@@ -366,30 +363,3 @@ class Engine:
         q = sampling.probs(logits, samp)
         return sampling.choose(q, False, gen), q
 
-
-def _accept_chain(tree: Tree, logits: torch.Tensor, q: torch.Tensor, samp: SamplingConfig,
-                  gen: torch.Generator | None) -> tuple[list[int], list[int]]:
-    """Speculative sampling along a chain (Leviathan et al. 2023, Alg. 1; Chen et al. 2023).
-
-    p = target (gamma+1, V), q = draft (gamma, V). Accept draft token x_i with probability min(1, p(x_i)/q(x_i));
-    at the first rejection emit a draw from norm(max(p - q, 0)); if all are accepted emit a bonus draw from p.
-    """
-    p = sampling.probs(logits, samp)
-    gamma = tree.size - 1
-    toks = tree.n_tokens[1:]
-    u = torch.rand(gamma, generator=gen, device=p.device)
-    px = p[torch.arange(gamma, device=p.device), toks]
-    qx = q[torch.arange(gamma, device=p.device), toks]
-    ok = (u * qx < px).tolist()  # u < p/q without dividing by q (q(x) > 0: x was drawn from q)
-    k = 0
-    while k < gamma and ok[k]:
-        k += 1
-    if k < gamma:
-        resid = (p[k] - q[k]).clamp(min=0)
-        if float(resid.sum()) <= 0:  # p == q exactly: cannot reject; numerically guard
-            resid = p[k]
-        nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
-    else:
-        nxt = int(torch.multinomial(p[gamma], 1, generator=gen))
-    path = list(range(k + 1))
-    return path, toks[:k].tolist() + [nxt]
