@@ -23,10 +23,15 @@ from typing import Any, Mapping, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specexec.kv_cache import KVCache
 
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
+
+# cuDNN's SDPA builds an execution plan per new (T, L) shape: 60-124 ms each on an H100 (L grows every step), and
+# it measured 3x slower than needed for small T even when planned. The other backends handle our masks well.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,21 @@ class Transformer:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         attn_mask = mask[None, None]  # (1, 1, T, L)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        x = rms_norm(x, self.globals.norm, c.rms_norm_eps)
+        return linear(x, self.globals.lm_head).float()
+
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, cache_slots: Tensor, L: int,
+                cache: KVCache) -> Tensor:
+        """The decoder layers over x (T, D); returns the final hidden states (T, D)."""
+        c = self.cfg
+        T = x.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        gqa = c.num_heads != c.num_kv_heads
+        groups = c.num_heads // c.num_kv_heads
         self.layers.begin()
         for i in range(c.num_layers):
             w = self.layers.layer(i)
@@ -226,16 +245,16 @@ class Transformer:
             q, k, v = qkv.split((q_dim, kv_dim, kv_dim), dim=-1)
             q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
-            keys, values = cache.write(i, cache_slots, k, v.view(T, c.num_kv_heads, c.head_dim), mask.shape[1])
+            keys, values = cache.write(i, cache_slots, k, v.view(T, c.num_kv_heads, c.head_dim), L)
+            if gqa:  # expand KV heads: SDPA's GQA mode falls back to the slow math kernel when a mask is given
+                keys = keys.repeat_interleave(groups, dim=0)
+                values = values.repeat_interleave(groups, dim=0)
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=attn_mask, enable_gqa=True
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=attn_mask
             )  # (1, H, T, hd)
             x = x + linear(o[0].transpose(0, 1).reshape(T, q_dim), w["wo"])
             h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
             gate, up = linear(h, w["w13"]).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w["w2"])
             self.layers.done(i)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        x = rms_norm(x, self.globals.norm, c.rms_norm_eps)
-        return linear(x, self.globals.lm_head).float()
+        return x
