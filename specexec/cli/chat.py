@@ -1,0 +1,242 @@
+"""``specexec chat``: an interactive REPL (like llama.cpp's / Ollama's) over :class:`specexec.chat.ChatSession`.
+
+Parsing and printing only: options become configs, :mod:`specexec.chat` does the work.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
+
+import typer
+
+from specexec.chat import (
+    ChatSession,
+    GenOptions,
+    InvalidInput,
+    ModelOptions,
+    decode_line,
+    format_stats,
+    load_engine,
+    parse_command,
+    read_message,
+)
+from specexec.cli.common import guarded, setup_logging
+from specexec.cli.generate import offload_config, tree_config
+from specexec.config import METHODS, ChainConfig, SamplingConfig
+from specexec.errors import SpecexecError
+
+DEMO_TARGET = "qwen2.5-coder-1.5b"
+DEMO_DRAFT = "qwen2.5-coder-0.5b"
+
+HELP = '''commands:
+  /help          this help
+  /reset         forget the conversation (the system prompt stays)
+  /stats         statistics of the last answer: tokens/s, tokens per step, accepted lengths, draft/target time
+  /system TEXT   set the system prompt and start a new conversation (/system alone shows it)
+  /save FILE     write the transcript (messages + per-answer stats) as JSON
+  /quit, /exit   leave (Ctrl-D does too)
+input:
+  a message is one line; for several lines start with """ and end with """ (on the last line)
+  Ctrl-C during an answer stops it: the text so far stays in the history, marked interrupted
+  Ctrl-C at the prompt clears the line (it never exits); Ctrl-D or /quit exits'''
+
+
+def chat(
+    target: str = typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "-d",
+        help=f"Draft model (alias, HF id or path); 'none' for no draft. Default: {DEMO_DRAFT} with the default "
+             "target, else none."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer (tokens)."),
+    method: Optional[str] = typer.Option(
+        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
+    budget: str = typer.Option(
+        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."),
+    max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
+    max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
+    max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
+    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
+    gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
+    context: int = typer.Option(4096, "--context", help="Longest conversation + answer the KV caches hold (tokens)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
+    offload: str = typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd."),
+    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
+    target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinners, progress bars or banner."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Chat with a model in the terminal (streamed answers, history, /help for commands)."""
+    setup_logging(verbose, quiet)
+    if draft is None and target == DEMO_TARGET:
+        draft = DEMO_DRAFT
+    if draft is not None and draft.lower() == "none":
+        draft = None
+
+    def run() -> None:
+        model = ModelOptions(target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype,
+                             context=context, offload=offload_config(offload, gpu_memory, target_dtype))
+        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth)
+        gen = GenOptions(max_new_tokens=max_new_tokens, method=method,
+                         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                                 seed=seed),
+                         tree=tree, chain=ChainConfig(gamma=gamma))
+        engine = load_engine(model, tree, progress=not quiet, status=spinner(quiet))
+        session = ChatSession(engine, system=system, options=gen)
+        if not quiet:
+            _banner(model, engine, method)
+        repl(session)
+
+    guarded(run)
+
+
+def spinner(quiet: bool) -> Callable[[str], ContextManager[Any]]:
+    """A rich spinner on stderr for slow steps (nothing when quiet)."""
+    if quiet:
+        return lambda _msg: nullcontext()
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return lambda msg: console.status(msg, spinner="dots")
+
+
+def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
+    method = method or ("specexec" if engine.draft is not None else "ar")
+    typer.secho(f"specexec chat: target {model.target}, draft {model.draft or 'none'} ({method}), "
+                f"context {engine.context} tokens. /help for commands, Ctrl-D to quit.", fg="cyan", err=True)
+
+
+# ---------------------------------------------------------------------------------------------- the REPL
+
+
+def repl(session: ChatSession) -> None:
+    """Read messages and commands until /quit or end of input (Ctrl-D)."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    while True:
+        try:
+            text = read_message(read_line)
+        except EOFError:
+            typer.echo()
+            return
+        except KeyboardInterrupt:
+            typer.echo()
+            _notice("line cleared (Ctrl-D or /quit exits)")
+            continue
+        except InvalidInput as e:
+            _error(e)
+            continue
+        if not text.strip():
+            continue
+        cmd = parse_command(text)
+        if cmd is None:
+            answer(session, text)
+        elif not command(session, *cmd):
+            return
+
+
+def read_line(prompt: str) -> str:
+    """One line of input. A terminal gets input() (readline editing); pipes are read as bytes so an invalid line
+    is reported and skipped without losing the rest of the stream."""
+    if sys.stdin.isatty():
+        try:
+            return input(prompt)
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"the input is not valid UTF-8 (byte {e.start}); it was ignored") from None
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        raise EOFError
+    return decode_line(raw)
+
+
+def answer(session: ChatSession, text: str) -> None:
+    """Stream one answer. Ctrl-C stops it (the session keeps what was shown); errors print one line."""
+    pieces = None
+    try:
+        reply = session.send(text)
+        for n in reply.notices:
+            _notice(n)
+        pieces = iter(reply)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        if pieces is None:
+            typer.echo()
+            _notice("interrupted before the answer started")
+            return
+        pieces.close()  # records the turn now, whatever was running when Ctrl-C arrived
+        sys.stdout.write("\n")
+        kept = "the partial answer stays in the history" if reply.text else "nothing was generated; turn dropped"
+        _notice(f"interrupted: {kept}")
+        return
+    except SpecexecError as e:
+        if pieces is not None:
+            sys.stdout.write("\n")
+        _error(e)
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def command(session: ChatSession, name: str, arg: str) -> bool:
+    """Run a /command; False means leave the REPL."""
+    if name in ("quit", "exit", "bye"):
+        return False
+    if name == "help":
+        typer.echo(HELP)
+    elif name == "reset":
+        session.reset()
+        _notice("conversation cleared")
+    elif name == "stats":
+        _stats(session)
+    elif name == "system":
+        if not arg:
+            typer.echo(f"system prompt: {session.system!r}" if session.system else "no system prompt")
+        else:
+            session.set_system(arg)
+            _notice("system prompt set; conversation cleared")
+    elif name == "save":
+        if not arg:
+            _error("usage: /save FILE")
+        else:
+            try:
+                _notice(f"transcript saved to {session.save(arg)}")
+            except SpecexecError as e:
+                _error(e)
+    else:
+        _error(f"unknown command /{name}; /help lists the commands")
+    return True
+
+
+def _stats(session: ChatSession) -> None:
+    stats = session.last_stats
+    if stats is None:
+        typer.echo("no completed answer yet")
+        return
+    if session.turns and session.turns[-1].interrupted:
+        _notice("the last answer was interrupted; these are the stats of the last completed one")
+    typer.echo("\n".join(format_stats(stats)))
+
+
+def _notice(message: str) -> None:
+    typer.secho(f"[{message}]", fg="yellow", err=True)
+
+
+def _error(message: object) -> None:
+    typer.secho(f"error: {message}", fg="red", err=True)

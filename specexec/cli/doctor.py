@@ -1,0 +1,100 @@
+"""``specexec doctor``: this machine's GPU/RAM/CPU/bandwidths/versions and a placement recommendation for a target.
+
+Parsing and printing only; the measurements and the recommendation live in :mod:`specexec.doctor`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from specexec.cli.chat import spinner
+from specexec.cli.common import guarded, setup_logging
+
+GB = 1e9
+
+
+def doctor(
+    target: Optional[str] = typer.Option(
+        None, "--target", "-t", help="Recommend a placement for this model (alias, HF id or path; config.json only)."),
+    context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
+    disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
+    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Check this machine (GPU, memory, bandwidths, versions) and recommend how to run a target on it."""
+    setup_logging(verbose, quiet)
+
+    def run() -> None:
+        from specexec.doctor import run_doctor
+
+        if disk_mb < 0:
+            raise ValueError(f"--disk-mb must be >= 0, got {disk_mb}")
+        with spinner(quiet or as_json)("measuring this machine"):
+            report = run_doctor(target, context=context, disk_mb=disk_mb)
+        if as_json:
+            typer.echo(json.dumps(report.to_json()))
+        else:
+            _print(report)
+
+    guarded(run)
+
+
+def _print(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = report.system
+    table = Table(title="specexec doctor", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    if s.gpu:
+        g = s.gpu
+        table.add_row("GPU", g.name)
+        table.add_row("VRAM", f"{g.vram_free / GB:.1f} GB free of {g.vram_total / GB:.1f} GB")
+        table.add_row("host→GPU pinned", _gbps(g.pinned_h2d_gbps))
+        table.add_row("host→GPU pageable", _gbps(g.pageable_h2d_gbps))
+        if g.note:
+            table.add_row("", g.note)
+    else:
+        table.add_row("GPU", s.cuda_note)
+    table.add_row("RAM", f"{s.ram_available / GB:.1f} GB available of {s.ram_total / GB:.1f} GB")
+    table.add_row("CPU", f"{s.cpu_model} ({s.cpu_cores} cores, {s.cpu_threads} threads)")
+    if s.disk:
+        table.add_row("disk read", f"{_gbps(s.disk.read_gbps)} ({s.disk.method}) in {s.disk.directory}")
+        if s.disk.note:
+            table.add_row("", s.disk.note)
+    table.add_row("versions", ", ".join(f"{k} {v or 'not installed'}" for k, v in s.versions.items()))
+    console = Console()
+    console.print(table)
+    if report.recommendation:
+        _print_recommendation(console, report.recommendation)
+
+
+def _print_recommendation(console, r) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"recommendation for {r.target}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    if r.params is None:
+        table.add_row("", r.note or "no recommendation")
+        console.print(table)
+        return
+    table.add_row("model", f"{r.params / 1e9:.2f} B parameters, {r.num_layers} layers "
+                           f"({r.layer_gb_bf16:.3f} GB/layer bf16, {r.layer_gb_nf4:.3f} GB/layer nf4)")
+    table.add_row("dtype", r.dtype)
+    table.add_row("offload tier", r.tier)
+    table.add_row("resident layers", f"{r.resident_layers} of {r.num_layers} ({r.streamed_layers} streamed, "
+                                     f"{r.streamed_gb_per_pass:.2f} GB per pass)")
+    table.add_row("floor per target pass", f"{r.floor_s_per_pass:.3f} s at {r.bandwidth}")
+    for note in r.notes:
+        table.add_row("note", note)
+    console.print(table)
+
+
+def _gbps(v: float | None) -> str:
+    return f"{v:.2f} GB/s" if v is not None else "n/a"

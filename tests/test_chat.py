@@ -1,0 +1,242 @@
+"""ChatSession on a tiny model pair: turns, prefix-cache reuse across turns, history, reset, transcripts, the
+context window, interruption; and the REPL's pure input helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specexec.chat import ChatSession, GenOptions, InvalidInput, decode_line, format_stats, parse_command, read_message
+from specexec.errors import SpecexecError
+from tests.conftest import make_noisy_copy, make_tiny
+
+# user / assistant / system turns are "t3 ... t4", "t5 ... t4", "t6 ... t4"; the generation prompt is "t5", so an
+# assistant message renders back exactly as generated (like Qwen's and Llama's templates)
+STABLE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}t3 {% elif m['role'] == 'assistant' %}t5 {% else %}t6 "
+    "{% endif %}{{ m['content'] }} t4 {% endfor %}{% if add_generation_prompt %}t5{% endif %}"
+)
+
+
+def make_chat_pair(root: Path, seed: int = 5, hidden: int = 64) -> tuple[Path, Path]:
+    """A tiny (target, draft) pair with a stable chat template whose target never emits EOS (greedy).
+
+    The target's lm_head row for EOS (id 2) is zero, so its logit is 0 while the best logit is positive: answers
+    always run to max-new-tokens, which makes lengths predictable (and Ctrl-C tests possible).
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    target = make_tiny(root / "target", "llama", seed=seed, hidden=hidden)
+    f = target / "model.safetensors"
+    sd = load_file(f)
+    sd["lm_head.weight"][2] = 0
+    save_file(sd, f, metadata={"format": "pt"})
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = STABLE_TEMPLATE
+    tok.save_pretrained(target)
+    draft = make_noisy_copy(target, root / "draft", 0.1)
+    return target, draft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared machine: torch's intra-op threads only contend (one thread is ~40x faster)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    return make_chat_pair(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    from specexec.api import load
+
+    return load(str(pair[0]), str(pair[1]), device="cpu", context=256, progress=False)
+
+
+@pytest.fixture
+def session(engine):
+    engine.reset()
+    return ChatSession(engine, system="t7 t8", options=GenOptions(max_new_tokens=12))
+
+
+def _answer(session: ChatSession, text: str):
+    reply = session.send(text)
+    pieces = list(reply)
+    assert reply.result is not None
+    return reply, "".join(pieces)
+
+
+def test_two_turns_prefill_only_the_new_turn(session, engine):
+    r1, text1 = _answer(session, "t10 t11 t12")
+    assert text1 == r1.text == r1.result.text and len(r1.result.tokens) == 12
+    assert r1.result.stats.prefill_tokens == r1.prompt_tokens - 1  # a fresh engine: everything but the pending token
+    r2, _ = _answer(session, "t20 t21")
+    ids1, ids2, answer = r1.generation.ids, r2.generation.ids, r1.result.tokens
+    assert ids2[: len(ids1) + len(answer)] == ids1 + answer  # the template renders the answer back verbatim
+    new_turn = len(ids2) - len(ids1) - len(answer)  # "t4 t3 t20 t21 t4 t5"
+    assert new_turn == 6
+    assert r2.result.stats.prefill_tokens == new_turn
+    assert session.messages == [
+        {"role": "system", "content": "t7 t8"},
+        {"role": "user", "content": "t10 t11 t12"},
+        {"role": "assistant", "content": text1},
+        {"role": "user", "content": "t20 t21"},
+        {"role": "assistant", "content": r2.text},
+    ]
+
+
+def test_answers_equal_a_fresh_engine(session, engine):
+    """Prefix reuse across turns changes nothing: turn 2 equals a cold generation of the same ids."""
+    _answer(session, "t10 t11 t12")
+    r2, _ = _answer(session, "t30")
+    engine.reset()
+    cold = engine.generate(r2.generation.ids, 12, method="ar")
+    assert cold.tokens == r2.result.tokens
+
+
+def test_reset_and_system(session):
+    _answer(session, "t10")
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "t7 t8"}]
+    _answer(session, "t11")
+    session.set_system("t9")
+    assert session.messages == [{"role": "system", "content": "t9"}] and session.turns == []
+    session.set_system(None)
+    assert session.messages == []
+
+
+def test_save_transcript(session, tmp_path):
+    r1, _ = _answer(session, "t10 t11")
+    _answer(session, "t12")
+    path = session.save(tmp_path / "chat.json")
+    data = json.loads(path.read_text())
+    assert [m["role"] for m in data["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert data["messages"][2]["content"] == r1.text
+    assert [a["message"] for a in data["answers"]] == [2, 4]
+    stats = data["answers"][0]["stats"]
+    assert stats["new_tokens"] == 12 and stats["tokens_per_s"] > 0 and "accepted_hist" in stats
+    assert data["settings"]["max_new_tokens"] == 12
+    with pytest.raises(SpecexecError, match="cannot save"):
+        session.save(tmp_path / "missing-dir" / "chat.json")
+
+
+def test_context_overflow_drops_oldest_turns(engine, tmp_path):
+    engine.reset()
+    s = ChatSession(engine, system="t7 t8", options=GenOptions(max_new_tokens=60))  # context 256
+    notices = []
+    for i in range(6):
+        reply, _ = _answer(s, f"t{10 + i} t{20 + i} t{30 + i}")
+        notices += reply.notices
+        assert reply.prompt_tokens + 60 <= engine.context
+    assert any("oldest turn" in n for n in notices)
+    assert s.messages[0] == {"role": "system", "content": "t7 t8"}
+    assert s.messages[1]["content"] != "t10 t20 t30"  # the first turn left the window...
+    data = s.to_json()
+    assert data["messages"][1]["content"] == "t10 t20 t30"  # ...but stays in the transcript
+    assert data["answers"][0]["in_context"] is False and data["answers"][-1]["in_context"] is True
+
+
+def test_message_too_long_is_refused_and_session_goes_on(session):
+    _answer(session, "t10")
+    before = list(session.messages)
+    with pytest.raises(SpecexecError, match="message too long"):
+        session.send(" ".join(["t40"] * 300))
+    assert session.messages == before
+    _answer(session, "t11")
+    assert len(session.turns) == 2
+
+
+def test_answer_limited_when_message_is_long(engine):
+    engine.reset()
+    s = ChatSession(engine, options=GenOptions(max_new_tokens=60))
+    reply, _ = _answer(s, " ".join(["t40"] * 220))
+    assert any("limited to" in n for n in reply.notices)
+    assert reply.prompt_tokens + len(reply.result.tokens) <= engine.context
+
+
+def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monkeypatch):
+    """A KeyboardInterrupt raised in the middle of a target pass: partial answer kept, engine still exact."""
+    import specexec.engine as eng
+
+    real, calls = eng.score_tree, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng, "score_tree", flaky)
+    reply = session.send("t10 t11")
+    shown = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in reply:
+            shown.append(piece)
+    monkeypatch.setattr(eng, "score_tree", real)
+    assert reply.interrupted and reply.result is None
+    assert session.turns[-1].interrupted and session.turns[-1].assistant == "".join(shown) != ""
+    assert session.last_stats is None
+    r2, _ = _answer(session, "t12")
+    engine.reset()
+    assert engine.generate(r2.generation.ids, 12, method="ar").tokens == r2.result.tokens
+    assert session.to_json()["answers"][0]["interrupted"] is True
+
+
+def test_interrupt_before_any_text_drops_the_turn(session, monkeypatch):
+    import specexec.engine as eng
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eng, "score_tree", interrupted)
+    reply = session.send("t10")
+    with pytest.raises(KeyboardInterrupt):
+        list(reply)
+    assert session.turns == [] and reply.interrupted
+
+
+def test_bad_inputs(engine, session):
+    with pytest.raises(InvalidInput):
+        session.send("t10 \udcff")
+    with pytest.raises(SpecexecError, match="empty"):
+        session.send("   ")
+    with pytest.raises(SpecexecError, match="max-new-tokens"):
+        ChatSession(engine, options=GenOptions(max_new_tokens=250))
+    with pytest.raises(ValueError):
+        GenOptions(max_new_tokens=0)
+
+
+def test_format_stats(session):
+    _answer(session, "t10")
+    lines = format_stats(session.last_stats)
+    assert any("tokens/s" in line for line in lines) and any("#" in line for line in lines)
+
+
+def test_read_message_and_commands():
+    def reader(lines):
+        it = iter(lines)
+        return lambda prompt: next(it)
+
+    assert read_message(reader(["hello"])) == "hello"
+    assert read_message(reader(['"""one', "two", 'three"""'])) == "one\ntwo\nthree"
+    assert read_message(reader(['"""', "a", "", "b", '"""'])) == "a\n\nb"
+    assert read_message(reader(['"""inline"""'])) == "inline"
+    with pytest.raises(InvalidInput):
+        read_message(reader(["bad \udcff"]))
+    assert parse_command("/system be brief ") == ("system", "be brief")
+    assert parse_command("/QUIT") == ("quit", "")
+    assert parse_command("/ not a command") is None and parse_command("hello") is None
+    assert decode_line(b"caf\xc3\xa9\n") == "café"
+    with pytest.raises(InvalidInput, match="UTF-8"):
+        decode_line(b"\xff\xfe\n")

@@ -1,0 +1,129 @@
+"""Smoke tests of ``specexec doctor`` and ``specexec bench`` on tiny models, plus the size arithmetic they use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specexec.cli import app
+from specexec.doctor import GpuInfo, SystemInfo, recommend
+from specexec.memory import layer_bytes, param_count
+from specexec.model import ModelConfig
+from tests.test_chat import make_chat_pair
+
+runner = CliRunner()
+
+LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    return make_chat_pair(tmp_path_factory.mktemp("bench"))
+
+
+def test_sizes_match_design_numbers_and_real_checkpoints(pair):
+    cfg = ModelConfig.from_hf(LLAMA2_70B)
+    assert layer_bytes(cfg, "bf16") / 1e9 == pytest.approx(1.711, abs=1e-3)  # DESIGN.md: 855.6M params a layer
+    assert layer_bytes(cfg, "nf4") / 1e9 == pytest.approx(0.481, abs=1e-3)
+    from safetensors.torch import load_file
+
+    tiny = ModelConfig.from_hf(json.loads((pair[0] / "config.json").read_text()))
+    assert param_count(tiny) == sum(t.numel() for t in load_file(pair[0] / "model.safetensors").values())
+
+
+def test_doctor_json_with_a_local_target(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # the disk test writes its temp file there
+    result = runner.invoke(app, ["doctor", "--json", "--disk-mb", "4", "--target", str(pair[0])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    system, rec = report["system"], report["recommendation"]
+    assert system["ram_total"] > 0 and system["cpu_threads"] >= 1 and system["versions"]["torch"]
+    assert system["disk"]["read_gbps"] > 0 and not list(tmp_path.glob(".doctor-*"))
+    if not torch.cuda.is_available():
+        assert system["gpu"] is None and system["cuda_note"] == "no CUDA GPU: CPU-only mode"
+        assert rec["tier"] == "cpu" and rec["dtype"] == "fp32"
+    assert rec["present"] and rec["num_layers"] == 2 and rec["floor_s_per_pass"] >= 0
+
+
+def test_doctor_text_and_missing_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--target", "nobody-xyz/not-a-model"])
+    assert result.exit_code == 0, result.output
+    assert "not present locally" in result.stdout
+    if not torch.cuda.is_available():
+        assert "CPU-only" in result.stdout
+
+
+def _system(vram_gb: float, ram_gb: float) -> SystemInfo:
+    gpu = GpuInfo(name="fake 24GB", vram_total=int(vram_gb * 1e9), vram_free=int(vram_gb * 1e9),
+                  pinned_h2d_gbps=25.0, pageable_h2d_gbps=7.0)
+    return SystemInfo(cpu_model="x", cpu_cores=8, cpu_threads=16, ram_total=int(ram_gb * 1e9),
+                      ram_available=int(ram_gb * 1e9), gpu=gpu, cuda_note="", disk=None)
+
+
+def test_recommendation_for_70b_on_a_24gb_gpu(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_70B))
+    rec = recommend(str(tmp_path), _system(24, 128), context=4096)
+    assert rec.dtype == "nf4" and rec.tier == "ram"
+    assert 0 < rec.resident_layers < 80 and rec.resident_layers + rec.streamed_layers == 80
+    assert rec.floor_s_per_pass == pytest.approx(rec.streamed_layers * 0.481e9 / 25e9, rel=1e-2)
+    small_ram = recommend(str(tmp_path), _system(24, 16), context=4096)
+    assert small_ram.tier == "ssd"
+    big = recommend(str(tmp_path), _system(200, 256), context=4096)
+    assert big.dtype == "bf16" and big.tier == "none" and big.streamed_layers == 0
+
+
+def test_bench_smoke(pair, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t10 t11 t12"}\n\n{"prompt": "t20 t21", "chat": true}\n')
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    result = runner.invoke(app, ["bench", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
+                                 "--prompts", str(prompts), "--max-new-tokens", "8", "--budgets", "4,16",
+                                 "--gammas", "2", "--out", str(out), "--plot", str(png), "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [(r["method"], r["param"]) for r in report["rows"]] == [("ar", None), ("chain", 2), ("specexec", 4),
+                                                                   ("specexec", 16)]
+    assert all(r["mismatches"] == 0 and r["new_tokens"] == 16 for r in report["rows"])
+    assert report["rows"][0]["speedup"] == 1.0 and len(report["per_prompt"]) == 8
+    assert png.stat().st_size > 1000
+    assert "specexec" in result.stdout and "tok/s" in result.stdout
+
+
+def test_builtin_prompts():
+    from specexec.bench import builtin_prompts
+
+    prompts = builtin_prompts(8)
+    assert len(prompts) == 8 and len({p.name for p in prompts}) == 8
+    assert any(p.text.startswith("def ") for p in prompts) and any(p.name.startswith("pydoc:") for p in prompts)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budgets", "0,16"], "budget must be >= 1"),
+    (["--budgets", "a,b"], "comma-separated integers"),
+    (["--methods", "ar,beam"], "unknown method"),
+    (["--prompts", "/nonexistent/p.jsonl"], "cannot read prompts file"),
+    (["--draft", "none", "--methods", "specexec"], "need a draft"),
+])
+def test_bench_errors(pair, args, message):
+    cmd = ["bench", "--target", str(pair[0]), "--device", "cpu", "-q", "--max-new-tokens", "2"]
+    if "--draft" not in args:
+        cmd += ["--draft", str(pair[1])]
+    result = runner.invoke(app, cmd + args)
+    assert result.exit_code != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
