@@ -60,11 +60,20 @@ class Drafter:
 
     def _forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
         """One draft pass (static/graphed when it fits a bucket, else eager)."""
+        tokens = self._in_vocab(tokens)
         if self.static is not None and tokens.shape[0] <= self.static.max_rows:
             out = self.static.forward(tokens, pos, slots, mask)
             return out[-1:] if last_only else out
         return self.model.forward(tokens, pos, slots, mask, self.cache,
                                   logits_rows=slice(-1, None) if last_only else None)
+
+    def _in_vocab(self, tokens: Tensor) -> Tensor:
+        """Target tokens the draft's vocabulary lacks (e.g. a 72B target's padding rows) become token 0.
+
+        The draft only proposes; what it is fed changes its guesses, never the output.
+        """
+        V = self.model.cfg.vocab_size
+        return torch.where(tokens < V, tokens, torch.zeros_like(tokens))
 
     def reset(self, keep: int = 0) -> None:
         """Forget all but the first ``keep`` committed tokens."""
@@ -89,8 +98,8 @@ class Drafter:
         dev = self.model.device
         pos = torch.arange(self.length, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
-        self.model.forward(torch.tensor(seq[self.length : n], device=dev), pos, pos, mask, self.cache,
-                           logits_rows=slice(-1, None))
+        self.model.forward(self._in_vocab(torch.tensor(seq[self.length : n], device=dev)), pos, pos, mask,
+                           self.cache, logits_rows=slice(-1, None))
         self.length = n
 
     def grow(self, seq: list[int], cfg: TreeConfig, logprobs: LogProbFn = default_logprobs) -> tuple[Tree, GrowStats]:

@@ -100,3 +100,15 @@ def noisy_pairs(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Per family: (target, draft) where the draft is the target plus noise (high but imperfect agreement)."""
     root = tmp_path_factory.mktemp("noisy")
     return {f: (p, make_noisy_copy(p, root / f, 0.1)) for f, p in tiny_models.items()}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny-model tests run fastest (and steadiest on shared cores) on one thread; real-model tests keep all."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

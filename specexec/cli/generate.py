@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -68,6 +69,9 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
+    samples: int = typer.Option(
+        1, "--samples", help="Draw N independent samples in one run (models load once); sample i uses seed + i "
+        "when --seed is given. With --json and N > 1: JSON Lines, one object per sample per line."),
     budget: str = typer.Option(
         "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."),
     max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
@@ -82,7 +86,8 @@ def generate(
     gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
     target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
-    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print exactly one JSON object on stdout (with --samples N: one per line)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stats line."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
@@ -98,21 +103,28 @@ def generate(
         chain_cfg = ChainConfig(gamma=gamma)
         if method is not None and method not in METHODS:
             raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if samples < 1:
+            raise SpecexecError(f"--samples must be >= 1, got {samples}")
         engine = api.load(target, draft, device=device, dtype=dtype, draft_dtype=draft_dtype, context=context,
                           offload=offload_config(offload, gpu_memory, target_dtype), tree=tree,
                           progress=not quiet and not as_json)
-        g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp, tree=tree, chain=chain_cfg,
-                          chat=chat)
-        for piece in g:
-            if not as_json:
-                sys.stdout.write(piece)
+        for i in range(samples):
+            samp_i = replace(samp, seed=None if seed is None else seed + i)
+            if samples > 1 and not as_json:
+                sys.stdout.write(f"----- sample {i + 1} of {samples} -----\n")
+            g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp_i, tree=tree, chain=chain_cfg,
+                              chat=chat)
+            for piece in g:
+                if not as_json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            assert g.result is not None
+            if as_json:
+                sys.stdout.write(json.dumps(g.result.to_json()) + "\n")
                 sys.stdout.flush()
-        assert g.result is not None
-        if as_json:
-            sys.stdout.write(json.dumps(g.result.to_json()) + "\n")
-        else:
-            sys.stdout.write("\n")
-            if not quiet:
-                typer.echo(stats_line(g.result.stats.to_json()), err=True)
+            else:
+                sys.stdout.write("\n")
+                if not quiet:
+                    typer.echo(stats_line(g.result.stats.to_json()), err=True)
 
     guarded(run)
