@@ -74,7 +74,8 @@ def load_acceptance(path: Path, domain: str, budgets: list[int]) -> tuple[dict[i
     out = {}
     shapes = d.get("tree_shapes", {})
     shapes = shapes.get(domain, shapes)
-    tps = d.get("specexec_tokens_per_step", {}).get(domain, {})
+    greedy = d.get("greedy", {}).get(domain, {})  # bench_acceptance: {"specexec:64": {"tokens_per_step": ...}}
+    tps = {k.split(":")[1]: v["tokens_per_step"] for k, v in greedy.items() if k.startswith("specexec:")}
     for b in budgets:
         s = shapes.get(str(b)) or {}
         out[b] = {"tokens_per_step": tps.get(str(b), FALLBACK.get(b, FALLBACK[2048])["tokens_per_step"]),
