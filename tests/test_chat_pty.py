@@ -67,6 +67,14 @@ def test_turns_stats_and_ctrl_d(pair):
         child.sendintr()
         child.expect("line cleared")
         child.expect(">>> ")
+        child.sendline('"""t50')  # Ctrl-C inside a multi-line message drops the whole message
+        child.expect(r"\.\.\. ")
+        child.sendintr()
+        child.expect("line cleared")
+        child.expect(">>> ")
+        child.sendline("/stats")  # the last answer is still the t30/t31 one: the cleared lines never reached it
+        child.expect("tokens/s")
+        child.expect(">>> ")
         _exit_with_ctrl_d(child)
     finally:
         child.close(force=True)

@@ -5,9 +5,10 @@ Parsing and printing only: options become configs, :mod:`specexec.chat` does the
 
 from __future__ import annotations
 
+import os
 import sys
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import typer
 
@@ -122,10 +123,7 @@ def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
 def repl(session: ChatSession) -> None:
     """Read messages and commands until /quit or end of input (Ctrl-D)."""
     if sys.stdin.isatty():
-        try:
-            import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:
-            pass
+        _setup_readline()
     while True:
         try:
             text = read_message(read_line)
@@ -153,15 +151,69 @@ def read_line(prompt: str) -> str:
     is reported and skipped without losing the rest of the stream."""
     if sys.stdin.isatty():
         try:
-            return input(prompt)
+            with _ctrl_c_as_key():
+                line = input(prompt)
         except UnicodeDecodeError as e:
             raise InvalidInput(f"the input is not valid UTF-8 (byte {e.start}); it was ignored") from None
+        if "\x03" in line:  # Ctrl-C typed at the prompt (see _ctrl_c_as_key)
+            raise KeyboardInterrupt
+        return line
     sys.stdout.write(prompt)
     sys.stdout.flush()
     raw = sys.stdin.buffer.readline()
     if not raw:
         raise EOFError
     return decode_line(raw)
+
+
+_CTRL_C_IS_KEY = False  # GNU readline is loaded and Ctrl-C at the prompt is bound to "clear the line"
+
+
+def _setup_readline() -> None:
+    """Line editing and history for input(); with GNU readline, Ctrl-C at the prompt becomes a key.
+
+    Why: CPython's readline loop only notices SIGINT when it interrupts its select(); a Ctrl-C that lands while
+    readline is handling the previous keystroke is swallowed until the next key (CPython's race, seen here under
+    load). As a key it cannot be lost: Ctrl-C kills the line and enters a lone ``\\x03``, which
+    :func:`read_line` turns into KeyboardInterrupt.
+    """
+    global _CTRL_C_IS_KEY
+    try:
+        import readline
+        import termios  # noqa: F401
+    except ImportError:
+        return
+    if "libedit" in (readline.__doc__ or ""):
+        return  # editline's binding syntax differs; Ctrl-C stays a signal there
+    readline.parse_and_bind(r'"\C-c": "\C-a\C-k\C-v\C-c\n"')
+    _CTRL_C_IS_KEY = True
+
+
+@contextmanager
+def _ctrl_c_as_key() -> Iterator[None]:
+    """While reading a line, the terminal does not turn Ctrl-C into SIGINT (readline sees the key instead)."""
+    if not _CTRL_C_IS_KEY:
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    try:
+        saved = termios.tcgetattr(fd)
+        raw = termios.tcgetattr(fd)
+        try:
+            off = os.fpathconf(fd, "PC_VDISABLE")  # 0 on Linux, 0xff on macOS
+        except (OSError, ValueError):
+            off = 0
+        raw[6][termios.VINTR] = bytes([off]) if isinstance(raw[6][termios.VINTR], bytes) else off
+        termios.tcsetattr(fd, termios.TCSANOW, raw)
+    except termios.error:
+        yield
+        return
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def answer(session: ChatSession, text: str) -> None:
