@@ -102,6 +102,7 @@ class Run:
     accepted: list[int] = field(default_factory=list)  # tokens emitted per step
     shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     draft_modeled: bool = False  # chain gammas without a real replay: draft_s = passes x measured s/pass
+    early_stops: int = 0  # specexec steps whose tree growth the early-stop rule ended
 
 
 def log(msg: str) -> None:
@@ -210,9 +211,12 @@ def _cut(engine: Any, toks: list[int], n: int) -> list[int]:
 
 
 # -- replay -----------------------------------------------------------------------------------------------------------
-def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, param: int) -> tuple[Run, Any]:
+def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, param: int,
+           grow_cost: Any = None) -> tuple[Run, Any]:
     """Replay the engine's greedy loop for one config with the draft only (see the module docstring).
 
+    ``grow_cost``: the tree's early stop, as the engine runs it: None = full growth (``--grow-cost off``);
+    a ``(budget, draft_s, passes) -> GrowCost`` callable otherwise (see :func:`grow_costs`).
     Returns the run and the first step's (tree, sequence), an example for timing the target's verification.
     """
     import torch
@@ -231,7 +235,9 @@ def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, par
         n = len(seq) - 1
         t0, c0 = time.perf_counter(), time.process_time()
         if method == "specexec":
-            tree, gs = drafter.grow(seq, cfg, lambda lg: sampling.logprobs(lg, greedy))
+            cost = grow_cost(param, run.draft_s, run.passes) if grow_cost is not None else None
+            tree, gs = drafter.grow(seq, cfg, lambda lg: sampling.logprobs(lg, greedy), cost)
+            run.early_stops += gs.stopped_early
         else:
             tree, _, gs = drafter.chain(seq, param, lambda lg: (lg.argmax(-1), None))
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -318,6 +324,51 @@ def time_verify(target: Any, cache: Any, prompt_ids: list[int], trees: dict[str,
     return out
 
 
+def grow_costs(mode: str, engine: Any, budgets: list[int]) -> tuple[Any, str]:
+    """The early stop's costs for the replays (``--grow-cost``): returns (callable or None, description).
+
+    ``cpu``: as the engine does it here -- per-pass draft seconds measured as the run goes (no early stop before the
+    run's first step), the target's verify seconds for budget+1 tokens timed once up front. A bench_e2e JSON:
+    a GPU's measured costs (graphed draft pass + per-level bookkeeping; the NF4 70B-shaped target's verify time
+    by budget), to grow the trees that GPU would grow.
+    """
+    if mode == "off":
+        return None, "off: every tree grows up to max_depth levels"
+    import torch
+
+    from specexec.budget import interp
+    from specexec.draft import GrowCost
+
+    if mode == "cpu":
+        dev = engine.target.device
+        cache = engine.target.new_cache(max(budgets) + 2)
+        target_s = {}
+        for b in [1] + sorted(budgets):  # the first (1 token) warms up
+            pos = torch.arange(b + 1, device=dev)
+            toks = torch.randint(0, engine.target.cfg.vocab_size, (b + 1,), device=dev)
+            t0 = time.perf_counter()
+            engine.target.forward(toks, pos, pos, pos[None, :] <= pos[:, None], cache)
+            target_s[b] = time.perf_counter() - t0
+        del cache
+
+        def cost(b: int, draft_s: float, passes: int) -> Any:
+            return GrowCost(pass_s=draft_s / passes, target_s=target_s[b]) if passes else None
+
+        return cost, (f"cpu: per-pass draft time measured during each run; target verify s by budget "
+                      f"{ {b: round(t, 3) for b, t in target_s.items()} }")
+    e2e = json.loads(Path(mode).read_text())
+    graphed = {int(k): v for k, v in e2e["draft_pass_s_graphed"].items()}
+    pass_s = graphed[max(graphed)] + e2e["bookkeeping_s_per_level"]
+    verify = {r["budget"]: r["verify_s"] for r in e2e["runs"] if r["format"] == "nf4"}
+
+    def gpu_cost(b: int, draft_s: float, passes: int) -> Any:
+        return GrowCost(pass_s=pass_s, target_s=interp(verify, b))
+
+    return gpu_cost, (f"{e2e.get('device', 'GPU')} costs from {mode}: draft pass {pass_s * 1e3:.1f} ms (graphed, "
+                      f"with bookkeeping), NF4 70B-shaped verify s by budget "
+                      f"{ {b: round(t, 3) for b, t in sorted(verify.items())} }")
+
+
 # -- aggregation ------------------------------------------------------------------------------------------------------
 def aggregate(runs: list[Run], verify: dict[str, float]) -> dict[str, Any]:
     tokens = sum(r.tokens for r in runs)
@@ -330,6 +381,7 @@ def aggregate(runs: list[Run], verify: dict[str, float]) -> dict[str, Any]:
             "cpu_s_per_token": cpu / tokens,
             "draft_s_per_step": draft / steps, "target_s_per_step": verify["s"],
             "draft_passes_per_step": sum(r.passes for r in runs) / steps,
+            "early_stop_share": sum(r.early_stops for r in runs) / steps,
             "draft_time_modeled": any(r.draft_modeled for r in runs)}
 
 
@@ -362,6 +414,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="budget:prompts pairs: run those budgets on fewer prompts (the first, half code half prose)")
     p.add_argument("--min-prompt-tokens", type=int, default=100)
     p.add_argument("--max-prompt-tokens", type=int, default=200)
+    p.add_argument("--grow-cost", default="cpu",
+                   help="the trees' early stop: 'cpu' (measured here, as the engine does), 'off' (full growth to "
+                        "max_depth), or a bench_e2e JSON (grow the trees that GPU would grow)")
     p.add_argument("--context", type=int, default=4096, help="engine context (sizes the draft cache, as the CLI's)")
     p.add_argument("--sampling-prompts", type=int, default=6, help="prompts for the sampled runs (0: skip)")
     p.add_argument("--sampling-tokens", type=int, default=24)
@@ -451,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     t_cache = engine.target.new_cache(max(len(p.ids) for p in prompts) + max_b + 4)
     # sized as the engine sizes its own drafter for the largest budget: context + room + budget + max_beams
     drafter = Drafter(engine.draft, args.context + (max_b + 2) + max_b + TreeConfig().max_beams)
+    stop_cost, stop_desc = grow_costs(args.grow_cost, engine, args.budgets)
+    log(f"early stop: {stop_desc}")
     t_replay = time.perf_counter()
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
@@ -478,22 +535,24 @@ def main(argv: list[str] | None = None) -> int:
             if i not in budget_set[b]:
                 continue
             k = key("specexec", b)
-            runs[k][i], first = replay(drafter, p.ids, ref, "specexec", b)
+            runs[k][i], first = replay(drafter, p.ids, ref, "specexec", b, stop_cost)
             trees[k] = first[0]
             m = ref_meta[i]
-            if b == m["budget"] and m["max_new"] == args.new_tokens and m["steps"] != runs[k][i].steps:
+            # (the engine's trees match the replay's when both grow fully; measured costs differ run to run)
+            if (stop_cost is None and b == m["budget"] and m["max_new"] == args.new_tokens
+                    and m["steps"] != runs[k][i].steps):
                 checks["ref_engine_vs_replay"].append(f"prompt {i} {k}: engine {m['steps']} steps, replay "
                                                       f"{runs[k][i].steps}")
         if i in e2e_set:
             for m_, v in e2e_cfgs[2:]:
                 k = key(m_, v)
                 if v not in args.budgets or i not in budget_set[v]:
-                    e2e_extra.setdefault(k, {})[i], first = replay(drafter, p.ids, ref, m_, v)
+                    e2e_extra.setdefault(k, {})[i], first = replay(drafter, p.ids, ref, m_, v, stop_cost)
                     trees[k] = first[0]
         if i in samp_set:  # greedy on the sampled runs' prompts and length, for the side-by-side table
             short = refs[i][: args.sampling_tokens]
             for m_, v in [("chain", args.sampling_gamma)] + [("specexec", b) for b in args.sampling_budgets]:
-                greedy_short.setdefault(key(m_, v), {})[i] = replay(drafter, p.ids, short, m_, v)[0]
+                greedy_short.setdefault(key(m_, v), {})[i] = replay(drafter, p.ids, short, m_, v, stop_cost)[0]
         for k, v in time_verify(engine.target, t_cache, p.ids, trees).items():
             vt.setdefault(k, []).append(v)
         tps = " ".join(f"{k.replace('specexec:', 's').replace('chain:', 'c')}={r[i].tokens / r[i].steps:.1f}"
@@ -552,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                 "the engine's loop against the target's greedy continuation). tokens/s: COMPOSED = tokens / "
                 "(measured draft time + steps x measured target verify time for that tree size); prefill excluded.",
         "target": args.target, "draft": args.draft, "new_tokens": args.new_tokens, "tree": asdict(tc),
+        "grow_cost": stop_desc,
         "cap": f"max_depth {tc.max_depth} caps a step at {tc.max_depth + 1} tokens, and a {args.new_tokens}-token "
                f"run at {args.new_tokens} tokens/step",
         "budget_prompts": {str(b): sorted(budget_set[b]) for b in args.budgets if len(budget_set[b]) < len(prompts)},
@@ -705,6 +765,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> str:
     L: list[str] = []
     L.append(f"# Acceptance on the real pair (CPU): {report['target']} verifies, {report['draft']} drafts\n")
     L.append(f"{report['what']} {report['cap']}. {report['chain_note']}.\n")
+    L.append(f"Early stop of the trees' growth: {report.get('grow_cost', 'off (not recorded)')}.\n")
     nk = {k: sum(p["kind"] == k for p in report["prompts"]) for k in ("code", "prose")}
     fewer = "; ".join(f"budget {b} on prompts {v} only" for b, v in report["budget_prompts"].items())
     L.append(f"{nk['code']} code prompts (CPython stdlib sources) and {nk['prose']} prose prompts "

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specexec.draft import GrowCost
+
 log = logging.getLogger(__name__)
 
 GRID = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -92,6 +94,11 @@ class AutoBudget:
         target = interp(self.target_s, b + 1) * self._target_scale
         return draft + target
 
+    def grow_cost(self, b: int) -> GrowCost:
+        """Costs of a budget-b step for the draft's early stop (calibrated, corrected online)."""
+        return GrowCost(pass_s=interp(self.draft_pass_s, min(b, self.max_beams)) * self._draft_scale,
+                        target_s=interp(self.target_s, b + 1) * self._target_scale, acc_scale=self._acc_scale)
+
     def rate(self, b: int) -> float:
         return self.expected_emitted(b) / self.step_seconds(b)
 
@@ -126,6 +133,26 @@ class AutoBudget:
         cal_d = self._passes[budget] * interp(self.draft_pass_s, min(budget, self.max_beams))
         if cal_d > 0 and draft_s > 0:
             self._draft_scale = _ema(self._draft_scale, draft_s / cal_d, 0.3)
+
+
+@dataclass
+class StepCosts:
+    """Running costs of fixed-budget steps for the draft's early stop: seconds per draft pass, and the target's
+    verification seconds by budget (EMAs of what the steps took). No estimate before a budget's first step."""
+
+    pass_s: float | None = None
+    target_s: dict[int, float] = field(default_factory=dict)
+
+    def grow_cost(self, budget: int) -> GrowCost | None:
+        t = self.target_s.get(budget)
+        return None if self.pass_s is None or t is None else GrowCost(pass_s=self.pass_s, target_s=t)
+
+    def update(self, budget: int, draft_s: float, passes: int, target_s: float) -> None:
+        if passes > 0 and draft_s > 0:
+            per = draft_s / passes
+            self.pass_s = per if self.pass_s is None else _ema(self.pass_s, per, 0.3)
+        old = self.target_s.get(budget)
+        self.target_s[budget] = target_s if old is None else _ema(old, target_s, 0.3)
 
 
 def _ema(old: float, new: float, alpha: float) -> float:

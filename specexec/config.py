@@ -18,6 +18,7 @@ class TreeConfig:
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
     auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice
+    early_stop: bool = True  # stop growing when one more draft pass is expected to cost more than it adds
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):

@@ -5,7 +5,15 @@ probable continuations under the draft model q: a parallel Dijkstra over -log q.
 ``max_beams`` best unexpanded nodes whose cumulative log-prob can still enter the top ``budget``, runs ONE draft
 forward over them (tree mask, draft KV cache by slot), proposes each one's top ``max_branch`` children, and keeps
 only the best ``budget`` nodes of the whole tree. Growth stops when no unexpanded node beats the budget-th best
-(its children could not enter) or after ``max_depth`` levels; the result is trimmed to exactly ``budget`` nodes.
+(its children could not enter), after ``max_depth`` levels, or -- with ``early_stop`` and known costs
+(:class:`GrowCost`), once the tree holds ``budget`` nodes -- when one more pass is expected to add fewer tokens than its time is worth; the result is
+trimmed to exactly ``budget`` nodes.
+
+Early stop: with E = 1 + sum of the tree's path probabilities (expected tokens emitted; SpecExec §3), a step
+costs T = passes * pass_s + target_s. One more pass that adds g expected tokens is worth it iff
+(E + g) / (T + pass_s) >= E / T, i.e. g * T >= E * pass_s. The next pass's g is predicted from the last one:
+g_next = (g_last / U_last) * U_next, with U the path-probability mass of the nodes a pass expands (their
+children's mass can never exceed it). Any tree is verified exactly, so the rule only moves speed.
 
 Cache slots: the committed sequence occupies draft slots [0, n); the root (pending token) sits at slot n; the
 nodes expanded during growth get slots n+1, n+2, ... in expansion order (pruned nodes leave unused slots behind,
@@ -40,6 +48,22 @@ class GrowStats:
     passes: int = 0  # draft forwards, the catch-up/root pass included
     beams: list[int] = field(default_factory=list)  # tokens per draft pass
     tree_size: int = 0  # final non-root nodes
+    stopped_early: bool = False  # growth ended by the early-stop rule (not by max_depth or an empty frontier)
+
+
+@dataclass
+class GrowCost:
+    """What a step costs, for early stopping (measured by the engine; see the module docstring)."""
+
+    pass_s: float  # seconds per draft pass
+    target_s: float  # seconds of the target's verification of a tree of this budget
+    acc_scale: float = 1.0  # actual / predicted tokens per step (the draft's over- or under-confidence)
+
+    def more(self, expected: float, gain: float, passes: int) -> bool:
+        """Run one more draft pass? ``expected``: E[emitted] of the tree now; ``gain``: the pass's predicted
+        gain in E; ``passes``: passes run so far."""
+        e = 1.0 + self.acc_scale * (expected - 1.0)
+        return self.acc_scale * gain * (passes * self.pass_s + self.target_s) >= e * self.pass_s
 
 
 class Drafter:
@@ -102,8 +126,12 @@ class Drafter:
                            self.cache, logits_rows=slice(-1, None))
         self.length = n
 
-    def grow(self, seq: list[int], cfg: TreeConfig, logprobs: LogProbFn = default_logprobs) -> tuple[Tree, GrowStats]:
-        """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1]."""
+    def grow(self, seq: list[int], cfg: TreeConfig, logprobs: LogProbFn = default_logprobs,
+             cost: GrowCost | None = None) -> tuple[Tree, GrowStats]:
+        """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
+
+        ``cost``: enables the early stop (when ``cfg.early_stop``); None grows up to ``max_depth`` levels.
+        """
         dev = self.model.device
         n = len(seq) - 1
         budget = cfg.budget
@@ -113,6 +141,8 @@ class Drafter:
         tree.draft_slot[0] = n
         next_slot = n + 1
         self._add_children(tree, torch.zeros(1, dtype=torch.long, device=dev), root_lq, cfg, budget)
+        stop = cost if cfg.early_stop else None
+        expected, mass = 1.0, 1.0  # E before the last pass; mass U the last pass expanded (the root: 1)
         for _ in range(cfg.max_depth - 1):
             thr = tree.kth_logp(budget)
             live = tree.n_logp
@@ -126,6 +156,13 @@ class Drafter:
                 break
             cand = torch.where(open_, live, torch.full_like(live, float("-inf")))
             beams = torch.topk(cand, k).indices.sort().values  # (k,) ascending: ancestors before descendants
+            if stop is not None:  # (only once the tree is full: the budget is the verify size asked for)
+                e_now, u_next = torch.stack([1.0 + tree.n_logp[1:].exp().sum(), live[beams].exp().sum()]).tolist()
+                gain = (e_now - expected) / mass * u_next if mass > 0 else 0.0
+                if tree.size - 1 >= budget and not stop.more(e_now, gain, stats.passes):
+                    stats.stopped_early = True
+                    break
+                expected, mass = e_now, u_next
             slots = torch.arange(next_slot, next_slot + k, device=dev)
             tree.draft_slot[beams] = slots
             next_slot += k

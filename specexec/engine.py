@@ -21,7 +21,7 @@ import torch
 
 from specexec import sampling
 from specexec.accept import accept
-from specexec.budget import AutoBudget, calibrate
+from specexec.budget import AutoBudget, StepCosts, calibrate
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
 from specexec.draft import Drafter
 from specexec.errors import SpecexecError
@@ -54,6 +54,7 @@ class Stats:
     gamma: int | None = None
     mean_tree_size: float = 0.0
     draft_passes: int = 0
+    early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
 
@@ -131,6 +132,7 @@ class Engine:
         self._drafter: Drafter | None = None
         self._tree_room = 0
         self._auto: AutoBudget | None = None
+        self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
         self._ensure_room(tree or TreeConfig(), ChainConfig())
 
     # -- capacity -----------------------------------------------------------------------------------------------
@@ -275,8 +277,10 @@ class Engine:
                 assert self._drafter is not None
                 tcfg = replace(g.tree, budget=self._auto.choose()) if auto else g.tree
                 chosen[tcfg.budget] += 1
-                tree, gs = self._drafter.grow(self.seq, tcfg, lambda lg: sampling.logprobs(lg, samp))
+                cost = self._auto.grow_cost(tcfg.budget) if auto else self._costs.grow_cost(tcfg.budget)
+                tree, gs = self._drafter.grow(self.seq, tcfg, lambda lg: sampling.logprobs(lg, samp), cost)
                 st.draft_passes += gs.passes
+                st.early_stops += gs.stopped_early
                 st.tree_shapes.append(gs.beams)
             else:
                 assert self._drafter is not None
@@ -297,6 +301,8 @@ class Engine:
             if auto:
                 self._auto.update(tcfg.budget, tree.n_logp[1:].tolist(), len(emitted), tt - td, te - tt,
                                   gs.passes)
+            elif g.method == "specexec":
+                self._costs.update(tcfg.budget, tt - td, gs.passes, te - tt)
             tree_total += tree.size - 1
             hist[len(emitted)] += 1
             # commit: cut at EOS / the token limit; the caches may hold more than is committed, never less

@@ -31,6 +31,7 @@ def _spawn(pair: tuple[Path, Path], *args: str):
            "--budget", "16", *args]
     child = pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", codec_errors="replace", timeout=60,
                           dimensions=(50, 200))
+    child.logfile_read = sys.stderr  # the whole session lands in the captured output of a failing test
     child.expect(">>> ", timeout=LOAD_TIMEOUT)
     return child
 
@@ -81,10 +82,10 @@ def test_turns_stats_and_ctrl_d(pair):
 
 
 def test_ctrl_c_stops_an_answer_and_the_session_goes_on(pair):
-    child = _spawn(pair, "--max-new-tokens", "600", "--context", "2048")
+    child = _spawn(pair, "--max-new-tokens", "1200", "--context", "4096")
     try:
         child.sendline("t10 t11 t12")
-        child.expect(TOKENS)  # the answer is streaming (600 tokens take several seconds)
+        child.expect(TOKENS)  # the answer is streaming (1200 tokens take far longer than the Ctrl-C needs)
         child.sendintr()
         child.expect("interrupted: the partial answer stays in the history")
         child.expect(">>> ")
@@ -95,7 +96,7 @@ def test_ctrl_c_stops_an_answer_and_the_session_goes_on(pair):
         child.expect(TOKENS)
         child.expect(">>> ", timeout=120)
         child.sendline("/stats")
-        child.expect(r"600 in \d+ target passes")
+        child.expect(r"1200 in \d+ target passes")
         child.expect(">>> ")
         _exit_with_ctrl_d(child)
     finally:

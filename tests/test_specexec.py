@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataclasses import replace
+
 from specexec.config import ChainConfig, TreeConfig
 from specexec.draft import Drafter
 from specexec.engine import Engine
@@ -154,3 +156,51 @@ def test_draft_with_smaller_vocabulary(tmp_path):
                 == ref or method == "chain"  # chain draws from its own generator: only "no crash" is checked
     e.reset()
     assert e.generate([14, 15], 12, method="specexec").tokens == _ar(e, [14, 15], 12)
+
+
+def test_early_stop_rule():
+    from specexec.draft import GrowCost
+
+    c = GrowCost(pass_s=0.1, target_s=1.0)
+    # E = 3 tokens, T = 2 passes x 0.1 + 1.0 = 1.2 s: one more pass is worth it iff g x 1.2 >= 3 x 0.1, g >= 0.25
+    assert c.more(3.0, 0.26, 2) and not c.more(3.0, 0.24, 2)
+    # an over-confident draft (half the predicted tokens come true): E = 1 + 0.5 x 2 = 2, worth it iff 0.5 g >= 1/6
+    half = GrowCost(pass_s=0.1, target_s=1.0, acc_scale=0.5)
+    assert half.more(3.0, 0.34, 2) and not half.more(3.0, 0.33, 2)
+
+
+@pytest.mark.parametrize("budget", [5, 64, 300])
+def test_early_stop_keeps_exact_budget(noisy_pairs, budget):
+    """Free passes: the same tree as without the rule. Costly passes: fewer passes, still exactly budget nodes."""
+    from specexec.draft import GrowCost
+
+    _, draft = noisy_pairs["llama"]
+    model = load_model(draft, CPU, torch.float32)
+    cfg = TreeConfig(budget=budget, max_beams=32, max_branch=8)
+    seq = [5, 6, 7, 8]
+    full, fs = Drafter(model, 2048).grow(seq, replace(cfg, early_stop=False))
+    free, es = Drafter(model, 2048).grow(seq, cfg, cost=GrowCost(pass_s=0.0, target_s=1.0))
+    assert not es.stopped_early and es.passes == fs.passes
+    assert torch.equal(free.n_tokens, full.n_tokens) and torch.equal(free.n_parents, full.n_parents)
+    cut, cs = Drafter(model, 2048).grow(seq, cfg, cost=GrowCost(pass_s=1e3, target_s=1e-3))
+    cut.check()
+    assert cs.stopped_early and cs.passes < fs.passes
+    assert cut.size - 1 == budget == cs.tree_size
+    if budget <= cfg.max_branch:
+        assert cs.passes == 1  # the root's children fill the tree: no further pass is worth 1000 s
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_in_the_engine_is_exact(engines, early_stop):
+    from specexec.budget import StepCosts
+
+    e = engines["llama"]
+    tree = TreeConfig(budget=32, early_stop=early_stop)
+    for ids in PROMPTS:
+        ref = _ar(e, ids, 40)
+        e.reset()
+        e._costs = StepCosts(pass_s=10.0, target_s={32: 1e-3})  # passes look costly: stop as soon as full
+        r = e.generate(ids, 40, method="specexec", tree=tree)
+        assert r.tokens == ref
+        assert (r.stats.early_stops > 0) == early_stop, r.stats
+        assert e._costs.target_s[32] != 1e-3, "the engine measures the step costs"

@@ -33,7 +33,11 @@ def bench(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
+    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
+    early_stop: bool = typer.Option(
+        True, "--early-stop/--no-early-stop",
+        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
+             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels."),
     context: int = typer.Option(2048, "--context", help="KV cache length (longest prompt + answer)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option(
@@ -61,7 +65,8 @@ def bench(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), budgets=parse_ints(budgets, "--budgets"),
             gammas=parse_ints(gammas, "--gammas"), max_new_tokens=max_new_tokens,
             sampling=SamplingConfig(temperature=temperature, seed=seed),
-            tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth))
+            tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth,
+                            early_stop=early_stop))
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)
         model = ModelOptions(target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype,
                              context=context, offload=offload_config(offload, gpu_memory, target_dtype))

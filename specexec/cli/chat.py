@@ -6,7 +6,9 @@ Parsing and printing only: options become configs, :mod:`specexec.chat` does the
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -64,7 +66,11 @@ def chat(
     max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
+    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
+    early_stop: bool = typer.Option(
+        True, "--early-stop/--no-early-stop",
+        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
+             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels."),
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest conversation + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
@@ -87,7 +93,7 @@ def chat(
     def run() -> None:
         model = ModelOptions(target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype,
                              context=context, offload=offload_config(offload, gpu_memory, target_dtype))
-        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth)
+        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         gen = GenOptions(max_new_tokens=max_new_tokens, method=method,
                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                                  seed=seed),
@@ -216,17 +222,45 @@ def _ctrl_c_as_key() -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
+@contextmanager
+def _ctrl_c_as_flag() -> Iterator[threading.Event]:
+    """While an answer streams, the first Ctrl-C only sets a flag, checked after each step's text is shown; a
+    second one raises at once. A flag cannot be lost: an exception raised by a signal handler that happens to run
+    inside a finalizer would be (Python prints it as "ignored"), and a step is never cut half-way."""
+    stop = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    try:
+        old = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread: keep the default behaviour
+        yield stop
+        return
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def answer(session: ChatSession, text: str) -> None:
     """Stream one answer. Ctrl-C stops it (the session keeps what was shown); errors print one line."""
     pieces = None
     try:
-        reply = session.send(text)
-        for n in reply.notices:
-            _notice(n)
-        pieces = iter(reply)
-        for piece in pieces:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        with _ctrl_c_as_flag() as stop:
+            reply = session.send(text)
+            if stop.is_set():
+                raise KeyboardInterrupt
+            for n in reply.notices:
+                _notice(n)
+            pieces = iter(reply)
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if stop.is_set():
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         if pieces is None:
             typer.echo()

@@ -27,16 +27,18 @@ def read_prompt(prompt: str) -> str:
         raise SpecexecError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
 
 
-def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, max_depth: int) -> TreeConfig:
+def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, max_depth: int,
+                early_stop: bool = True) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget == "auto":
         return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget, max_beams=max_beams,
-                          max_branch=max_branch, max_depth=max_depth)
+                          max_branch=max_branch, max_depth=max_depth, early_stop=early_stop)
     try:
         b = int(budget)
     except ValueError:
         raise SpecexecError(f"--budget must be a positive integer or 'auto', got {budget!r}") from None
-    return TreeConfig(budget=b, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth)
+    return TreeConfig(budget=b, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth,
+                      early_stop=early_stop)
 
 
 def offload_config(mode: str, gpu_memory: float | None, target_dtype: str):
@@ -77,7 +79,11 @@ def generate(
     max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: draft passes per tree."),
+    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
+    early_stop: bool = typer.Option(
+        True, "--early-stop/--no-early-stop",
+        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
+             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels."),
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
@@ -99,7 +105,7 @@ def generate(
 
         text = read_prompt(prompt)
         samp = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth)
+        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         chain_cfg = ChainConfig(gamma=gamma)
         if method is not None and method not in METHODS:
             raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
