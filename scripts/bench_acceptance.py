@@ -103,6 +103,7 @@ class Run:
     shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     draft_modeled: bool = False  # chain gammas without a real replay: draft_s = passes x measured s/pass
     early_stops: int = 0  # specexec steps whose tree growth the early-stop rule ended
+    acc_scale: float = 1.0  # EMA of emitted / predicted tokens per step (the early stop's correction)
 
 
 def log(msg: str) -> None:
@@ -216,7 +217,7 @@ def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, par
     """Replay the engine's greedy loop for one config with the draft only (see the module docstring).
 
     ``grow_cost``: the tree's early stop, as the engine runs it: None = full growth (``--grow-cost off``);
-    a ``(budget, draft_s, passes) -> GrowCost`` callable otherwise (see :func:`grow_costs`).
+    a ``(budget, draft_s, passes, acc_scale) -> GrowCost`` callable otherwise (see :func:`grow_costs`).
     Returns the run and the first step's (tree, sequence), an example for timing the target's verification.
     """
     import torch
@@ -235,7 +236,7 @@ def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, par
         n = len(seq) - 1
         t0, c0 = time.perf_counter(), time.process_time()
         if method == "specexec":
-            cost = grow_cost(param, run.draft_s, run.passes) if grow_cost is not None else None
+            cost = grow_cost(param, run.draft_s, run.passes, run.acc_scale) if grow_cost is not None else None
             tree, gs = drafter.grow(seq, cfg, lambda lg: sampling.logprobs(lg, greedy), cost)
             run.early_stops += gs.stopped_early
         else:
@@ -246,6 +247,9 @@ def replay(drafter: Any, prompt_ids: list[int], ref: list[int], method: str, par
         choice = torch.tensor([ref[produced + d] if produced + d < len(ref) else -1 for d in tree.n_depth.tolist()])
         path, emitted = walk(tree, choice)
         out = emitted[: len(ref) - produced]
+        if method == "specexec" and len(out) == len(emitted):  # (as the engine: emitted / predicted, EMA)
+            predicted = min(1.0 + float(tree.n_logp[1:].exp().sum()), cfg.max_depth + 1.0)
+            run.acc_scale = min(max(0.8 * run.acc_scale + 0.2 * len(emitted) / predicted, 0.2), 5.0)
         t0, c0 = time.perf_counter(), time.process_time()
         drafter.commit(tree, path, n)
         seq.extend(out)
@@ -351,8 +355,8 @@ def grow_costs(mode: str, engine: Any, budgets: list[int]) -> tuple[Any, str]:
             target_s[b] = time.perf_counter() - t0
         del cache
 
-        def cost(b: int, draft_s: float, passes: int) -> Any:
-            return GrowCost(pass_s=draft_s / passes, target_s=target_s[b]) if passes else None
+        def cost(b: int, draft_s: float, passes: int, acc: float) -> Any:
+            return GrowCost(pass_s=draft_s / passes, target_s=target_s[b], acc_scale=acc) if passes else None
 
         return cost, (f"cpu: per-pass draft time measured during each run; target verify s by budget "
                       f"{ {b: round(t, 3) for b, t in target_s.items()} }")
@@ -361,8 +365,8 @@ def grow_costs(mode: str, engine: Any, budgets: list[int]) -> tuple[Any, str]:
     pass_s = graphed[max(graphed)] + e2e["bookkeeping_s_per_level"]
     verify = {r["budget"]: r["verify_s"] for r in e2e["runs"] if r["format"] == "nf4"}
 
-    def gpu_cost(b: int, draft_s: float, passes: int) -> Any:
-        return GrowCost(pass_s=pass_s, target_s=interp(verify, b))
+    def gpu_cost(b: int, draft_s: float, passes: int, acc: float) -> Any:
+        return GrowCost(pass_s=pass_s, target_s=interp(verify, b), acc_scale=acc)
 
     return gpu_cost, (f"{e2e.get('device', 'GPU')} costs from {mode}: draft pass {pass_s * 1e3:.1f} ms (graphed, "
                       f"with bookkeeping), NF4 70B-shaped verify s by budget "

@@ -142,12 +142,16 @@ class StepCosts:
 
     pass_s: float | None = None
     target_s: dict[int, float] = field(default_factory=dict)
+    acc_scale: float = 1.0  # EMA of emitted / predicted (1 + sum of the tree's path probabilities) tokens
 
     def grow_cost(self, budget: int) -> GrowCost | None:
         t = self.target_s.get(budget)
-        return None if self.pass_s is None or t is None else GrowCost(pass_s=self.pass_s, target_s=t)
+        return None if self.pass_s is None or t is None else GrowCost(self.pass_s, t, self.acc_scale)
 
-    def update(self, budget: int, draft_s: float, passes: int, target_s: float) -> None:
+    def update(self, budget: int, draft_s: float, passes: int, target_s: float, predicted: float = 0.0,
+               emitted: int = 0) -> None:
+        if predicted > 0:
+            self.acc_scale = min(max(_ema(self.acc_scale, emitted / max(predicted, 1.0), 0.2), 0.2), 5.0)
         if passes > 0 and draft_s > 0:
             per = draft_s / passes
             self.pass_s = per if self.pass_s is None else _ema(self.pass_s, per, 0.3)

@@ -302,7 +302,8 @@ class Engine:
                 self._auto.update(tcfg.budget, tree.n_logp[1:].tolist(), len(emitted), tt - td, te - tt,
                                   gs.passes)
             elif g.method == "specexec":
-                self._costs.update(tcfg.budget, tt - td, gs.passes, te - tt)
+                predicted = min(1.0 + float(tree.n_logp[1:].exp().sum()), tcfg.max_depth + 1.0)
+                self._costs.update(tcfg.budget, tt - td, gs.passes, te - tt, predicted, len(emitted))
             tree_total += tree.size - 1
             hist[len(emitted)] += 1
             # commit: cut at EOS / the token limit; the caches may hold more than is committed, never less
