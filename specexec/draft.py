@@ -11,9 +11,11 @@ trimmed to exactly ``budget`` nodes.
 
 Early stop: with E = 1 + sum of the tree's path probabilities (expected tokens emitted; SpecExec §3), a step
 costs T = passes * pass_s + target_s. One more pass that adds g expected tokens is worth it iff
-(E + g) / (T + pass_s) >= E / T, i.e. g * T >= E * pass_s. The next pass's g is predicted from the last one:
-g_next = (g_last / U_last) * U_next, with U the path-probability mass of the nodes a pass expands (their
-children's mass can never exceed it). Any tree is verified exactly, so the rule only moves speed.
+(E + g) / (T + pass_s) >= E / T, i.e. g * T >= E * pass_s. g is bounded by U, the path-probability mass of the
+nodes the pass would expand (their children's mass can never exceed it), and the rule uses that bound: it stops
+only when even the best case is not worth a pass. (Predicting g from the last pass's gain stopped too early:
+on GPU costs it cost code prompts a quarter of their tokens per step.) Any tree is verified exactly, so the rule
+only moves speed.
 
 Cache slots: the committed sequence occupies draft slots [0, n); the root (pending token) sits at slot n; the
 nodes expanded during growth get slots n+1, n+2, ... in expansion order (pruned nodes leave unused slots behind,
@@ -142,7 +144,6 @@ class Drafter:
         next_slot = n + 1
         self._add_children(tree, torch.zeros(1, dtype=torch.long, device=dev), root_lq, cfg, budget)
         stop = cost if cfg.early_stop else None
-        expected, mass = 1.0, 1.0  # E before the last pass; mass U the last pass expanded (the root: 1)
         for _ in range(cfg.max_depth - 1):
             thr = tree.kth_logp(budget)
             live = tree.n_logp
@@ -158,11 +159,9 @@ class Drafter:
             beams = torch.topk(cand, k).indices.sort().values  # (k,) ascending: ancestors before descendants
             if stop is not None:  # (only once the tree is full: the budget is the verify size asked for)
                 e_now, u_next = torch.stack([1.0 + tree.n_logp[1:].exp().sum(), live[beams].exp().sum()]).tolist()
-                gain = (e_now - expected) / mass * u_next if mass > 0 else 0.0
-                if tree.size - 1 >= budget and not stop.more(e_now, gain, stats.passes):
+                if tree.size - 1 >= budget and not stop.more(e_now, u_next, stats.passes):
                     stats.stopped_early = True
                     break
-                expected, mass = e_now, u_next
             slots = torch.arange(next_slot, next_slot + k, device=dev)
             tree.draft_slot[beams] = slots
             next_slot += k
