@@ -18,7 +18,9 @@ class TreeConfig:
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
     auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice
-    early_stop: bool = True  # stop growing when one more draft pass is expected to cost more than it adds
+    # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft,
+    # off on a GPU (measured: +15-35 % tok/s on the CPU; on H100 costs it cut code acceptance, see BENCHMARKS.md)
+    early_stop: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):

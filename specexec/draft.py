@@ -132,7 +132,8 @@ class Drafter:
              cost: GrowCost | None = None) -> tuple[Tree, GrowStats]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
-        ``cost``: enables the early stop (when ``cfg.early_stop``); None grows up to ``max_depth`` levels.
+        ``cost``: enables the early stop (when ``cfg.early_stop``, by default on a CPU only); None grows up to
+        ``max_depth`` levels.
         """
         dev = self.model.device
         n = len(seq) - 1
@@ -143,7 +144,8 @@ class Drafter:
         tree.draft_slot[0] = n
         next_slot = n + 1
         self._add_children(tree, torch.zeros(1, dtype=torch.long, device=dev), root_lq, cfg, budget)
-        stop = cost if cfg.early_stop else None
+        early = cfg.early_stop if cfg.early_stop is not None else dev.type == "cpu"
+        stop = cost if early else None
         for _ in range(cfg.max_depth - 1):
             thr = tree.kth_logp(budget)
             live = tree.n_logp

@@ -204,3 +204,11 @@ def test_early_stop_in_the_engine_is_exact(engines, early_stop):
         assert r.tokens == ref
         assert (r.stats.early_stops > 0) == early_stop, r.stats
         assert e._costs.target_s[32] != 1e-3, "the engine measures the step costs"
+
+
+def test_early_stop_default_follows_the_device():
+    from specexec.cli.generate import tree_config
+
+    assert tree_config("16", 2048, 128, 32, 32).early_stop is None  # None: on for a CPU draft, off on a GPU
+    assert tree_config("auto", 2048, 128, 32, 32, False).early_stop is False
+    assert tree_config("16", 2048, 128, 32, 32, True).early_stop is True

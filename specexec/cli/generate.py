@@ -28,7 +28,7 @@ def read_prompt(prompt: str) -> str:
 
 
 def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, max_depth: int,
-                early_stop: bool = True) -> TreeConfig:
+                early_stop: bool | None = None) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget == "auto":
         return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget, max_beams=max_beams,
@@ -80,10 +80,11 @@ def generate(
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
     max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: bool = typer.Option(
-        True, "--early-stop/--no-early-stop",
+    early_stop: Optional[bool] = typer.Option(
+        None, "--early-stop/--no-early-stop",
         help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels."),
+             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
+             "Default: on for a CPU draft, off on a GPU."),
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
