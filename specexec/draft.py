@@ -6,8 +6,8 @@ probable continuations under the draft model q: a parallel Dijkstra over -log q.
 forward over them (tree mask, draft KV cache by slot), proposes each one's top ``max_branch`` children, and keeps
 only the best ``budget`` nodes of the whole tree. Growth stops when no unexpanded node beats the budget-th best
 (its children could not enter), after ``max_depth`` levels, or -- with ``early_stop`` and known costs
-(:class:`GrowCost`), once the tree holds ``budget`` nodes -- when one more pass is expected to add fewer tokens than its time is worth; the result is
-trimmed to exactly ``budget`` nodes.
+(:class:`GrowCost`), once the tree holds ``budget`` nodes -- when one more pass is expected to add fewer tokens
+than its time is worth; the result is trimmed to exactly ``budget`` nodes.
 
 Early stop: with E = 1 + sum of the tree's path probabilities (expected tokens emitted; SpecExec §3), a step
 costs T = passes * pass_s + target_s. One more pass that adds g expected tokens is worth it iff
@@ -159,9 +159,9 @@ class Drafter:
                 break
             cand = torch.where(open_, live, torch.full_like(live, float("-inf")))
             beams = torch.topk(cand, k).indices.sort().values  # (k,) ascending: ancestors before descendants
-            if stop is not None:  # (only once the tree is full: the budget is the verify size asked for)
+            if stop is not None and tree.size - 1 >= budget:  # only a full tree: the budget is the verify size
                 e_now, u_next = torch.stack([1.0 + tree.n_logp[1:].exp().sum(), live[beams].exp().sum()]).tolist()
-                if tree.size - 1 >= budget and not stop.more(e_now, u_next, stats.passes):
+                if not stop.more(e_now, u_next, stats.passes):
                     stats.stopped_early = True
                     break
             slots = torch.arange(next_slot, next_slot + k, device=dev)

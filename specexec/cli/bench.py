@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from specexec.cli.chat import DEMO_DRAFT, DEMO_TARGET, spinner
-from specexec.cli.common import guarded, setup_logging
+from specexec.cli.common import early_stop_option, guarded, setup_logging
 from specexec.cli.generate import offload_config
 
 
@@ -34,11 +34,7 @@ def bench(
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
     max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = typer.Option(
-        None, "--early-stop/--no-early-stop",
-        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-             "Default: on for a CPU draft, off on a GPU."),
+    early_stop: Optional[bool] = early_stop_option(),
     context: int = typer.Option(2048, "--context", help="KV cache length (longest prompt + answer)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option(

@@ -25,7 +25,7 @@ from specexec.chat import (
     parse_command,
     read_message,
 )
-from specexec.cli.common import guarded, setup_logging
+from specexec.cli.common import early_stop_option, guarded, setup_logging
 from specexec.cli.generate import offload_config, tree_config
 from specexec.config import METHODS, ChainConfig, SamplingConfig
 from specexec.errors import SpecexecError
@@ -67,11 +67,7 @@ def chat(
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
     max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = typer.Option(
-        None, "--early-stop/--no-early-stop",
-        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-             "Default: on for a CPU draft, off on a GPU."),
+    early_stop: Optional[bool] = early_stop_option(),
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest conversation + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),

@@ -47,3 +47,12 @@ def guarded(fn: Callable[[], Any]) -> Any:
         raise typer.Exit(130) from None
     except MemoryError:
         raise fail("out of host memory (RAM): use a smaller model, --offload ssd or a 4-bit target") from None
+
+
+def early_stop_option() -> Any:
+    """``--early-stop/--no-early-stop``, shared by generate, chat and bench (None: the device's default)."""
+    return typer.Option(
+        None, "--early-stop/--no-early-stop",
+        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
+             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
+             "Default: on for a CPU draft, off on a GPU.")

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specexec.cli.common import guarded, setup_logging
+from specexec.cli.common import early_stop_option, guarded, setup_logging
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import SpecexecError
 
@@ -80,11 +80,7 @@ def generate(
     max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
     max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
     max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = typer.Option(
-        None, "--early-stop/--no-early-stop",
-        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-             "Default: on for a CPU draft, off on a GPU."),
+    early_stop: Optional[bool] = early_stop_option(),
     gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
     context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
