@@ -128,11 +128,12 @@ class ResidentLayers:
 def linear(x: Tensor, w: Any) -> Tensor:
     """x (T, in) @ w.T -> (T, out). ``w`` is a dense tensor or any object with ``.linear(x)`` (e.g. NF4).
 
-    On a CPU, 5..48 rows (tree verification, draft levels) go through ``w @ x.T``: the BLAS picks a far better
-    kernel for that orientation (measured on the demo shapes: 9 rows 1.3-1.6x faster; 1-4 and 64+ rows are not).
+    On a CPU, 8..48 rows (tree verification, draft levels) go through ``w @ x.T``: the BLAS picks a far better
+    kernel for that orientation (scripts/bench_cpu_matmul.py on the demo shapes: 9 rows 1.1-1.6x faster per
+    weight, a 9-token target pass 1.6x; 2-5 and 64+ rows are slower that way, 1 row the same).
     """
     if isinstance(w, Tensor):
-        if x.device.type == "cpu" and 5 <= x.shape[0] <= 48 and x.dim() == 2:
+        if x.device.type == "cpu" and 8 <= x.shape[0] <= 48 and x.dim() == 2:
             return torch.mm(w, x.T).T
         return F.linear(x, w)
     return w.linear(x)
