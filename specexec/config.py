@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ar", "chain", "specexec")
+METHODS = ("ar", "chain", "specexec", "ngram")
 
 
 @dataclass(frozen=True)
