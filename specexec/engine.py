@@ -22,9 +22,9 @@ import torch
 from specexec import sampling
 from specexec.accept import accept
 from specexec.budget import AutoBudget, StepCosts, calibrate
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.draft import Drafter
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
 from specexec.tree import Tree
@@ -164,7 +164,7 @@ class Engine:
         tok = self.tokenizer.tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise SpecexecError("--chat needs a chat template, and this tokenizer has none")
+                raise SpecexecError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
             return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False))
         return list(tok(prompt, add_special_tokens=True)["input_ids"])
@@ -174,21 +174,20 @@ class Engine:
                chain: ChainConfig | None = None, chat: bool = False) -> Generation:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``."""
         method = method or ("specexec" if self.draft is not None else "ar")
-        if method not in METHODS:
-            raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        check_method(method)
         if method != "ar" and self.draft is None:
-            raise SpecexecError(f"--method {method} needs a draft model (--draft)")
+            raise SpecexecError(f"{setting('method', method)} needs a draft model: pass {setting('draft')}")
         ids = self.encode(prompt, chat)
         if not ids:
-            raise SpecexecError("the prompt is empty")
+            raise InvalidPrompt("the prompt is empty")
         if max_new_tokens < 1:
-            raise SpecexecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise ConfigError("max_new_tokens", max_new_tokens, "must be >= 1")
         if len(ids) >= self.context:
-            raise SpecexecError(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
+            raise InvalidPrompt(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
         if len(ids) + max_new_tokens > self.context:
             raise SpecexecError(
-                f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the context "
-                f"({self.context}); lower --max-new-tokens or raise --context"
+                f"prompt ({len(ids)} tokens) + {setting('max_new_tokens', max_new_tokens)} exceeds the context "
+                f"({self.context}); lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
             raise SpecexecError("prompt token ids out of the model's vocabulary")

@@ -129,7 +129,7 @@ def test_chat_non_utf8_input_then_goes_on(models):
 
 
 def test_chat_unknown_method(models):
-    _one_error_line(_chat(models, "--method", "beam"), "unknown method")
+    _one_error_line(_chat(models, "--method", "beam"), "unknown --method")
 
 
 def test_chat_method_needs_a_draft(models):

@@ -56,7 +56,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import typer
 
-from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, check_method as check_method_name, SamplingConfig, TreeConfig
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
@@ -292,8 +292,7 @@ def check_method(method_: str | None, draft_: str | None) -> None:
     """An unknown method, or one that needs a draft when there is none, is refused before anything loads."""
     if method_ is None:
         return
-    if method_ not in METHODS:
-        raise ConfigError("method", method_, f"must be one of {', '.join(METHODS)}")
+    check_method_name(method_)
     if method_ in NEEDS_DRAFT and draft_ is None:
         raise ConfigError("method", method_, "needs a draft model",
                           f"{setting('method', method_)} needs a draft model: pass {setting('draft')}")
@@ -305,8 +304,9 @@ def check_max_new_tokens(max_new_tokens_: int, context_: int) -> None:
     if max_new_tokens_ < 1:
         raise ConfigError("max_new_tokens", max_new_tokens_, "must be >= 1")
     if max_new_tokens_ >= context_:
-        raise ConfigError("max_new_tokens", max_new_tokens_,
-                          f"exceeds the context ({context_} tokens): lower it or raise {setting('context')}")
+        raise ConfigError("max_new_tokens", max_new_tokens_, "must be less than the context",
+                          f"{setting('max_new_tokens', max_new_tokens_)} exceeds the context ({context_} tokens): "
+                          f"lower it or raise {setting('context')}")
 
 
 def prompt_text(prompt_: str) -> str:
@@ -323,7 +323,7 @@ def prompt_text(prompt_: str) -> str:
             text.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
         except UnicodeEncodeError as e:
             raise InvalidPrompt(f"the {setting('prompt')} argument is not valid UTF-8 (character {e.start})") from None
-    if not text.strip():
+    if not text:
         raise InvalidPrompt("the prompt is empty")
     return text
 
