@@ -20,7 +20,7 @@ from offload.plan import OffloadConfig, Plan, make_plan
 from offload.quant import quantize_layer
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore
 from offload.streamer import StreamedLayers
-from specexec.errors import ConfigError, SpecexecError, setting
+from specexec.errors import ConfigError, setting
 from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig, Transformer
 

@@ -18,7 +18,7 @@ import torch
 from specexec import hub
 from specexec.config import TreeConfig
 from specexec.engine import Engine
-from specexec.errors import ConfigError, OutOfMemory, SpecexecError, setting
+from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
     load_model,

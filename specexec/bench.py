@@ -136,7 +136,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
-            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(METHODS)}")
+            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(METHODS)}",
+                              f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
+                              f"choose from {', '.join(METHODS)}")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         for b in self.budgets:

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.errors import OutOfMemory, SpecexecError, setting
+from specexec.errors import OutOfMemory, setting
 from specexec.loading import model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig
 

@@ -213,7 +213,8 @@ BEFORE_LOAD = {
     "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
     "context 4": (("--context", "4", "-n", "2"), "--context must be >= 8 tokens"),
     "unknown method": (("--method", "beam"), "unknown --method 'beam'"),
-    "method needs a draft": (("--method", "chain", "--draft", "none"), "--method chain needs a draft model: pass --draft"),
+    "method needs a draft": (("--method", "chain", "--draft", "none"),
+                             "--method chain needs a draft model: pass --draft"),
 }
 
 
@@ -231,7 +232,7 @@ def test_checked_before_loading(no_load, command, case):
     (("--num-prompts", "0"), "--num-prompts must be >= 1, got 0"),
     (("--temperature", "nan"), "--temperature must be a finite number"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
-    (("--methods", "ar,beam"), "--methods must be among"),
+    (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
     (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
     (("--budgets", "0"), "--budget must be >= 1"),
     (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
@@ -412,6 +413,11 @@ def test_same_default_draft_for_generate_chat_bench(monkeypatch):
             result = runner.invoke(app, cmd)
             assert result.exit_code == 2 and "stop here" in result.stderr, (command, result.output)
             assert seen == [want], (command, draft_args, seen)
+    for command in ("generate", "chat"):  # --method ar needs no draft: the default one is not loaded
+        seen.clear()
+        cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", "--method", "ar"]
+        runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))
+        assert seen == [None], (command, seen)
 
 
 # ---------------------------------------------------------------------------------------------- notices

@@ -20,6 +20,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         gpu_memory: Optional[float] = o.gpu_memory(),
         target_dtype: str = o.target_dtype(),
         cache_dir: Optional[Path] = o.cache_dir(),
+        method: Optional[str] = o.method(),
         budget: str = o.budget(),
         max_budget: int = o.max_budget(),
         max_beams: int = o.max_beams(),
@@ -35,7 +36,7 @@ library's validated configs (no logic beyond that). A command looks like this::
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
             tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir))
+                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method)
             o.notices_before_load(model)
             engine = load_engine(model, tree, progress=not quiet, status=o.spinner(quiet))
             o.notices_after_load(model, engine)
@@ -52,11 +53,12 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager
 
 import typer
 
-from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, check_method as check_method_name, SamplingConfig, TreeConfig
+from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import check_method as check_method_name
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
@@ -236,10 +238,11 @@ def as_json(help: str = "Print exactly one JSON object on stdout.") -> Any:
 # ------------------------------------------------------------------------------------------------ builders
 
 
-def resolve_draft(target_: str, draft_: str | None) -> str | None:
-    """The draft to load: the demo draft for the demo target when none is given; ``none`` means no draft."""
+def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) -> str | None:
+    """The draft to load: the demo draft for the demo target when none is given (unless ``--method ar``, which
+    needs none); ``none`` means no draft."""
     if draft_ is None:
-        return DEMO_DRAFT if target_ == DEMO_TARGET else None
+        return DEMO_DRAFT if target_ == DEMO_TARGET and method_ != "ar" else None
     return None if draft_.strip().lower() == "none" else draft_
 
 
@@ -278,14 +281,14 @@ def offload_config(mode: str, gpu_memory_: float | None, target_dtype_: str, cac
 
 
 def model_options(target_: str, draft_: str | None, device_: str, dtype_: str, draft_dtype_: str | None,
-                  context_: int, offload_cfg: Any) -> Any:
+                  context_: int, offload_cfg: Any, method_: str | None = None) -> Any:
     """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
-    return ModelOptions(target=target_, draft=resolve_draft(target_, draft_), device=device_, dtype=dtype_,
-                        draft_dtype=draft_dtype_, context=context_, offload=offload_cfg)
+    return ModelOptions(target=target_, draft=resolve_draft(target_, draft_, method_), device=device_,
+                        dtype=dtype_, draft_dtype=draft_dtype_, context=context_, offload=offload_cfg)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
