@@ -27,7 +27,7 @@ import torch
 from offload.layout import LayerFormat, layer_layout, layer_shapes
 from offload.quant import max_linear_numel
 from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, OutOfMemory, SpecexecError, check_finite, setting
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,20 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ConfigError("OffloadConfig.mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.target_dtype not in TARGET_DTYPES:
-            raise ValueError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+            raise ConfigError("OffloadConfig.target_dtype", self.target_dtype,
+                              f"must be one of {', '.join(TARGET_DTYPES)}")
+        check_finite("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb)
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
-            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+            raise ConfigError("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
         if self.lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
+            raise ConfigError("OffloadConfig.lookahead", self.lookahead, "must be >= 1")
         if self.ring_size is not None and self.ring_size < max(2, self.lookahead + 1):
-            raise ValueError(
-                f"ring_size must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}, got {self.ring_size}"
-            )
+            raise ConfigError("OffloadConfig.ring_size", self.ring_size,
+                              f"must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}")
         if self.resident_layers is not None and self.resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+            raise ConfigError("OffloadConfig.resident_layers", self.resident_layers, "must be >= 0")
         if self.ssd_dir is not None and not isinstance(self.ssd_dir, Path):
             object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
 
@@ -233,11 +234,12 @@ def make_plan(
         mode = "none" if fits_all(fmt) else "stream"  # CPU without gpu_memory_gb: unlimited, always none
     if mode == "none":
         if not fits_all(fmt):
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"the target needs {(fixed_bytes + n * lb) / GB:.1f} GB of VRAM with every layer on the GPU "
-                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use --offload auto, ram or ssd"
-                + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
-            )
+                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use {setting('OffloadConfig.mode')} "
+                "auto, ram or ssd"
+                + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
+                "GPU memory", fixed_bytes + n * lb, budget)
         k = n
     else:
         k = _resident_count(offload, n, lb, R, fixed_bytes, budget, fmt)
@@ -252,12 +254,12 @@ def make_plan(
     if mode == "stream":
         mode = "ram" if host_bytes <= ram_room else "ssd"
     if mode == "ram" and host_bytes > ram_room:
-        raise SpecexecError(
-            f"--offload ram needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} streamed {fmt.name} layers, "
-            f"but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
-            f"({ram_avail / GB:.1f} GB free): use --offload ssd"
-            + ("" if fmt.kind == "nf4" else ", --target-dtype nf4") + ", or free some memory"
-        )
+        raise OutOfMemory(
+            f"{setting('OffloadConfig.mode', 'ram')} needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} "
+            f"streamed {fmt.name} layers, but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
+            f"({ram_avail / GB:.1f} GB free): use {setting('OffloadConfig.mode', 'ssd')}"
+            + ("" if fmt.kind == "nf4" else f", {setting('OffloadConfig.target_dtype', 'nf4')}")
+            + ", or free some memory", "RAM", host_bytes, max(ram_room, 0))
     ram_need = host_bytes if mode == "ram" else (staging if streamed else 0)
     if mode == "ssd" and ram_need > ram_room:
         raise SpecexecError(
@@ -276,10 +278,10 @@ def make_plan(
         disk_free = _free_disk(cache_dir)
         if disk_need and disk_need + DISK_MARGIN > disk_free:
             why = "the SSD tier" if mode == "ssd" else "the NF4 cache (quantized once, reused by later starts)"
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"{why} needs {disk_need / GB:.1f} GB of disk in {cache_dir}, but only {disk_free / GB:.1f} GB "
-                "is free: point --ssd-dir at a disk with more space"
-            )
+                f"is free: point {setting('OffloadConfig.ssd_dir')} at a disk with more space",
+                "disk", disk_need, disk_free)
     return Plan(
         mode=mode, fmt=fmt, num_layers=n, layer_bytes=lb, resident=resident, streamed=streamed, ring_size=R,
         lookahead=offload.lookahead, device=str(device), vram_budget=budget, vram_need=vram_need,
@@ -309,7 +311,7 @@ def _resident_count(
             f"VRAM too small to stream the target: globals, draft, KV cache and workspace take {fixed / GB:.1f} GB "
             f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
             f"{budget / GB:.1f} GB: shorten the KV cache, use a smaller draft"
-            + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
+            + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}")
         )
     return int(min(k, n))
 

@@ -18,7 +18,7 @@ import torch
 from specexec import hub
 from specexec.config import TreeConfig
 from specexec.engine import Engine
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
     load_model,
@@ -50,7 +50,7 @@ def load(
     the draft's (default: same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
     """
     if context < 8:
-        raise SpecexecError(f"context must be >= 8 tokens, got {context}")
+        raise ConfigError("context", context, "must be >= 8 tokens")
     dev = parse_device(device)
     t_path = model_dir(hub.resolve(target, progress=progress))
     t_tok = load_tokenizer(t_path)
@@ -101,16 +101,16 @@ def check_host_memory(path: Any, extra: int) -> None:
     need = files * 2 + extra
     avail = psutil.virtual_memory().available
     if need > avail:
-        raise SpecexecError(
+        raise OutOfMemory(
             f"not enough RAM: loading {path.name} needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available "
-            "(lower --context, or use a GPU with --offload)"
-        )
+            f"(lower {setting('context')}, or use a GPU with {setting('OffloadConfig.mode')})",
+            "RAM", need, avail)
 
 
 def _load(path: Any, dev: torch.device, dt: torch.dtype):
     try:
         return load_model(path, dev, dt)
     except torch.cuda.OutOfMemoryError:
-        raise SpecexecError(
-            f"not enough GPU memory to load {path} resident; use --offload auto or a smaller --dtype"
-        ) from None
+        raise OutOfMemory(
+            f"not enough GPU memory to load {path} resident; use {setting('OffloadConfig.mode', 'auto')} or a "
+            f"smaller {setting('dtype')}", "GPU memory") from None

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.engine import Engine, Generation, Result, Stats
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,9 @@ class GenOptions:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if self.method is not None:
+            check_method(self.method)
 
 
 class Reply:
@@ -151,11 +151,12 @@ class ChatSession:
             raise SpecexecError("this model's tokenizer has no chat template: chat needs an instruct/chat model "
                                 "(use `specexec generate` for plain completion)")
         if self.options.method not in (None, "ar") and engine.draft is None:
-            raise SpecexecError(f"--method {self.options.method} needs a draft model (--draft)")
+            raise ConfigError("method", self.options.method, "needs a draft model",
+                              f"{setting('method', self.options.method)} needs a draft model: pass {setting('draft')}")
         if self.options.max_new_tokens + MIN_ANSWER_TOKENS > engine.context:
             raise SpecexecError(
-                f"max-new-tokens ({self.options.max_new_tokens}) leaves no room for a message in the context "
-                f"({engine.context} tokens): lower --max-new-tokens or raise --context"
+                f"{setting('max_new_tokens', self.options.max_new_tokens)} leaves no room for a message in the "
+                f"context ({engine.context} tokens): lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         self.system = _check_text(system, "system prompt") if system else None
         self.turns: list[Turn] = []
@@ -204,7 +205,7 @@ class ChatSession:
             raise SpecexecError(
                 f"message too long: it takes {len(alone)} tokens"
                 + (" with the system prompt" if self.system else "")
-                + f" and the context holds {ctx}; shorten it or raise --context"
+                + f" and the context holds {ctx}; shorten it or raise {setting('context')}"
             )
         window = [t for t in self.turns if t.in_context]
         drop = 0

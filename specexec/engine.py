@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from specexec.budget import AutoBudget, BudgetPolicy, FixedBudget, StepCosts, calibrate
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.decode import Stats, TargetState, decode, pass_timer
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
 from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
@@ -176,7 +176,7 @@ class Engine:
         tok = self.tokenizer.tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise SpecexecError("--chat needs a chat template, and this tokenizer has none")
+                raise SpecexecError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
             return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False))
         return list(tok(prompt, add_special_tokens=True)["input_ids"])
@@ -192,21 +192,20 @@ class Engine:
         instead of the tree config's (fixed or auto), e.g. one with known costs.
         """
         method = method or ("specexec" if self.draft is not None else "ar")
-        if method not in METHODS:
-            raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method in ("chain", "specexec") and self.draft is None:
-            raise SpecexecError(f"--method {method} needs a draft model (--draft)")
+        check_method(method)
+        if method in NEEDS_DRAFT and self.draft is None:
+            raise SpecexecError(f"{setting('method', method)} needs a draft model: pass {setting('draft')}")
         ids = self.encode(prompt, chat)
         if not ids:
-            raise SpecexecError("the prompt is empty")
+            raise InvalidPrompt("the prompt is empty")
         if max_new_tokens < 1:
-            raise SpecexecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise ConfigError("max_new_tokens", max_new_tokens, "must be >= 1")
         if len(ids) >= self.context:
-            raise SpecexecError(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
+            raise InvalidPrompt(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
         if len(ids) + max_new_tokens > self.context:
             raise SpecexecError(
-                f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the context "
-                f"({self.context}); lower --max-new-tokens or raise --context"
+                f"prompt ({len(ids)} tokens) + {setting('max_new_tokens', max_new_tokens)} exceeds the context "
+                f"({self.context}); lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
             raise SpecexecError("prompt token ids out of the model's vocabulary")

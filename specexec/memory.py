@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.errors import SpecexecError
+from specexec.errors import OutOfMemory, setting
 from specexec.loading import model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig
 
@@ -121,14 +121,15 @@ def check_memory(need: EngineMemory, device: torch.device, context: int) -> None
         return
     where = "GPU memory (VRAM)" if device.type == "cuda" else "RAM"
     if need.kv >= need.weights:
-        fix = "lower --context"
+        fix = f"lower {setting('context')}"
     else:
-        fix = "use a smaller model or a 16-bit --dtype" + (", or --offload" if device.type == "cuda" else "")
-    raise SpecexecError(
-        f"not enough {where}: the KV caches for --context {context} need {need.kv / GB:.2f} GB, the weights "
-        f"{need.weights / GB:.2f} GB and the workspace {need.workspace / GB:.2f} GB "
-        f"({need.total / GB:.2f} GB in all), but only {max(have, 0) / GB:.2f} GB is free: {fix}"
-    )
+        fix = f"use a smaller model or a 16-bit {setting('dtype')}" + (
+            f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else "")
+    raise OutOfMemory(
+        f"not enough {where}: the KV caches for {setting('context', context)} need {need.kv / GB:.2f} GB, the "
+        f"weights {need.weights / GB:.2f} GB and the workspace {need.workspace / GB:.2f} GB "
+        f"({need.total / GB:.2f} GB in all), but only {max(have, 0) / GB:.2f} GB is free: {fix}",
+        where, need.total, max(have, 0))
 
 
 def check_load(target: Path, draft: Path | None, device: torch.device, dtype: str, draft_dtype: str | None,

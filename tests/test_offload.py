@@ -232,7 +232,7 @@ def _fake_ram(monkeypatch, available_gb: float, total_gb: float = 64.0) -> None:
 def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     off = OffloadConfig(mode="ram", target_dtype="bf16", gpu_memory_gb=24, ssd_dir=tmp_path)
-    with pytest.raises(SpecexecError, match=r"--offload ram needs 1\d\d\.\d GB of RAM .* use --offload ssd"):
+    with pytest.raises(SpecexecError, match=r"OffloadConfig.mode=ram needs 1\d\d\.\d GB of RAM .* use OffloadConfig.mode=ssd"):
         make_plan(LLAMA70B, off, CPU)
     # NF4 (0.48 GB/layer) fits in the same RAM; auto picks ssd for bf16
     p = make_plan(LLAMA70B, OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, ssd_dir=tmp_path), CPU)
@@ -252,12 +252,12 @@ def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
 def test_plan_refuses_disk_vram_and_none(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))
-    with pytest.raises(SpecexecError, match=r"SSD tier needs 136\.\d GB of disk .* --ssd-dir"):
+    with pytest.raises(SpecexecError, match=r"SSD tier needs 136\.\d GB of disk .* OffloadConfig.ssd_dir"):
         make_plan(LLAMA70B, OffloadConfig(mode="ssd", target_dtype="bf16", ssd_dir=tmp_path), CPU)
     with pytest.raises(SpecexecError, match="VRAM too small to stream"):
         make_plan(LLAMA70B, OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=4), CPU,
                   kv_bytes=int(2e9))
-    with pytest.raises(SpecexecError, match="use --offload auto, ram or ssd"):
+    with pytest.raises(SpecexecError, match="use OffloadConfig.mode auto, ram or ssd"):
         make_plan(LLAMA70B, OffloadConfig(mode="none", target_dtype="bf16", gpu_memory_gb=24), CPU)
 
 
