@@ -51,8 +51,9 @@ class Result:
 class Generation:
     """Iterate to receive text pieces as tokens are accepted; ``result`` is set once iteration ends.
 
-    Stopping early (``break`` out of the loop, or :meth:`close`) is a clean cancel: the engine's caches stay
-    consistent and ``result`` holds what was generated, with finish_reason ``"cancelled"``.
+    Stopping early is safe between pieces: the engine's caches are consistent there. :meth:`close` cancels
+    explicitly; ``result`` then holds what was generated, with finish_reason ``"cancelled"``. An exception raised
+    inside a step (Ctrl-C) propagates and leaves ``result`` None.
     """
 
     def __init__(self, engine: "Engine", ids: list[int], max_new: int, proposer: Proposer, policy: BudgetPolicy,
@@ -96,10 +97,11 @@ class Generation:
             if len(final) > len(shown) and final.startswith(shown):
                 yield final[len(shown):]
             self._finish(None)
-        finally:
+        except GeneratorExit:  # closed by the caller between pieces: a clean cancel
+            self._finish("cancelled")
+            raise
+        finally:  # an exception (e.g. Ctrl-C inside a pass) leaves ``result`` None; the caches stay consistent
             steps.close()
-            if self.result is None:
-                self._finish("cancelled")
 
     def _finish(self, reason: str | None) -> None:
         if reason is not None:
@@ -133,7 +135,7 @@ class Engine:
         self._auto: AutoBudget | None = None
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
         self._static = (static_draft, static_rows)
-        self._ensure_room(tree or TreeConfig(), ChainConfig(), NGramConfig())
+        self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
 
     # -- read-only views (tests, tools) ---------------------------------------------------------------------------
     @property
