@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+
+# ``default``: what ``generate`` / ``chat`` do with no tuning flags (specexec with --budget auto, or n-grams without
+# a draft); ``ngram``: draft-free prompt lookup with its measured (auto) size choice
+BENCH_METHODS = (*METHODS, "default")
 from specexec.engine import Engine, Result
 from specexec.errors import ConfigError, SpecexecError, setting
 
@@ -134,11 +138,11 @@ class BenchConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)  # beams/branch/depth for every budget
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in BENCH_METHODS]
         if unknown:
-            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(METHODS)}",
+            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(BENCH_METHODS)}",
                               f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
-                              f"choose from {', '.join(METHODS)}")
+                              f"choose from {', '.join(BENCH_METHODS)}")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         for b in self.budgets:
@@ -153,6 +157,7 @@ class BenchConfig:
             out += [("chain", g) for g in self.gammas]
         if "specexec" in self.methods:
             out += [("specexec", b) for b in self.budgets]
+        out += [(m, None) for m in ("ngram", "default") if m in self.methods]
         return out
 
 
@@ -205,9 +210,11 @@ def _one(engine: Engine, prompt: Prompt, method: str, param: int | None, cfg: Be
     """One prompt, cold cache."""
     engine.reset()
     tree = replace(cfg.tree, budget=param, auto=False) if method == "specexec" and param else cfg.tree
+    if method in ("ngram", "default"):  # their measured choice of size, as generate/chat run them
+        tree = replace(cfg.tree, auto=True)
     chain = ChainConfig(gamma=param) if method == "chain" and param else ChainConfig()
-    return engine.generate(prompt.text, max_new or cfg.max_new_tokens, method=method, sampling_cfg=cfg.sampling,
-                           tree=tree, chain=chain, chat=prompt.chat)
+    return engine.generate(prompt.text, max_new or cfg.max_new_tokens, method=None if method == "default" else method,
+                           sampling_cfg=cfg.sampling, tree=tree, chain=chain, chat=prompt.chat)
 
 
 def _row(method: str, param: int | None, results: list[Result]) -> Row:
@@ -223,7 +230,7 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: s
               on_run: Callable[[str], None] | None = None) -> BenchReport:
     """Run every (method, param) over every prompt; ``on_run(label)`` is called after each (method, param, prompt)."""
     runs = cfg.runs()
-    if engine.draft is None and any(m != "ar" for m, _ in runs):
+    if engine.draft is None and any(m in ("chain", "specexec") for m, _ in runs):
         raise SpecexecError(f"bench: chain and specexec need a draft model ({setting('draft')}), "
                             f"or use {setting('methods', 'ar')}")
     for method in dict.fromkeys(m for m, _ in runs):  # warm-up: allocations, kernels, lazy imports

@@ -239,3 +239,94 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
         top = max(top, points[k])
         out[k] = top
     return out
+
+
+@dataclass
+class _Arm:
+    seconds: float = 0.0  # EMA of a step's seconds (proposal + verification)
+    tokens: float = 0.0  # EMA of tokens emitted per step
+    n: int = 0  # steps observed
+    last: int = -1  # the step it was last chosen at
+
+
+@dataclass
+class AdaptiveBudget:
+    """Chooses each step's size among ``arms`` by MEASURED tokens per second.
+
+    Built for a compute-bound verifier (a CPU), where a bigger tree costs more to verify and a draft pass costs a
+    good fraction of a target pass, so the best choice -- no draft at all (size 0: the n-gram trie, or plain
+    AR when nothing matches), a small tree, a bigger one -- depends on the machine and on the text being written.
+    Each arm keeps EMAs of its step seconds and emitted tokens; the best rate wins; an arm not tried for
+    ``explore_every`` steps next to the current best is tried once (so a change of text -- a repeated passage, a
+    switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the calibrated cost model,
+    when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
+    speed depends on it.
+    """
+
+    arms: tuple[int, ...]
+    prior: Callable[[int], float] | None = None  # expected tokens/s of an untried arm
+    explore_every: int = 8
+    alpha: float = 0.3
+    costs: StepCosts = field(default_factory=StepCosts)  # for the tree's early stop
+    max_depth: int = 32
+    _stats: dict[int, _Arm] = field(default_factory=dict)
+    _step: int = 0
+    _current: int | None = None
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.arms:
+            raise ValueError("AdaptiveBudget needs at least one arm")
+        self.arms = tuple(sorted(set(self.arms)))
+        self._stats = {a: _Arm() for a in self.arms}
+
+    def rate(self, arm: int) -> float | None:
+        s = self._stats[arm]
+        if s.n == 0:
+            return self.prior(arm) if self.prior is not None else None
+        return s.tokens / max(s.seconds, 1e-9)
+
+    def choose(self) -> int:
+        self._step += 1
+        rated = {a: self.rate(a) for a in self.arms}
+        known = {a: r for a, r in rated.items() if r is not None}
+        if not known:
+            best = self.arms[0]
+        else:
+            best = max(known, key=lambda a: known[a])
+        i = self.arms.index(best)
+        choice = best
+        if self._step > 1 and self._step % self.explore_every == 0:
+            neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
+            if neighbours:  # the one tried longest ago
+                choice = min(neighbours, key=lambda a: self._stats[a].last)
+        elif len(known) < len(self.arms) and self._stats[best].n >= 2:
+            untried = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms) and rated[self.arms[j]] is None]
+            if untried:
+                choice = untried[0]
+        self._stats[choice].last = self._step
+        self._current = choice
+        self.history.append(choice)
+        return choice
+
+    def grow_cost(self, budget: int) -> GrowCost | None:
+        return self.costs.grow_cost(budget)
+
+    def update(self, step: StepRecord) -> None:
+        s = self._stats.get(step.budget)
+        if s is None:
+            return
+        sec = step.draft_s + step.target_s
+        if s.n == 0:
+            s.seconds, s.tokens = sec, float(step.emitted)
+        else:
+            s.seconds = _ema(s.seconds, sec, self.alpha)
+            s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
+        s.n += 1
+        if step.budget > 0 and step.passes > 0:
+            predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
+            self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per arm: steps, measured tokens/step and seconds/step (EMAs)."""
+        return {a: {"steps": s.n, "tokens": s.tokens, "seconds": s.seconds} for a, s in self._stats.items() if s.n}

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from specexec.budget import AutoBudget, BudgetPolicy, FixedBudget, StepCosts, calibrate
+from specexec.budget import AdaptiveBudget, AutoBudget, BudgetPolicy, FixedBudget, StepCosts, calibrate
 from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.decode import Stats, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
@@ -28,6 +28,9 @@ from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, No
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Generation", "Result", "Stats"]
+
+CPU_ARMS = (4, 8, 16, 32)  # tree budgets the CPU's measured policy chooses among (besides 0: no draft)
+CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
 
 @dataclass
@@ -214,6 +217,8 @@ class Engine:
         tree, chain = tree or TreeConfig(), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
+        elif method == "specexec" and tree.auto and self.target.device.type == "cpu":
+            ngram = ngram or CPU_NGRAM
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
         stats = Stats(method=method)
@@ -239,16 +244,27 @@ class Engine:
             return NoDraft(dev), FixedBudget(0)
         if method == "ngram":
             assert ngram is not None
+            if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
+                arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
+                stats.budget_auto = True
+                return NGramDraft(dev, ngram), AdaptiveBudget(arms)
             return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
         assert self.draft_model is not None
         if method == "chain":
             stats.gamma = chain.gamma
             return ChainDraft(self.draft_model, chain.gamma), FixedBudget(chain.gamma)
-        merged = NGramDraft(dev, ngram) if ngram is not None else None
-        proposer = TreeDraft(self.draft_model, tree, merged)
         stats.budget, stats.budget_auto = tree.budget, tree.auto
         if not tree.auto:
-            return proposer, FixedBudget(tree.budget, self._costs, tree.max_depth)
+            merged = NGramDraft(dev, ngram) if ngram is not None else None
+            return TreeDraft(self.draft_model, tree, merged), FixedBudget(tree.budget, self._costs, tree.max_depth)
+        if dev.type == "cpu":
+            # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
+            # AR), small trees and bigger ones; n-gram continuations are merged into every tree
+            arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
+            proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram))
+            return proposer, AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
+        merged = NGramDraft(dev, ngram) if ngram is not None else None
+        proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is None:  # once per engine (and cache size), before the caches hold anything
             tc = time.perf_counter()
             self._auto = self._calibrate(tree)

@@ -74,6 +74,12 @@ class TreeDraft:
             self.ngram.reset()
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
+        if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
+            if self.ngram is None:
+                return Proposal(Tree(seq[-1], 1, self.draft.device), budget=0, source=self.name)
+            prop = self.ngram.propose(seq, replace(ctx, budget=self.ngram.max_nodes()))
+            prop.budget = 0
+            return prop
         tree, passes, beams, early = self.grow(seq, replace(self.cfg, budget=ctx.budget),
                                                ctx.logprobs or default_logprobs, ctx.cost)
         if self.ngram is not None:
@@ -81,6 +87,10 @@ class TreeDraft:
         return Proposal(tree, passes=passes, beams=beams, stopped_early=early, budget=ctx.budget, source=self.name)
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
+        if proposal.passes == 0:  # no draft pass ran: the draft cache catches up at its next proposal
+            if self.ngram is not None:
+                self.ngram.commit(proposal, path, seq)
+            return
         slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()
         self.draft.commit(slots, seq)
         if self.ngram is not None:
