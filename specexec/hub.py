@@ -34,9 +34,10 @@ import sys
 import tomllib
 import zipfile
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specexec.errors import SpecexecError
 
@@ -91,6 +92,7 @@ class ModelEntry:
     parts: tuple[WheelPart, ...] = ()
     gguf_size: int | None = None
     gguf_sha256: str | None = None
+    config: Mapping[str, Any] | None = None  # config.json keys of the architecture (models.toml ``config``)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -221,7 +223,14 @@ def _parse_entry(alias: str, raw: dict) -> ModelEntry:
         parts=parts,
         gguf_size=raw.get("gguf_size"),
         gguf_sha256=raw.get("gguf_sha256"),
+        config=raw.get("config"),
     )
+
+
+def known_config(alias: str) -> Mapping[str, Any] | None:
+    """The architecture models.toml records for ``alias`` (config.json keys incl. ``torch_dtype``), or None."""
+    entry = get_entry(alias)
+    return dict(entry.config) if entry.config is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- where things live

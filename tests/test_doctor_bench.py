@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specexec.cli import app
 from specexec.doctor import GpuInfo, SystemInfo, recommend
-from specexec.memory import layer_bytes, param_count
+from specexec.sizes import layer_bytes, param_count
 from specexec.model import ModelConfig
 from tests.test_chat import make_chat_pair
 

