@@ -77,7 +77,7 @@ def load(
     context = min(context, t_cfg.max_position_embeddings)
     d_dt = parse_dtype(draft_dtype or dtype, dev) if d_path is not None else None
     d_isz = d_dt.itemsize if d_dt is not None else 4
-    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz) if d_path is not None else None
+    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg) if d_path is not None else None
     plan = None
     if _offloaded(offload, dev):
         from offload.load import plan_offload, target_compute_dtype
@@ -96,7 +96,7 @@ def load(
                             draft_weights=d_weights)
     else:
         t_isz = parse_dtype(dtype, dev).itemsize
-        t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz)
+        t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz, t_cfg)
         memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
                             draft_weights=d_weights)
     # the draft first: it stays resident, and the target's memory plan accounted for it

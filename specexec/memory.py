@@ -125,7 +125,7 @@ def check_load(target: Path, draft: Path | None, device: torch.device, dtype: st
     t_isz = parse_dtype("auto" if dtype == "nf4" else dtype, device).itemsize
     d_name = draft_dtype or ("auto" if dtype == "nf4" else dtype)
     d_isz = parse_dtype(d_name, device).itemsize
-    t_w = 0 if offloaded else sizes.stored_weights(t_dir).resident_bytes(t_isz)
-    d_w = sizes.stored_weights(d_dir).resident_bytes(d_isz) if d_dir is not None else None
+    t_w = 0 if offloaded else sizes.stored_weights(t_dir).resident_bytes(t_isz, t_cfg)
+    d_w = sizes.stored_weights(d_dir).resident_bytes(d_isz, d_cfg) if d_dir is not None else None
     return check_engine(t_cfg, d_cfg, device, context, t_isz, d_isz, tree or TreeConfig(), chain or ChainConfig(),
                         target_weights=t_w, draft_weights=d_w)

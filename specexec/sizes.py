@@ -104,10 +104,12 @@ class StoredWeights:
         """The dtype most elements are stored in (``F32``, ``BF16``, ``F16``...)."""
         return max(self.numel, key=lambda k: self.numel[k]) if self.numel else "?"
 
-    def resident_bytes(self, itemsize: int) -> int:
-        """Host bytes the weights take once loaded at ``itemsize`` bytes an element (whatever they are stored
-        in), plus one transient tensor copy while casting."""
-        return self.params * itemsize + self.largest * itemsize
+    def resident_bytes(self, itemsize: int, cfg: ModelConfig | None = None) -> int:
+        """Bytes the weights take once loaded at ``itemsize`` bytes an element (whatever they are stored in),
+        plus one transient tensor copy while casting. With ``cfg`` the count is the model's own parameters (a
+        checkpoint of tied embeddings may also store the lm_head copy, which the loader does not keep)."""
+        params = min(self.params, param_count(cfg)) if cfg is not None else self.params
+        return params * itemsize + self.largest * itemsize
 
 
 def stored_weights(path: Path) -> StoredWeights:

@@ -75,7 +75,7 @@ def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):
     assert s32.nbytes == 2 * s16.nbytes == 4 * s32.params
     n32 = memory.check_load(pair[0], None, CPU, "fp32", None, 64, TreeConfig(budget=4))
     n16 = memory.check_load(bf16, None, CPU, "fp32", None, 64, TreeConfig(budget=4))
-    assert n32.weights == n16.weights == 4 * (s32.params + s32.largest)
+    assert n32.weights == n16.weights == 4 * (sizes.param_count(read_config(pair[0])) + s32.largest)
     file32 = (pair[0] / "model.safetensors").stat().st_size
     assert n32.weights < 1.2 * file32  # not 2x the fp32 file
     # loaded as bf16 the figure halves, whatever the storage
@@ -104,8 +104,8 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
 
     def total(b: int) -> int:
         return sizes.engine_memory(t_cfg, d_cfg, 512, 4, 4, TreeConfig(budget=b),
-                                   target_weights=sizes.stored_weights(pair[0]).resident_bytes(4),
-                                   draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4)).total
+                                   target_weights=sizes.stored_weights(pair[0]).resident_bytes(4, t_cfg),
+                                   draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4, d_cfg)).total
 
     assert total(e.largest_budget) <= have < total(e.largest_budget + 1)
     # the CLI turns it into one error line

@@ -86,6 +86,12 @@ def _print_recommendation(console, r) -> None:
         return
     table.add_row("model", f"{r.params / 1e9:.2f} B parameters, {r.num_layers} layers "
                            f"({r.layer_gb_bf16:.3f} GB/layer bf16, {r.layer_gb_nf4:.3f} GB/layer nf4)")
+    if r.resident_layers is None:  # nothing fits: the notes say why
+        table.add_row("offload tier", r.tier)
+        for note in r.notes:
+            table.add_row("note", note)
+        console.print(table)
+        return
     table.add_row("dtype", r.dtype)
     table.add_row("offload tier", r.tier)
     table.add_row("resident layers", f"{r.resident_layers} of {r.num_layers} ({r.streamed_layers} streamed, "
