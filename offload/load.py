@@ -20,7 +20,7 @@ from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
 from offload.quant import quantize_layer
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, setting
 from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig, Transformer
 
@@ -32,7 +32,9 @@ def target_compute_dtype(dtype_str: str, offload: OffloadConfig, device: torch.d
     if offload.target_dtype in ("bf16", "fp16"):
         want = {"bf16": torch.bfloat16, "fp16": torch.float16}[offload.target_dtype]
         if dtype_str != "auto" and parse_dtype(dtype_str, device) != want:
-            raise SpecexecError(f"--dtype {dtype_str} contradicts --target-dtype {offload.target_dtype}")
+            raise ConfigError("dtype", dtype_str, "contradicts the target dtype",
+                              f"{setting('dtype', dtype_str)} contradicts "
+                              f"{setting('OffloadConfig.target_dtype', offload.target_dtype)}")
         return want
     return parse_dtype(dtype_str, device)
 

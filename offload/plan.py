@@ -11,7 +11,7 @@ fit. ``mode=auto``: ``none`` (all resident) if everything fits in VRAM, else ``r
 holds the streamed layers, else ``ssd``. ``target_dtype=auto``: 16-bit when the model fits in VRAM, else NF4
 (3.6x fewer bytes to stream per pass). On a CPU device (tests) the "VRAM" budget is ``gpu_memory_gb`` or
 unlimited, so ``auto`` gives ``none`` unless a cap is set. When the model cannot fit as asked, :func:`make_plan`
-raises a :class:`SpecexecError` saying what is short and what to change — before any weight is read.
+raises an :class:`~specexec.errors.OutOfMemory` saying what is short and what to change — before any weight is read.
 
 Time floor of one forward = streamed bytes / pinned host→device bandwidth (25 GB/s, a PCIe 4.0 x16 desktop, unless
 measured with :func:`measure_h2d_bandwidth`).
@@ -32,7 +32,7 @@ from offload.layout import LayerFormat, layer_layout, layer_shapes
 from offload.quant import max_linear_numel
 from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
 from specexec import sizes
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, OutOfMemory, SpecexecError, check_finite, setting
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -63,19 +63,20 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ConfigError("OffloadConfig.mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.target_dtype not in TARGET_DTYPES:
-            raise ValueError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+            raise ConfigError("OffloadConfig.target_dtype", self.target_dtype,
+                              f"must be one of {', '.join(TARGET_DTYPES)}")
+        check_finite("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb)
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
-            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+            raise ConfigError("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
         if self.lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
+            raise ConfigError("OffloadConfig.lookahead", self.lookahead, "must be >= 1")
         if self.ring_size is not None and self.ring_size < max(2, self.lookahead + 1):
-            raise ValueError(
-                f"ring_size must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}, got {self.ring_size}"
-            )
+            raise ConfigError("OffloadConfig.ring_size", self.ring_size,
+                              f"must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}")
         if self.resident_layers is not None and self.resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+            raise ConfigError("OffloadConfig.resident_layers", self.resident_layers, "must be >= 0")
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
             object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
 
@@ -241,7 +242,7 @@ def _free_disk(path: Path) -> int:
 
 
 def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = OffloadConfig()) -> Plan:
-    """Decide resident layers, ring, tier and storage format; raise SpecexecError if it cannot fit as asked.
+    """Decide resident layers, ring, tier and storage format; raise OutOfMemory if it cannot fit as asked.
 
     Pure: everything it knows about the machine is in ``resources`` and about the model in ``model`` (so load and
     ``specexec doctor`` share it, and tests give it any machine).
@@ -284,11 +285,12 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
         mode = "none" if fits_all(fmt) else "stream"  # CPU without gpu_memory_gb: unlimited, always none
     if mode == "none":
         if not fits_all(fmt):
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"the target needs {(fixed_bytes + n * lb) / GB:.1f} GB of VRAM with every layer on the GPU "
-                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use --offload auto, ram or ssd"
-                + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
-            )
+                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use {setting('OffloadConfig.mode')} "
+                "auto, ram or ssd"
+                + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
+                "GPU memory", fixed_bytes + n * lb, budget)
         k = n
     else:
         k = _resident_count(offload, n, lb, R, fixed_bytes, budget, fmt)
@@ -302,17 +304,17 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
     if mode == "stream":
         mode = "ram" if host_bytes <= ram_room else "ssd"
     if mode == "ram" and host_bytes > ram_room:
-        raise SpecexecError(
-            f"--offload ram needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} streamed {fmt.name} layers, "
-            f"but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
-            f"({ram_avail / GB:.1f} GB free): use --offload ssd"
-            + ("" if fmt.kind == "nf4" else ", --target-dtype nf4") + ", or free some memory"
-        )
+        raise OutOfMemory(
+            f"{setting('OffloadConfig.mode', 'ram')} needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} "
+            f"streamed {fmt.name} layers, but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
+            f"({ram_avail / GB:.1f} GB free): use {setting('OffloadConfig.mode', 'ssd')}"
+            + ("" if fmt.kind == "nf4" else f", {setting('OffloadConfig.target_dtype', 'nf4')}")
+            + ", or free some memory", "RAM", host_bytes, max(ram_room, 0))
     ram_need = host_bytes if mode == "ram" else (staging if streamed else 0)
     if mode == "ssd" and ram_need > ram_room:
-        raise SpecexecError(
-            f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)"
-        )
+        raise OutOfMemory(
+            f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)",
+            "RAM", ram_need, max(ram_room, 0))
 
     cache_dir: Path | None = None
     disk_free: int | None = None
@@ -323,11 +325,10 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
         disk_free = resources.disk_free
         if disk_need and disk_free is not None and disk_need + DISK_MARGIN > disk_free:
             why = "the SSD tier" if mode == "ssd" else "the NF4 cache (quantized once, reused by later starts)"
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"{why} needs {disk_need / GB:.1f} GB of disk in {cache_dir}, but only {disk_free / GB:.1f} GB "
-                "is free: point the cache (--cache-dir, or the SPECEXEC_HOME environment variable) at a disk "
-                "with more space"
-            )
+                f"is free: point the cache ({setting('OffloadConfig.cache_dir')}, or the SPECEXEC_HOME environment "
+                "variable) at a disk with more space", "disk", disk_need, disk_free)
     h2d = resources.h2d_gbps
     return Plan(
         mode=mode, fmt=fmt, num_layers=n, layer_bytes=lb, resident=resident, streamed=streamed, ring_size=R,
@@ -345,21 +346,21 @@ def _resident_count(
         k = min(offload.resident_layers, n)
         need = fixed + k * lb + (R * lb if k < n else 0)
         if budget is not None and need > budget:
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"{k} resident layers + a ring of {R} need {need / GB:.1f} GB of VRAM, "
-                f"the budget is {budget / GB:.1f} GB: ask for fewer resident layers"
-            )
+                f"the budget is {budget / GB:.1f} GB: ask for fewer {setting('OffloadConfig.resident_layers')}",
+                "GPU memory", need, budget)
         return k
     if budget is None or fixed + n * lb <= budget:
         return n
     k = (budget - fixed - R * lb) // lb
     if k < 0:
-        raise SpecexecError(
+        raise OutOfMemory(
             f"VRAM too small to stream the target: globals, draft, KV cache and workspace take {fixed / GB:.1f} GB "
             f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
-            f"{budget / GB:.1f} GB: shorten the KV cache, use a smaller draft"
-            + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
-        )
+            f"{budget / GB:.1f} GB: lower {setting('context')}, use a smaller draft"
+            + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
+            "GPU memory", fixed + R * lb, budget)
     return int(min(k, n))
 
 

@@ -20,7 +20,7 @@ import torch
 from specexec import hub, memory, sizes
 from specexec.config import TreeConfig
 from specexec.engine import Engine
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
     load_model,
@@ -59,7 +59,7 @@ def load(
     the tree is what is too big).
     """
     if context < 8:
-        raise SpecexecError(f"context must be >= 8 tokens, got {context}")
+        raise ConfigError("context", context, "must be >= 8 tokens")
     tree = tree or TreeConfig()
     home = Path(cache_dir).expanduser() if cache_dir is not None else None
     if offload is not None and home is not None and offload.cache_dir is None:
@@ -123,6 +123,6 @@ def _load(path: Any, dev: torch.device, dt: torch.dtype):
     try:
         return load_model(path, dev, dt)
     except torch.cuda.OutOfMemoryError:
-        raise SpecexecError(
-            f"not enough GPU memory to load {path} resident; use --offload auto or a smaller --dtype"
-        ) from None
+        raise OutOfMemory(
+            f"not enough GPU memory to load {path} resident; use {setting('OffloadConfig.mode', 'auto')} or a "
+            f"smaller {setting('dtype')}", "GPU memory") from None

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
 from specexec.engine import Engine, Result
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,14 @@ def _prose_prompt(topic: str, chars: int = 400) -> Prompt | None:
 
 def builtin_prompts(n: int = 8) -> list[Prompt]:
     """Up to ``n`` prompts alternating code and prose, taken from this Python's standard library."""
+    if n < 1:
+        raise ConfigError("num_prompts", n, "must be >= 1")
     code = [p for p in map(_code_prompt, CODE_SOURCES) if p]
     prose = [p for p in map(_prose_prompt, PROSE_TOPICS) if p]
     mixed = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]
     if not mixed:
-        raise SpecexecError("no built-in prompts: this Python lacks stdlib sources; pass --prompts FILE.jsonl")
+        raise SpecexecError(
+            f"no built-in prompts: this Python lacks stdlib sources; pass {setting('prompts')} FILE.jsonl")
     return mixed[:n]
 
 
@@ -133,9 +136,11 @@ class BenchConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(METHODS)}",
+                              f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
+                              f"choose from {', '.join(METHODS)}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         for b in self.budgets:
             replace(self.tree, budget=b, auto=False)  # validates each budget (ValueError)
         for g in self.gammas:
@@ -219,7 +224,8 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: s
     """Run every (method, param) over every prompt; ``on_run(label)`` is called after each (method, param, prompt)."""
     runs = cfg.runs()
     if engine.draft is None and any(m != "ar" for m, _ in runs):
-        raise SpecexecError("bench: chain and specexec need a draft model (--draft), or use --methods ar")
+        raise SpecexecError(f"bench: chain and specexec need a draft model ({setting('draft')}), "
+                            f"or use {setting('methods', 'ar')}")
     for method in dict.fromkeys(m for m, _ in runs):  # warm-up: allocations, kernels, lazy imports
         _one(engine, prompts[0], method, max(cfg.budgets) if method == "specexec" else None, cfg, max_new=4)
     rows, per_prompt, ref = [], [], None
@@ -270,7 +276,7 @@ def plot(report: BenchReport, path: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SpecexecError("--plot needs matplotlib (pip install 'specexec[plot]')") from None
+        raise SpecexecError(f"{setting('plot')} needs matplotlib (pip install 'specexec[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,8 @@
-"""Automatic tree budget: pick the budget b that maximises expected tokens/s.
+"""The budget policy: how many tokens the next proposal may hold, and what a draft pass is worth.
+
+One object per generation answers ``choose()`` (the next step's size), ``grow_cost(b)`` (the costs the tree's
+early stop weighs) and ``update(step)`` (what the step did). :class:`FixedBudget` keeps one size and measures
+its costs; :class:`AutoBudget` picks the size with the best expected tokens/s:
 
     tokens/s(b) = E[emitted | b] / (draft_s(b) + target_s(b))
 
@@ -20,7 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specexec.draft import GrowCost
+from typing import Protocol
+
+from specexec.propose.tree import GrowCost
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,45 @@ def interp(points: dict[int, float], x: float) -> float:
     x0, x1 = xs[i - 1], xs[i]
     y0, y1 = points[x0], points[x1]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
+
+
+@dataclass
+class StepRecord:
+    """What one decode step did (fed back to the policy)."""
+
+    budget: int  # the size the policy chose
+    tree_logp: list[float]  # the proposal's non-root cumulative scores (log path probabilities)
+    emitted: int  # tokens the step emitted (before any EOS / limit cut)
+    draft_s: float  # seconds spent proposing
+    target_s: float  # seconds of the target's pass + acceptance
+    passes: int  # draft passes
+
+
+class BudgetPolicy(Protocol):
+    def choose(self) -> int: ...
+
+    def grow_cost(self, budget: int) -> GrowCost | None: ...
+
+    def update(self, step: StepRecord) -> None: ...
+
+
+@dataclass
+class FixedBudget:
+    """Always ``budget``; measures the step costs so the tree's early stop can weigh a draft pass."""
+
+    budget: int
+    costs: "StepCosts" = field(default_factory=lambda: StepCosts())
+    max_depth: int = 32
+
+    def choose(self) -> int:
+        return self.budget
+
+    def grow_cost(self, budget: int) -> GrowCost | None:
+        return self.costs.grow_cost(budget)
+
+    def update(self, step: StepRecord) -> None:
+        predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0) if step.tree_logp else 0.0
+        self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 
 
 @dataclass
@@ -112,9 +157,10 @@ class AutoBudget:
         self.history.append(best)
         return best
 
-    def update(self, budget: int, tree_logp: list[float], emitted: int, draft_s: float, target_s: float,
-               passes: int) -> None:
+    def update(self, step: StepRecord) -> None:
         """Feed back one step: the tree's cumulative draft log-probs (non-root), tokens emitted, times."""
+        budget, tree_logp, emitted = step.budget, step.tree_logp, step.emitted
+        draft_s, target_s, passes = step.draft_s, step.target_s, step.passes
         probs = sorted((math.exp(x) for x in tree_logp), reverse=True)
         curve, acc = [], 1.0
         for p in probs:

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.engine import Engine, Generation, Result, Stats
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class ModelOptions:
     draft_dtype: str | None = None
     context: int = 4096
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
+    cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
 
 
 def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
@@ -62,12 +63,12 @@ def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
     """
     from specexec import api, hub
 
-    t_path = hub.resolve(opts.target, progress=progress)
-    d_path = hub.resolve(opts.draft, progress=progress) if opts.draft else None
+    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
+    d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
     with (status or (lambda _msg: nullcontext()))("loading models"):
         return api.load(str(t_path), str(d_path) if d_path else None, device=opts.device, dtype=opts.dtype,
                         draft_dtype=opts.draft_dtype, context=opts.context, offload=opts.offload, tree=tree,
-                        progress=progress)
+                        progress=progress, cache_dir=opts.cache_dir)
 
 
 # ---------------------------------------------------------------------------------------------- the session
@@ -96,9 +97,9 @@ class GenOptions:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if self.method is not None:
+            check_method(self.method)
 
 
 class Reply:
@@ -151,11 +152,12 @@ class ChatSession:
             raise SpecexecError("this model's tokenizer has no chat template: chat needs an instruct/chat model "
                                 "(use `specexec generate` for plain completion)")
         if self.options.method not in (None, "ar") and engine.draft is None:
-            raise SpecexecError(f"--method {self.options.method} needs a draft model (--draft)")
+            raise ConfigError("method", self.options.method, "needs a draft model",
+                              f"{setting('method', self.options.method)} needs a draft model: pass {setting('draft')}")
         if self.options.max_new_tokens + MIN_ANSWER_TOKENS > engine.context:
             raise SpecexecError(
-                f"max-new-tokens ({self.options.max_new_tokens}) leaves no room for a message in the context "
-                f"({engine.context} tokens): lower --max-new-tokens or raise --context"
+                f"{setting('max_new_tokens', self.options.max_new_tokens)} leaves no room for a message in the "
+                f"context ({engine.context} tokens): lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         self.system = _check_text(system, "system prompt") if system else None
         self.turns: list[Turn] = []
@@ -204,7 +206,7 @@ class ChatSession:
             raise SpecexecError(
                 f"message too long: it takes {len(alone)} tokens"
                 + (" with the system prompt" if self.system else "")
-                + f" and the context holds {ctx}; shorten it or raise --context"
+                + f" and the context holds {ctx}; shorten it or raise {setting('context')}"
             )
         window = [t for t in self.turns if t.in_context]
         drop = 0

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ar", "chain", "specexec")
+from specexec.errors import ConfigError, check_finite, setting
+
+METHODS = ("ar", "chain", "specexec", "ngram")
+NEEDS_DRAFT = ("chain", "specexec")  # methods that need a draft model
+
+
+def check_method(method: str) -> None:
+    """Raise :class:`ConfigError` unless ``method`` is one of :data:`METHODS`."""
+    if method not in METHODS:
+        raise ConfigError("method", method, f"must be one of {', '.join(METHODS)}",
+                          f"unknown {setting('method')} {method!r}; choose one of {', '.join(METHODS)}")
 
 
 @dataclass(frozen=True)
@@ -25,9 +35,10 @@ class TreeConfig:
     def __post_init__(self) -> None:
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.budget > 65536 or self.max_budget > 65536:
-            raise ValueError(f"budget {max(self.budget, self.max_budget)} is absurdly large (max 65536)")
+                raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")
+        for name in ("budget", "max_budget"):
+            if getattr(self, name) > 65536:
+                raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "is absurdly large (max 65536)")
 
     @property
     def largest(self) -> int:
@@ -43,7 +54,7 @@ class ChainConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= 256:
-            raise ValueError(f"gamma must be in 1..256, got {self.gamma}")
+            raise ConfigError("ChainConfig.gamma", self.gamma, "must be in 1..256")
 
 
 @dataclass(frozen=True)
@@ -57,14 +68,16 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            check_finite(f"SamplingConfig.{name}", getattr(self, name))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError("SamplingConfig.temperature", self.temperature, "must be >= 0")
         if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+            raise ConfigError("SamplingConfig.top_k", self.top_k, "must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise ConfigError("SamplingConfig.top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
+            raise ConfigError("SamplingConfig.min_p", self.min_p, "must be in [0, 1)")
 
     @property
     def greedy(self) -> bool:

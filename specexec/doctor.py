@@ -264,19 +264,20 @@ def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool 
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def model_config(spec: str) -> tuple[ModelConfig | None, str, str]:
+def model_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | None, str, str]:
     """The architecture of a model spec without downloading anything: (config or None, where it came from, why
     None). A local path or a downloaded alias gives its config.json; an alias not downloaded gives the architecture
     recorded in configs/models.toml; an HF id gives its config.json if the HF cache holds it, else None with the
-    reason. A spec that is none of these (unknown alias, missing path) raises :class:`SpecexecError`."""
+    reason. A spec that is none of these (unknown alias, missing path) raises :class:`SpecexecError`. ``home``:
+    the cache root aliases are looked up in (default :func:`specexec.hub.cache_home`)."""
     import json
 
     from specexec import hub
 
     source: Path | None = None
     if spec in hub.aliases():
-        if hub.is_present(spec):
-            source = hub.local_path(spec) / "config.json"
+        if hub.is_present(spec, home):
+            source = hub.local_path(spec, home) / "config.json"
         else:
             known = hub.known_config(spec)
             if known is None:
@@ -284,7 +285,7 @@ def model_config(spec: str) -> tuple[ModelConfig | None, str, str]:
             return _parse(known, "configs/models.toml"), f"configs/models.toml (alias {spec}, not downloaded)", ""
     else:
         try:
-            path = hub.resolve(spec, pull_missing=False, progress=False)
+            path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
         except SpecexecError as e:
             if not hub._HF_ID.match(spec) or hub._looks_like_path(spec):
                 raise  # an unknown alias or a missing path: a user error, not a missing download
@@ -322,10 +323,10 @@ def _cached_hf_config(spec: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def recommend(spec: str, system: SystemInfo, context: int = 4096) -> Recommendation:
+def recommend(spec: str, system: SystemInfo, context: int = 4096, home: Path | None = None) -> Recommendation:
     """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
     nothing is downloaded). Unknown specs raise :class:`SpecexecError`."""
-    cfg, source, why = model_config(spec)
+    cfg, source, why = model_config(spec, home)
     if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
     rec = Recommendation(target=spec, present=True, config_path=source, params=param_count(cfg),
@@ -337,7 +338,7 @@ def recommend(spec: str, system: SystemInfo, context: int = 4096) -> Recommendat
     if system.gpu is None:
         _recommend_cpu(rec, cfg, system, context)
     else:
-        _recommend_gpu(rec, cfg, system, context)
+        _recommend_gpu(rec, cfg, system, context, home)
     return rec
 
 
@@ -366,7 +367,8 @@ def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     rec.notes.append("no CUDA GPU: CPU-only mode (offload tiers apply to GPUs only)")
 
 
-def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int) -> None:
+def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int,
+                   home: Path | None = None) -> None:
     """GPU: the offload manager's own plan (:func:`offload.plan.make_plan`) for this machine's figures."""
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
 
@@ -380,7 +382,7 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
                           h2d_gbps=gpu.pinned_h2d_gbps)
     model = PlanModel(cfg, torch.bfloat16, kv_bytes=others, max_tokens=min(TREE_TOKENS, sizes.step_room(tree)))
     try:
-        plan = make_plan(resources, model, OffloadConfig())
+        plan = make_plan(resources, model, OffloadConfig(cache_dir=home))
     except SpecexecError as e:
         rec.tier = "does-not-fit"
         rec.notes.append(str(e))
@@ -409,7 +411,12 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
 
 
 def run_doctor(target: str | None = None, context: int = 4096, disk_mb: int = 256, measure: bool = True,
-               disk_dir: Path | None = None) -> DoctorReport:
-    """The whole report: the machine, plus a recommendation for ``target`` if given."""
-    system = system_info(disk_dir, disk_mb, measure)
-    return DoctorReport(system=system, recommendation=recommend(target, system, context) if target else None)
+               disk_dir: Path | None = None, home: Path | None = None) -> DoctorReport:
+    """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
+    root (``--cache-dir``; default :func:`specexec.hub.cache_home`), where models are looked up and whose disk is
+    measured unless ``disk_dir`` is given."""
+    from specexec import hub
+
+    system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
+    rec = recommend(target, system, context, home) if target else None
+    return DoctorReport(system=system, recommendation=rec)

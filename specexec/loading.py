@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 from specexec.model import Globals, ModelConfig, ResidentLayers, Transformer
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,10 @@ def parse_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise SpecexecError(f"unknown device {name!r}; choose auto, cpu or cuda")
+        raise ConfigError("device", name, "must be auto, cpu or cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecexecError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
+        raise SpecexecError(f"{setting('device', 'cuda')} was asked for but no CUDA GPU is available "
+                            f"(use {setting('device', 'cpu')})")
     return torch.device(name)
 
 

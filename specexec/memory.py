@@ -17,7 +17,7 @@ import torch
 
 from specexec import sizes
 from specexec.config import ChainConfig, TreeConfig
-from specexec.errors import SpecexecError
+from specexec.errors import OutOfMemory, setting
 from specexec.loading import model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig
 
@@ -28,13 +28,14 @@ MARGIN_BYTES = 512 << 20  # kept free on the device for the allocator, small act
 MAX_BUDGET = 65536  # TreeConfig's own upper limit
 
 
-class NotEnoughMemory(SpecexecError):
-    """A load would not fit in RAM/VRAM. ``largest_budget``: the largest tree budget that fits (None when the
-    tree is not what is too big); ``need``/``have`` in bytes; ``where`` "RAM" or "GPU memory (VRAM)"."""
+class NotEnoughMemory(OutOfMemory):
+    """An engine would not fit in RAM/VRAM (an :class:`~specexec.errors.OutOfMemory` with ``resource`` "RAM" or
+    "GPU memory"). ``largest_budget``: the largest tree budget that fits (None when the tree is not what is too
+    big); ``need``/``have`` in bytes."""
 
-    def __init__(self, message: str, need: int, have: int, where: str, largest_budget: int | None = None) -> None:
-        super().__init__(message)
-        self.need, self.have, self.where, self.largest_budget = need, have, where, largest_budget
+    def __init__(self, message: str, resource: str, need: int, have: int, largest_budget: int | None = None) -> None:
+        super().__init__(message, resource, need, have)
+        self.largest_budget = largest_budget
 
 
 def available_bytes(device: torch.device) -> int:
@@ -87,25 +88,27 @@ def check_engine(target: ModelConfig, draft: ModelConfig | None, device: torch.d
     if need.total <= have:
         return need
     where = "GPU memory (VRAM)" if device.type == "cuda" else "RAM"
+    resource = "GPU memory" if device.type == "cuda" else "RAM"
     fixed = need.fixed
     best = largest_budget(target, draft, context, target_itemsize, draft_itemsize, tree, chain, fixed, have)
     free = f"only {max(have, 0) / GB:.1f} GB of {where} is free"
     if best >= 1:
         what, big = need.step.largest()
-        name = "max budget" if tree.auto else "budget"
+        key = "TreeConfig.max_budget" if tree.auto else "TreeConfig.budget"
         raise NotEnoughMemory(
-            f"tree {name} {tree.largest} needs {need.step.total / GB:.1f} GB of {where} for its buffers (largest: "
-            f"{what} {big / GB:.1f} GB) on top of {fixed / GB:.1f} GB for the weights and KV caches, but {free}; "
-            f"the largest {name} that fits is {best}",
-            need.total, have, where, largest_budget=best)
+            f"the tree's buffers for {setting(key, tree.largest)} need {need.step.total / GB:.1f} GB of {where} "
+            f"(largest: {what} {big / GB:.1f} GB) on top of {fixed / GB:.1f} GB for the weights and KV caches, but "
+            f"{free}; the largest that fits is {setting(key, best)}",
+            resource, need.total, max(have, 0), largest_budget=best)
     if need.kv >= need.weights:
-        fix = "lower the context"
+        fix = f"lower {setting('context')}"
     else:
-        fix = "use a smaller model or a 16-bit dtype" + (", or offload the target" if device.type == "cuda" else "")
+        fix = f"use a smaller model or a 16-bit {setting('dtype')}" + (
+            f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else "")
     raise NotEnoughMemory(
-        f"not enough {where}: the weights need {need.weights / GB:.2f} GB, the KV caches for a context of {context} "
-        f"tokens {need.kv / GB:.2f} GB and the other tree buffers {need.workspace / GB:.2f} GB "
-        f"({need.total / GB:.2f} GB in all), but {free}: {fix}", need.total, have, where)
+        f"not enough {where}: the weights need {need.weights / GB:.2f} GB, the KV caches for "
+        f"{setting('context', context)} {need.kv / GB:.2f} GB and the other tree buffers {need.workspace / GB:.2f} GB "
+        f"({need.total / GB:.2f} GB in all), but {free}: {fix}", resource, need.total, max(have, 0))
 
 
 def check_load(target: Path, draft: Path | None, device: torch.device, dtype: str, draft_dtype: str | None,

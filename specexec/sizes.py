@@ -147,19 +147,22 @@ def kv_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
     return kv_bytes_per_token(cfg, itemsize) * slots
 
 
-def step_room(tree: TreeConfig, chain: ChainConfig | None = None) -> int:
-    """Cache slots one step needs after the committed context: the largest tree (or chain) + root + bonus."""
-    return max(tree.largest, (chain or ChainConfig()).gamma) + 2
+def step_room(tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
+    """Cache slots one step needs after the committed context: the largest tree (with ``ngram_nodes`` of prompt
+    lookup merged in; 0 without an n-gram config) or chain, + root + bonus (``Engine._ensure_room``)."""
+    return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma) + 2
 
 
-def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None) -> int:
+def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                       ngram_nodes: int = 0) -> int:
     """Slots of the target's KV cache (what ``Engine._ensure_room`` allocates)."""
-    return context + step_room(tree, chain)
+    return context + step_room(tree, chain, ngram_nodes)
 
 
-def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None) -> int:
+def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                      ngram_nodes: int = 0) -> int:
     """Slots of the draft's KV cache: the target's room + every expanded node of a tree + one scratch slot."""
-    return context + step_room(tree, chain) + tree.largest + tree.max_beams + 1
+    return context + step_room(tree, chain, ngram_nodes) + tree.largest + tree.max_beams + 1
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -209,9 +212,11 @@ class StepBuffers:
 
 
 def step_buffers(target: ModelConfig, draft: ModelConfig | None, context: int, tree: TreeConfig,
-                 chain: ChainConfig | None = None, target_itemsize: int = 4, draft_itemsize: int = 4) -> StepBuffers:
-    """The tree-sized buffers of one step (see :class:`StepBuffers`) for ``tree.largest`` draft tokens."""
-    room = step_room(tree, chain)
+                 chain: ChainConfig | None = None, target_itemsize: int = 4, draft_itemsize: int = 4,
+                 ngram_nodes: int = 0) -> StepBuffers:
+    """The tree-sized buffers of one step (see :class:`StepBuffers`) for ``tree.largest`` draft tokens (plus
+    ``ngram_nodes`` merged prompt-lookup nodes)."""
+    room = step_room(tree, chain, ngram_nodes)
     n = room - 1  # tree nodes with the root
     rows = min(n, tree.verify_chunk)
     t_act = pass_activation_bytes(target, rows, target_itemsize, context)
@@ -219,9 +224,9 @@ def step_buffers(target: ModelConfig, draft: ModelConfig | None, context: int, t
         t_act += rows * target.vocab_size * target_itemsize  # the lm_head output before its fp32 cast
     d_kv = d_work = 0
     if draft is not None:
-        d_kv = kv_bytes(draft, draft_cache_slots(context, tree, chain) - context, draft_itemsize)
+        slots = draft_cache_slots(context, tree, chain, ngram_nodes)
+        d_kv = kv_bytes(draft, slots - context, draft_itemsize)
         k = min(tree.max_beams, n)
-        slots = draft_cache_slots(context, tree, chain)
         branch = min(tree.max_branch, draft.vocab_size)
         d_work = (logits_bytes(draft, k, draft_itemsize) + k * draft.vocab_size * 4  # logits + log-probs
                   + k * slots  # the tree mask over the draft cache (bool)

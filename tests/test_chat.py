@@ -167,7 +167,7 @@ def test_answer_limited_when_message_is_long(engine):
 
 def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monkeypatch):
     """A KeyboardInterrupt raised in the middle of a target pass: partial answer kept, engine still exact."""
-    import specexec.engine as eng
+    import specexec.decode as eng
 
     real, calls = eng.score_tree, []
 
@@ -194,7 +194,7 @@ def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monke
 
 
 def test_interrupt_before_any_text_drops_the_turn(session, monkeypatch):
-    import specexec.engine as eng
+    import specexec.decode as eng
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -211,7 +211,7 @@ def test_bad_inputs(engine, session):
         session.send("t10 \udcff")
     with pytest.raises(SpecexecError, match="empty"):
         session.send("   ")
-    with pytest.raises(SpecexecError, match="max-new-tokens"):
+    with pytest.raises(SpecexecError, match="max_new_tokens=250 leaves no room"):
         ChatSession(engine, options=GenOptions(max_new_tokens=250))
     with pytest.raises(ValueError):
         GenOptions(max_new_tokens=0)

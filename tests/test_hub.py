@@ -295,7 +295,7 @@ def test_cli_pull_unknown_is_one_line_error():
 
 def test_cli_pull_demo_expands_pair(monkeypatch):
     pulled = []
-    monkeypatch.setattr(hub, "pull", lambda alias, progress, keep_gguf: pulled.append(alias) or Path("/x") / alias)
+    monkeypatch.setattr(hub, "pull", lambda alias, progress, keep_gguf, home=None: pulled.append(alias) or Path("/x") / alias)
     result = CliRunner().invoke(models_app, ["pull", "demo", "qwen2.5-coder-0.5b", "-q"])
     assert result.exit_code == 0, result.output
     assert pulled == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]

@@ -18,7 +18,8 @@ from offload import quant
 from offload.layout import ALIGN, PAGE, LayerFormat, LayerLayout, layer_layout
 from offload.quant import NF4Linear, dense_weights, layer_weights, quantize_layer
 from offload.store import RamStore
-from specexec.errors import SpecexecError
+from specexec.cli.options import FLAGS
+from specexec.errors import OutOfMemory, SpecexecError
 from specexec.loading import load_model
 from specexec.model import ModelConfig, ResidentLayers, Transformer
 from tests.conftest import make_tiny
@@ -238,8 +239,11 @@ def _fake_ram(monkeypatch, available_gb: float, total_gb: float = 64.0) -> None:
 def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     off = OffloadConfig(mode="ram", target_dtype="bf16", gpu_memory_gb=24, cache_dir=tmp_path)
-    with pytest.raises(SpecexecError, match=r"--offload ram needs 1\d\d\.\d GB of RAM .* use --offload ssd"):
+    with pytest.raises(OutOfMemory, match=r"OffloadConfig.mode=ram needs 1\d\d\.\d GB of RAM .* use "
+                                          r"OffloadConfig.mode=ssd") as err:
         _plan(off)
+    assert err.value.resource == "RAM" and err.value.need > err.value.have
+    assert "--offload ram needs" in err.value.render(FLAGS) and "use --offload ssd" in err.value.render(FLAGS)
     # NF4 (0.48 GB/layer) fits in the same RAM; auto picks ssd for bf16
     p = _plan(OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, cache_dir=tmp_path))
     assert p.mode == "ram" and p.fmt.kind == "nf4" and len(p.resident) + len(p.streamed) == 80
@@ -258,12 +262,14 @@ def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
 def test_plan_refuses_disk_vram_and_none(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))
-    with pytest.raises(SpecexecError, match=r"SSD tier needs 136\.\d GB of disk .*--cache-dir"):
+    with pytest.raises(OutOfMemory, match=r"SSD tier needs 136\.\d GB of disk .*OffloadConfig.cache_dir") as err:
         _plan(OffloadConfig(mode="ssd", target_dtype="bf16", cache_dir=tmp_path))
-    with pytest.raises(SpecexecError, match="VRAM too small to stream"):
+    assert err.value.resource == "disk" and "--cache-dir" in err.value.render(FLAGS)
+    with pytest.raises(OutOfMemory, match="VRAM too small to stream"):
         _plan(OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=4), kv_bytes=int(2e9))
-    with pytest.raises(SpecexecError, match="use --offload auto, ram or ssd"):
+    with pytest.raises(OutOfMemory, match="use OffloadConfig.mode auto, ram or ssd") as err:
         _plan(OffloadConfig(mode="none", target_dtype="bf16", gpu_memory_gb=24))
+    assert "use --offload auto, ram or ssd, or --target-dtype nf4" in err.value.render(FLAGS)
 
 
 def test_plan_describe(monkeypatch, tmp_path):

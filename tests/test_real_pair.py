@@ -111,7 +111,7 @@ def test_cli_generate_specexec_matches_ar():
     runner = CliRunner()
     common = ["generate", "--target", TARGET, "--prompt", "def fib(n):", "--max-new-tokens", "24", "--json",
               "--device", "cpu"]
-    ar = runner.invoke(app, common + ["--method", "ar"])
+    ar = runner.invoke(app, common + ["--method", "ar", "--draft", "none"])
     se = runner.invoke(app, common + ["--draft", DRAFT, "--method", "specexec", "--budget", "64"])
     assert ar.exit_code == 0 and se.exit_code == 0, (ar.output, se.output)
     a, s = json.loads(ar.stdout), json.loads(se.stdout)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from specexec import api, memory, sizes
 from specexec.cli import app
 from specexec.config import ChainConfig, TreeConfig
+from specexec.errors import OutOfMemory, SpecexecError
 from specexec.kv_cache import KVCache
 from specexec.loading import load_model, read_config
 from specexec.tree import Tree
@@ -56,8 +57,16 @@ def test_engine_caches_are_what_sizes_says(pair):
     tree = TreeConfig(budget=24, max_beams=8)
     engine = api.load(str(pair[0]), str(pair[1]), device="cpu", context=200, tree=tree, progress=False)
     need = memory.check_load(pair[0], pair[1], CPU, "auto", None, 200, tree, ChainConfig())
-    real = engine._t_cache.nbytes() + engine._drafter.cache.nbytes()
+    real = engine.state.cache.nbytes() + engine.draft_model.cache.nbytes()
     assert need.kv == real
+    # n-gram nodes merged into the tree make the engine grow its caches by exactly what sizes says
+    from specexec.propose.ngram import NGramConfig
+
+    engine.generate([5, 6, 7, 5, 6, 7, 5, 6], 2, method="specexec", tree=tree, ngram=NGramConfig(max_nodes=16))
+    t_cfg, d_cfg = read_config(pair[0]), read_config(pair[1])
+    chain = ChainConfig()
+    assert engine.state.cache.nbytes() == sizes.kv_bytes(t_cfg, sizes.target_cache_slots(200, tree, chain, 16), 4)
+    assert engine.draft_model.cache.nbytes() == sizes.kv_bytes(d_cfg, sizes.draft_cache_slots(200, tree, chain, 16), 4)
 
 
 def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):
@@ -98,8 +107,10 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
         api.load(str(pair[0]), str(pair[1]), device="cpu", context=512, tree=tree, progress=False)
     e = err.value
     msg = str(e)
-    assert msg.startswith("tree budget 65536 needs ") and "of RAM" in msg
-    assert f"the largest budget that fits is {e.largest_budget}" in msg and 1 <= e.largest_budget < 65536
+    assert isinstance(e, OutOfMemory) and e.resource == "RAM" and e.need > e.have
+    assert msg.startswith("the tree's buffers for TreeConfig.budget=65536 need ") and "of RAM" in msg
+    assert msg.endswith(f"the largest that fits is TreeConfig.budget={e.largest_budget}")
+    assert 1 <= e.largest_budget < 65536
     t_cfg, d_cfg = read_config(pair[0]), read_config(pair[1])
 
     def total(b: int) -> int:
@@ -112,13 +123,13 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
     result = runner.invoke(app, ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
                                  "--budget", "65536", "--max-new-tokens", "4", "--prompt", "hi", "-q"])
     assert result.exit_code != 0  # (its default context differs, so does the figure)
-    assert re.search(r"^error: tree budget 65536 needs .* the largest budget that fits is \d+$", result.output)
+    assert re.search(r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$", result.output)
     assert "Traceback" not in result.output
 
 
 def test_context_too_big_names_the_context(pair, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
-    with pytest.raises(memory.NotEnoughMemory, match="not enough RAM: the weights need .*lower the context"):
+    with pytest.raises(memory.NotEnoughMemory, match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"):
         memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig(budget=4))
 
 
@@ -137,7 +148,7 @@ def test_ssd_cache_on_a_read_only_file_system(pair, tmp_path, monkeypatch, caplo
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     off = OffloadConfig(mode="ssd", cache_dir=cache, resident_layers=0)
-    with caplog.at_level("WARNING"), pytest.raises(memory.SpecexecError,
+    with caplog.at_level("WARNING"), pytest.raises(SpecexecError,
                                                    match="read-only file system.*--cache-dir"):
         load_offloaded(pair[0], CPU, "fp32", off)
     assert "writing the SSD-tier layer cache of target: 2 layers" in caplog.text and str(cache) in caplog.text

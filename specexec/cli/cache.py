@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
 
 GB = 1e9
@@ -17,11 +18,9 @@ GB = 1e9
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="List and remove specexec's caches (models, offload layer caches, wheels).")
 
-_DIR_HELP = "Cache root (default: $SPECEXEC_HOME, else ~/.cache/specexec)."
-
 
 @app.command("list")
-def list_(cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_DIR_HELP)) -> None:
+def list_(cache_dir: Optional[Path] = o.cache_dir()) -> None:
     """Each cache entry with its size and path."""
     setup_logging(False)
 
@@ -46,7 +45,7 @@ def rm(
     names: Optional[list[str]] = typer.Argument(None, help="Entries to remove (as `specexec cache list` names them)."),
     all_: bool = typer.Option(False, "--all", help="Remove every entry."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_DIR_HELP),
+    cache_dir: Optional[Path] = o.cache_dir(),
 ) -> None:
     """Remove cache entries (asks first unless --yes)."""
     setup_logging(False)
