@@ -56,7 +56,7 @@ class OffloadConfig:
     mode: str = "auto"  # auto | none (all on GPU) | ram (stream from pinned RAM) | ssd (stream from disk)
     gpu_memory_gb: float | None = None  # cap on the VRAM the target may use (GB = 1e9 bytes); None: all free
     target_dtype: str = "auto"  # auto | bf16 | fp16 | nf4: how target layers are stored and streamed
-    cache_dir: Path | None = None  # specexec's cache root; packed layers go to <cache_dir>/offload. None: hub.cache_home()
+    cache_dir: Path | None = None  # specexec's cache root (packed layers: <cache_dir>/offload); None: hub.cache_home()
     lookahead: int = 1  # streamed layers in flight while one computes
     ring_size: int | None = None  # GPU layer buffers for streaming; None: lookahead + 1
     resident_layers: int | None = None  # force this many leading layers to stay on the GPU; None: as many as fit

@@ -68,6 +68,11 @@ def test_doctor_text_and_missing_model(tmp_path, monkeypatch):
         assert "CPU-only" in result.stdout
 
 
+def test_doctor_bad_disk_mb_is_one_error_line():
+    result = runner.invoke(app, ["doctor", "--disk-mb", "-1", "-q"])
+    assert result.exit_code == 2 and result.output.strip() == "error: --disk-mb must be >= 0, got -1"
+
+
 def _system(vram_gb: float, ram_gb: float) -> SystemInfo:
     gpu = GpuInfo(name="fake 24GB", vram_total=int(vram_gb * 1e9), vram_free=int(vram_gb * 1e9),
                   pinned_h2d_gbps=25.0, pageable_h2d_gbps=7.0)

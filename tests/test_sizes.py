@@ -123,13 +123,15 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
     result = runner.invoke(app, ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
                                  "--budget", "65536", "--max-new-tokens", "4", "--prompt", "hi", "-q"])
     assert result.exit_code != 0  # (its default context differs, so does the figure)
-    assert re.search(r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$", result.output)
+    assert re.search(r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$",
+                     result.output)
     assert "Traceback" not in result.output
 
 
 def test_context_too_big_names_the_context(pair, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
-    with pytest.raises(memory.NotEnoughMemory, match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"):
+    with pytest.raises(memory.NotEnoughMemory,
+                       match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"):
         memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig(budget=4))
 
 
