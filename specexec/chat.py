@@ -51,6 +51,7 @@ class ModelOptions:
     draft_dtype: str | None = None
     context: int = 4096
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
+    cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
 
 
 def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
@@ -62,12 +63,12 @@ def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
     """
     from specexec import api, hub
 
-    t_path = hub.resolve(opts.target, progress=progress)
-    d_path = hub.resolve(opts.draft, progress=progress) if opts.draft else None
+    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
+    d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
     with (status or (lambda _msg: nullcontext()))("loading models"):
         return api.load(str(t_path), str(d_path) if d_path else None, device=opts.device, dtype=opts.dtype,
                         draft_dtype=opts.draft_dtype, context=opts.context, offload=opts.offload, tree=tree,
-                        progress=progress)
+                        progress=progress, cache_dir=opts.cache_dir)
 
 
 # ---------------------------------------------------------------------------------------------- the session

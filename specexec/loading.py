@@ -155,19 +155,33 @@ def _check_sizes(path: Path) -> None:
             )
 
 
+def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` as a tensor of its own (always a copy).
+
+    safetensors (0.8+) returns zero-copy views into the memory-mapped file, at offsets aligned to only 4-8 bytes.
+    MKL's GEMM takes different code paths (and so sums in a different order) for differently aligned operands,
+    so weights left as such views compute ~1e-6 differently from the same weights in allocator-aligned memory --
+    e.g. the offload manager's packed layers, which must give bit-identical logits -- and a model's weights
+    would also stay backed by its file. A copy lives in the allocator's 64-byte aligned memory.
+    """
+    return t.to(dtype, copy=True)
+
+
 def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
-    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused."""
+    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused; every tensor is
+    its own aligned copy (see :func:`_owned`)."""
     shards = _Shards(path)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731
+        g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
+        o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
         w = {
-            "attn_norm": g("input_layernorm.weight"),
+            "attn_norm": o("input_layernorm.weight"),
             "wqkv": torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]),
-            "wo": g("self_attn.o_proj.weight"),
-            "mlp_norm": g("post_attention_layernorm.weight"),
+            "wo": o("self_attn.o_proj.weight"),
+            "mlp_norm": o("post_attention_layernorm.weight"),
             "w13": torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
-            "w2": g("mlp.down_proj.weight"),
+            "w2": o("mlp.down_proj.weight"),
         }
         if cfg.qkv_bias:
             w["bqkv"] = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
@@ -175,13 +189,14 @@ def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tu
 
 
 def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent)."""
+    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent), each its own aligned copy."""
     shards = _Shards(path)
-    embed = shards.get("model.embed_tokens.weight").to(dtype)
-    lm = shards.get("lm_head.weight").to(dtype) if shards.has("lm_head.weight") else embed
-    if cfg.tie_word_embeddings:
-        lm = embed
-    return {"embed": embed, "norm": shards.get("model.norm.weight").to(dtype), "lm_head": lm}
+    embed = _owned(shards.get("model.embed_tokens.weight"), dtype)
+    if cfg.tie_word_embeddings or not shards.has("lm_head.weight"):
+        lm = embed  # a tied checkpoint's stored lm_head copy is not loaded
+    else:
+        lm = _owned(shards.get("lm_head.weight"), dtype)
+    return {"embed": embed, "norm": _owned(shards.get("model.norm.weight"), dtype), "lm_head": lm}
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, layers: Any = None) -> Transformer:

@@ -335,18 +335,19 @@ def test_library_errors_render_with_cli_flags():
 
 def test_disk_error_names_cache_dir(monkeypatch, tmp_path):
     """The SSD tier's "not enough disk" error points at --cache-dir (there is no --ssd-dir)."""
-    from offload import OffloadConfig, make_plan
+    from offload import OffloadConfig
     from offload import plan as plan_mod
     from specexec.cli.common import user_message
     from specexec.errors import OutOfMemory
-    from tests.test_offload import CPU, LLAMA70B, _fake_ram
+    from tests.test_offload import _fake_ram, _plan
 
     _fake_ram(monkeypatch, available_gb=40)
     monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))
     with pytest.raises(OutOfMemory) as info:
-        make_plan(LLAMA70B, OffloadConfig(mode="ssd", target_dtype="bf16", ssd_dir=tmp_path), CPU)
+        _plan(OffloadConfig(mode="ssd", target_dtype="bf16", cache_dir=tmp_path))
     assert info.value.resource == "disk" and info.value.have == int(50e9)
-    assert "point --cache-dir at a disk with more space" in user_message(info.value)
+    assert "point the cache (--cache-dir, or the SPECEXEC_HOME environment variable) at a disk with more space" \
+        in user_message(info.value)
 
 
 def test_no_message_names_a_missing_flag():

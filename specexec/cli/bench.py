@@ -67,7 +67,8 @@ def bench(
         o.check_max_new_tokens(max_new_tokens, context)
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)
         model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir))
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+                                cache_dir_=cache_dir)
         o.notices_before_load(model)
         engine = load_engine(model, TreeConfig(budget=max(cfg.budgets), max_beams=max_beams), progress=not quiet,
                              status=o.spinner(quiet))

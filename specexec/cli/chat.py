@@ -82,7 +82,8 @@ def chat(
     def run() -> None:
         # everything that needs no model is checked first: a bad option never costs a model load
         model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method)
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                cache_dir)
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)

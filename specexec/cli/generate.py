@@ -83,7 +83,8 @@ def generate(
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         chain_cfg = o.chain_config(gamma)
         model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method)
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                cache_dir)
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
         if samples < 1:

@@ -36,7 +36,8 @@ library's validated configs (no logic beyond that). A command looks like this::
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
             tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method)
+                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                    cache_dir)
             o.notices_before_load(model)
             engine = load_engine(model, tree, progress=not quiet, status=o.spinner(quiet))
             o.notices_after_load(model, engine)
@@ -98,7 +99,9 @@ FLAGS: dict[str, str] = {
     "OffloadConfig.mode": "--offload",
     "OffloadConfig.gpu_memory_gb": "--gpu-memory",
     "OffloadConfig.target_dtype": "--target-dtype",
-    "OffloadConfig.ssd_dir": "--cache-dir",
+    "OffloadConfig.cache_dir": "--cache-dir",
+    "cache_dir": "--cache-dir",
+    "disk_mb": "--disk-mb",
 }
 
 
@@ -151,8 +154,9 @@ def target_dtype() -> Any:
 def cache_dir() -> Any:
     return typer.Option(
         None, "--cache-dir",
-        help="Directory for the packed-layer caches written by --offload ssd and --target-dtype nf4 "
-             "(default: $SPECEXEC_HOME/offload, i.e. ~/.cache/specexec/offload).")
+        help="specexec's cache root: downloaded/converted models (models/) and the packed-layer caches that "
+             "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else "
+             "~/.cache/specexec.")
 
 
 # ------------------------------------------------------------------------------------------------ tree / chain
@@ -277,18 +281,20 @@ def offload_config(mode: str, gpu_memory_: float | None, target_dtype_: str, cac
     from specexec.errors import check_finite
 
     check_finite("OffloadConfig.gpu_memory_gb", gpu_memory_)
-    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, ssd_dir=cache_dir_)
+    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, cache_dir=cache_dir_)
 
 
 def model_options(target_: str, draft_: str | None, device_: str, dtype_: str, draft_dtype_: str | None,
-                  context_: int, offload_cfg: Any, method_: str | None = None) -> Any:
-    """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`)."""
+                  context_: int, offload_cfg: Any, method_: str | None = None, cache_dir_: Path | None = None) -> Any:
+    """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
+    ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
     return ModelOptions(target=target_, draft=resolve_draft(target_, draft_, method_), device=device_,
-                        dtype=dtype_, draft_dtype=draft_dtype_, context=context_, offload=offload_cfg)
+                        dtype=dtype_, draft_dtype=draft_dtype_, context=context_, offload=offload_cfg,
+                        cache_dir=cache_dir_)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
