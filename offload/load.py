@@ -8,6 +8,8 @@ reads the packed files and never quantizes again.
 
 from __future__ import annotations
 
+from specexec.errors import SpecexecError
+
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -42,15 +42,15 @@ def accept(proposal: Proposal, logits: Tensor, samp: SamplingConfig, gen: torch.
     """
     tree, q = proposal.tree, proposal.q
     if proposal.rule == "tree" or samp.greedy:
-        seed = 0 if gen is None else gen.initial_seed()  # gen is None only when greedy
-        return walk(tree, tree_choices(tree, logits, samp, seed, n))
+        key = 0 if gen is None else int(gen.initial_seed())  # gen is None only when greedy
+        return walk(tree, tree_choices(tree, logits, samp, key, n))
     assert q is not None
     p = sampling.probs(logits, samp)  # (gamma+1, V)
     toks = tree.n_tokens[1:]  # (gamma,) the chain x_1..x_gamma
     if q.shape[0] != toks.shape[0]:
         raise ValueError(f"chain of {toks.shape[0]} tokens but {q.shape[0]} draft distributions")
-    k, nxt = speculative_accept(p[None], q[None], toks[None], gen)
-    k = int(k)
+    acc, nxt = speculative_accept(p[None], q[None], toks[None], gen)
+    k = int(acc)
     return list(range(k + 1)), toks[:k].tolist() + [int(nxt)]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -134,7 +134,7 @@ def make_generator(samp: SamplingConfig, device: torch.device) -> torch.Generato
 
 def decode(state: TargetState, proposer: Proposer, policy: BudgetPolicy, samp: SamplingConfig, max_new: int,
            eos: set[int] | frozenset[int], stats: Stats, verify_chunk: int = 4096,
-           draft_logprobs: Callable | None = None) -> Iterator[list[int]]:
+           draft_logprobs: Callable | None = None) -> Generator[list[int], None, None]:
     """Decode up to ``max_new`` tokens after ``state.seq`` (already adopted); yields each step's committed tokens.
 
     The generator may be closed after any yield (a cancel): the caches and ``state.seq`` are consistent there.

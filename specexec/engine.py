@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from specexec.budget import AdaptiveBudget, AutoBudget, BudgetPolicy, FixedBudget, StepCosts, calibrate
 from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
@@ -67,7 +67,7 @@ class Generation:
         self.verify_chunk = verify_chunk
         self.tokens: list[int] = []
         self.result: Result | None = None
-        self._it: Iterator[str] | None = None
+        self._it: Generator[str, None, None] | None = None
 
     def __iter__(self) -> Iterator[str]:
         if self._it is None:
@@ -77,12 +77,13 @@ class Generation:
     def close(self) -> None:
         """Cancel: stop after the step in flight (safe at any point between pieces)."""
         if self._it is not None:
-            self._it.close()  # type: ignore[attr-defined]
+            self._it.close()
         if self.result is None:
             self._finish("cancelled")
 
-    def _run(self) -> Iterator[str]:
+    def _run(self) -> Generator[str, None, None]:
         e = self.engine
+        assert e.state is not None
         tok = e.tokenizer.tokenizer
         shown = ""
         steps = decode(e.state, self.proposer, self.policy, self.samp, self.max_new, e.tokenizer.eos_ids,

@@ -129,7 +129,7 @@ class NGramDraft:
                 path.append(node)
             for v in path:
                 mass[v] = mass.get(v, 0.0) + w / total
-        logp = []
+        logp: list[float] = []
         for i, (p, dep) in enumerate(zip(parents, depths)):
             node = first + i
             own = dep * la + math.log(max(mass.get(node, 1e-6), 1e-6))

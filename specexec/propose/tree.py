@@ -29,6 +29,7 @@ from torch import Tensor
 from specexec.config import TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
+from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
 
 
@@ -56,7 +57,7 @@ class TreeDraft:
 
     name = "specexec"
 
-    def __init__(self, draft: DraftModel, cfg: TreeConfig, ngram: "object | None" = None) -> None:
+    def __init__(self, draft: DraftModel, cfg: TreeConfig, ngram: NGramDraft | None = None) -> None:
         self.draft, self.cfg, self.ngram = draft, cfg, ngram
 
     def max_nodes(self) -> int:
@@ -80,8 +81,9 @@ class TreeDraft:
             prop = self.ngram.propose(seq, replace(ctx, budget=self.ngram.max_nodes()))
             prop.budget = 0
             return prop
+        cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
         tree, passes, beams, early = self.grow(seq, replace(self.cfg, budget=ctx.budget),
-                                               ctx.logprobs or default_logprobs, ctx.cost)
+                                               ctx.logprobs or default_logprobs, cost)
         if self.ngram is not None:
             self.ngram.merge_into(tree, seq)
         return Proposal(tree, passes=passes, beams=beams, stopped_early=early, budget=ctx.budget, source=self.name)
