@@ -107,7 +107,8 @@ def load(
         t_model = load_offloaded(t_path, dev, dtype, offload, plan=plan)
     else:
         t_model = _load(t_path, dev, parse_dtype(dtype, dev))
-    return Engine(t_model, t_tok, d_model, context=context, tree=tree)
+    return Engine(t_model, t_tok, d_model, context=context, tree=tree,
+                  calibration_dir=hub.cache_home(cache_dir) / "calibration")
 
 
 def _offloaded(offload: Any, dev: torch.device) -> bool:

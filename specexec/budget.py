@@ -330,3 +330,53 @@ class AdaptiveBudget:
     def summary(self) -> dict[int, dict[str, float]]:
         """Per arm: steps, measured tokens/step and seconds/step (EMAs)."""
         return {a: {"steps": s.n, "tokens": s.tokens, "seconds": s.seconds} for a, s in self._stats.items() if s.n}
+
+
+# ---------------------------------------------------------------------------------------------- calibration cache
+
+DRIFT = 1.5  # measured / calibrated step costs beyond this factor (either way) trigger a new calibration
+
+
+def calibration_key(*parts: object) -> str:
+    """A stable key for a calibration: machine, versions, model shapes and dtypes, tree limits."""
+    import hashlib
+    import json
+    import platform
+
+    import torch
+
+    blob = json.dumps([platform.machine(), platform.processor(), torch.__version__, torch.get_num_threads(),
+                       *[repr(p) for p in parts]], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_calibration(path) -> tuple[dict[int, float], dict[int, float]] | None:
+    """A cached (target seconds by size, draft seconds by beams), or None when absent or unreadable."""
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+        return ({int(k): float(v) for k, v in d["target_s"].items()},
+                {int(k): float(v) for k, v in d["draft_pass_s"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_calibration(path, target_s: dict[int, float], draft_pass_s: dict[int, float]) -> None:
+    """Write the calibration (best effort: an unwritable cache only costs a calibration next time)."""
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"target_s": target_s, "draft_pass_s": draft_pass_s}))
+    except OSError as e:
+        log.info("calibration not cached (%s)", e)
+
+
+def drifted(policy: AutoBudget, min_steps: int = 8) -> bool:
+    """Whether the steps measured since calibration disagree with it by more than :data:`DRIFT` (e.g. the machine
+    was busy while calibrating): then the calibration is redone before the next generation."""
+    if len(policy.history) < min_steps:
+        return False
+    lim = math.log(DRIFT)
+    return abs(math.log(policy._target_scale)) > lim or abs(math.log(policy._draft_scale)) > lim

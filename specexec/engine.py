@@ -15,9 +15,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generator, Iterator, Sequence
 
-from specexec.budget import AdaptiveBudget, AutoBudget, BudgetPolicy, FixedBudget, StepCosts, calibrate
+from specexec.budget import (
+    AdaptiveBudget,
+    AutoBudget,
+    BudgetPolicy,
+    FixedBudget,
+    StepCosts,
+    calibrate,
+    calibration_key,
+    drifted,
+    load_calibration,
+    save_calibration,
+)
 from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.decode import Stats, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
@@ -123,11 +135,13 @@ class Engine:
 
     ``context`` is the longest committed sequence (prompt + answer) the caches hold. ``static_draft``: run draft
     passes of up to ``static_rows`` tokens padded to static shapes (CUDA graphs on a GPU); None = on CUDA only.
+    ``calibration_dir``: where the auto budget's cost calibration is cached per machine and model pair (None:
+    not cached); a cached calibration is reused at the next start and redone when measured costs drift from it.
     """
 
     def __init__(self, target: Transformer, tokenizer: TokenizerInfo, draft: Transformer | None = None,
                  context: int = 4096, tree: TreeConfig | None = None, static_draft: bool | None = None,
-                 static_rows: int = 128) -> None:
+                 static_rows: int = 128, calibration_dir: Path | None = None) -> None:
         if context > target.cfg.max_position_embeddings:
             log.warning("context %d exceeds the model's max_position_embeddings %d", context,
                         target.cfg.max_position_embeddings)
@@ -139,6 +153,7 @@ class Engine:
         self._auto: AutoBudget | None = None
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
         self._static = (static_draft, static_rows)
+        self.calibration_dir = calibration_dir
         self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
 
     # -- read-only views (tests, tools) ---------------------------------------------------------------------------
@@ -218,7 +233,7 @@ class Engine:
         tree, chain = tree or TreeConfig(), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
-        elif method == "specexec" and tree.auto and self.target.device.type == "cpu":
+        elif method == "specexec" and tree.auto and self._measured_policy():
             ngram = ngram or CPU_NGRAM
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
@@ -258,7 +273,7 @@ class Engine:
         if not tree.auto:
             merged = NGramDraft(dev, ngram) if ngram is not None else None
             return TreeDraft(self.draft_model, tree, merged), FixedBudget(tree.budget, self._costs, tree.max_depth)
-        if dev.type == "cpu":
+        if self._measured_policy():
             # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
@@ -266,11 +281,26 @@ class Engine:
             return proposer, AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
+        if self._auto is not None and drifted(self._auto):
+            log.info("measured step costs drifted from the calibration: calibrating again")
+            self._auto = None
+            if self.calibration_dir:
+                self._calibration_file(tree).unlink(missing_ok=True)
         if self._auto is None:  # once per engine (and cache size), before the caches hold anything
             tc = time.perf_counter()
             self._auto = self._calibrate(tree)
             stats.calibration_s = time.perf_counter() - tc
         return proposer, self._auto
+
+    def _measured_policy(self) -> bool:
+        """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""
+        return self.target.device.type == "cpu"
+
+    def _calibration_file(self, tree: TreeConfig) -> Path:
+        assert self.calibration_dir is not None and self.draft is not None
+        key = calibration_key(self.target.device, self.target.cfg, self.draft.cfg, self.target.dtype,
+                              self.draft.dtype, tree.max_budget, tree.max_beams, self.context + self._tree_room)
+        return self.calibration_dir / f"{key}.json"
 
     def _calibrate(self, tree: TreeConfig) -> AutoBudget:
         """Time a few target passes (tree sizes) and draft passes (beam counts) for the auto budget.
@@ -278,11 +308,17 @@ class Engine:
         Uses the caches as scratch, so the prefix cache is dropped.
         """
         assert self.draft_model is not None and self.state is not None
+        cached = load_calibration(self._calibration_file(tree)) if self.calibration_dir else None
+        if cached is not None:
+            return AutoBudget(target_s=cached[0], draft_pass_s=cached[1], max_beams=tree.max_beams,
+                              max_depth=tree.max_depth, max_budget=tree.max_budget, budget=tree.budget)
         t_time = pass_timer(self.target, self.state.cache)
         d_time = pass_timer(self.draft_model.model, self.draft_model.cache)
         t_time(1, 1)  # warm-up
         d_time(1, 1)
         t_s, d_s = calibrate(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
         self.reset()
+        if self.calibration_dir:
+            save_calibration(self._calibration_file(tree), t_s, d_s)
         return AutoBudget(target_s=t_s, draft_pass_s=d_s, max_beams=tree.max_beams, max_depth=tree.max_depth,
                           max_budget=tree.max_budget, budget=tree.budget)

@@ -146,3 +146,32 @@ def test_adaptive_policy_follows_measured_rates():
 def test_adaptive_policy_prior_orders_untried_arms():
     p = AdaptiveBudget((0, 4, 16), prior=lambda a: {0: 1.0, 4: 3.0, 16: 2.0}[a])
     assert p.choose() == 4
+
+
+def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_path, monkeypatch):
+    """The cost-model auto budget (a GPU's) calibrates once per machine and model pair: a second engine reuses the
+    cached file; measured costs far from it make the engine calibrate again before the next generation."""
+    from specexec.budget import drifted
+
+    monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
+    target, draft = noisy_pairs["llama"]
+    tree = TreeConfig(auto=True, max_budget=64)
+
+    def make():
+        t, d = load_model(target, CPU, torch.float32), load_model(draft, CPU, torch.float32)
+        return Engine(t, load_tokenizer(target), d, context=256, tree=tree, calibration_dir=tmp_path)
+
+    e1 = make()
+    r1 = e1.generate([5, 6, 7], 20, method="specexec", tree=tree)
+    assert r1.stats.calibration_s > 0 and len(list(tmp_path.glob("*.json"))) == 1, "calibrated and cached"
+    e2 = make()
+    r2 = e2.generate([5, 6, 7], 20, method="specexec", tree=tree)
+    assert r2.tokens == r1.tokens
+    assert e2._auto is not None and e2._auto.target_s == e1._auto.target_s, "the cached calibration was reused"
+    e2._auto._target_scale = 3.0  # as if the steps measured 3x slower than the calibration said
+    e2._auto.history.extend([64] * 10)
+    assert drifted(e2._auto)
+    before = dict(e2._auto.target_s)
+    r3 = e2.generate([5, 6, 7], 10, method="specexec", tree=tree)
+    assert r3.stats.calibration_s > 0, "calibrated again"
+    assert not drifted(e2._auto) and e2._auto.target_s != before
