@@ -413,7 +413,8 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
         summ: dict[str, Any] = {}
         for c in configs:
             rs = by[c.name]
-            tokens, secs, steps = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs), sum(r["steps"] for r in rs)
+            tokens, secs = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+            steps = sum(r["steps"] for r in rs)
             s = {"side": c.side, "prompts": len(rs), "tokens": tokens, "seconds": secs,
                  "tok_s": tokens / secs if secs > 0 else 0.0, "tokens_per_step": tokens / max(steps, 1)}
             if c.side == "ours":
