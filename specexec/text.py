@@ -246,8 +246,9 @@ class TextStream:
     """Ids in, text out: detokenization, end-of-sequence ids and stop strings for one generation.
 
     ``push(ids)`` returns (new text, stopped). Once stopped (an EOS id, or a stop string completed) further
-    pushes return ``("", True)``. ``context``: see :class:`Detokenizer`. ``n_tokens`` counts the ids consumed up to and including the one that stopped
-    the stream (the EOS id, or the token that completed a stop string): the ids a caller keeps.
+    pushes return ``("", True)``. ``n_tokens`` counts the ids consumed up to and including the one that stopped
+    the stream (the EOS id, or the token that completed a stop string): the ids a caller keeps. ``context``: see
+    :class:`Detokenizer`.
     """
 
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int] = (), stops: Sequence[str] = (),
