@@ -35,6 +35,7 @@ from specexec.decode import Stats, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
+from specexec.text import TextStream, check_stops
 from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,9 @@ class Generation:
     """
 
     def __init__(self, engine: "Engine", ids: list[int], max_new: int, proposer: Proposer, policy: BudgetPolicy,
-                 samp: SamplingConfig, stats: Stats, verify_chunk: int) -> None:
+                 samp: SamplingConfig, stats: Stats, verify_chunk: int, stop: Sequence[str] = ()) -> None:
         self.engine, self.ids, self.max_new = engine, ids, max_new
+        self.text = TextStream(engine.tokenizer.tokenizer, engine.tokenizer.eos_ids, stop)
         self.proposer, self.policy, self.samp = proposer, policy, samp
         self.stats = stats
         self.verify_chunk = verify_chunk
@@ -96,23 +98,20 @@ class Generation:
     def _run(self) -> Generator[str, None, None]:
         e = self.engine
         assert e.state is not None
-        tok = e.tokenizer.tokenizer
-        shown = ""
         steps = decode(e.state, self.proposer, self.policy, self.samp, self.max_new, e.tokenizer.eos_ids,
                        self.stats, self.verify_chunk)
         try:
             for new in steps:
-                self.tokens.extend(new)
-                text = self._text(tok)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                    continue
-                if len(text) > len(shown) and text.startswith(shown):
-                    yield text[len(shown):]
-                shown = text
-            final = self._text(tok)
-            if len(final) > len(shown) and final.startswith(shown):
-                yield final[len(shown):]
-            self._finish(None)
+                text, stopped = self.text.push(new)
+                self.tokens.extend(new[: self.text.n_tokens - len(self.tokens)] if stopped else new)
+                if text:
+                    yield text
+                if stopped:
+                    break
+            tail = self.text.flush()
+            if tail:
+                yield tail
+            self._finish("stop" if self.text.stopped else None)
         except GeneratorExit:  # closed by the caller between pieces: a clean cancel
             self._finish("cancelled")
             raise
@@ -122,12 +121,9 @@ class Generation:
     def _finish(self, reason: str | None) -> None:
         if reason is not None:
             self.stats.finish_reason = reason
-        self.result = Result(text=self._text(self.engine.tokenizer.tokenizer), tokens=list(self.tokens),
-                             prompt_tokens=len(self.ids), stats=self.stats)
-
-    def _text(self, tok: Any) -> str:
-        body = [t for t in self.tokens if t not in self.engine.tokenizer.eos_ids]
-        return tok.decode(body, skip_special_tokens=True)
+        self.stats.new_tokens = len(self.tokens)
+        self.result = Result(text=self.text.text, tokens=list(self.tokens), prompt_tokens=len(self.ids),
+                             stats=self.stats)
 
 
 class Engine:
@@ -205,15 +201,17 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, method: str | None = None,
                sampling_cfg: SamplingConfig | None = None, tree: TreeConfig | None = None,
                chain: ChainConfig | None = None, chat: bool = False, ngram: NGramConfig | None = None,
-               policy: BudgetPolicy | None = None) -> Generation:
+               policy: BudgetPolicy | None = None, stop: Sequence[str] = ()) -> Generation:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``.
 
         ``ngram``: prompt-lookup settings -- for ``method="ngram"`` the proposals themselves, for ``specexec``
         extra branches merged into the draft's tree (None: none merged). ``policy``: a budget policy to use
-        instead of the tree config's (fixed or auto), e.g. one with known costs.
+        instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``: stop strings; the
+        text ends right before the first one (not included) and finish_reason is "stop".
         """
         method = method or ("specexec" if self.draft is not None else "ar")
         check_method(method)
+        stops = check_stops(stop)
         if method in NEEDS_DRAFT and self.draft is None:
             raise SpecexecError(f"{setting('method', method)} needs a draft model: pass {setting('draft')}")
         ids = self.encode(prompt, chat)
@@ -242,7 +240,7 @@ class Engine:
         policy = policy or chosen
         assert self.state is not None
         self.state.adopt(ids)
-        return Generation(self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk)
+        return Generation(self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, **kw: Any) -> Result:
         """Run a generation to the end (see :meth:`stream`)."""

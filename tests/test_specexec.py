@@ -224,3 +224,26 @@ def test_early_stop_default_follows_the_device():
     assert tree_config("16", 2048, 128, 32, 32).early_stop is None  # None: on for a CPU draft, off on a GPU
     assert tree_config("auto", 2048, 128, 32, 32, False).early_stop is False
     assert tree_config("16", 2048, 128, 32, 32, True).early_stop is True
+
+
+def test_stop_strings_end_the_answer(noisy_pairs):
+    """engine.stream(stop=...): the text ends right before the stop string, the kept tokens end with the token
+    that completed it, finish_reason is "stop"; the same answer without stops runs on (finish_reason "length")."""
+    target, draft = noisy_pairs["llama"]
+    e = _engine(target, draft)
+    full = e.generate([5, 6, 7], 30, method="specexec", tree=TreeConfig(budget=8))
+    assert full.finish_reason in ("length", "stop")
+    words = full.text.split()
+    assert len(words) > 6
+    stop = " ".join(words[3:5])
+    e.reset()
+    g = e.stream([5, 6, 7], 30, method="specexec", tree=TreeConfig(budget=8), stop=[stop, "never-there"])
+    pieces = list(g)
+    r = g.result
+    assert r.finish_reason == "stop" and "".join(pieces) == r.text
+    assert r.text == full.text[: full.text.index(stop)] and stop not in r.text
+    assert r.tokens == full.tokens[: len(r.tokens)] and len(r.tokens) < len(full.tokens)
+    from specexec.errors import SpecexecError
+
+    with pytest.raises(SpecexecError, match="empty"):
+        e.stream([5, 6, 7], 5, stop=[""])
