@@ -12,9 +12,11 @@ Context window: when system + history + the new message + ``max_new_tokens`` exc
 turns leave the window (the system prompt stays; they remain in the saved transcript) and a notice says so. A
 message that cannot fit even alone raises :class:`SpecexecError` for that message only; the session goes on.
 
-Interruption (Ctrl-C while an answer streams): the caller catches ``KeyboardInterrupt``. The text shown so far is
-kept as the assistant message, marked ``interrupted`` in the transcript (so the model sees what the user saw);
-an answer interrupted before any text appeared drops the whole turn. The engine stays usable: its state only
+Interruption (Ctrl-C while an answer streams): the REPL sets a flag that :meth:`Reply.pieces` checks before
+handing out each piece, so nothing of the step in flight is shown once it is set (a second Ctrl-C raises
+``KeyboardInterrupt`` at once). The text yielded so far is kept as the assistant message, marked ``interrupted``
+in the transcript (so the model sees what the user saw); an answer interrupted before any text appeared drops the
+whole turn. The engine stays usable: its state only
 advances after a completed step, and the next request re-syncs through the prefix cache.
 """
 
@@ -105,9 +107,9 @@ class GenOptions:
 class Reply:
     """One answer being generated. Iterate for text pieces (like :class:`~specexec.engine.Generation`).
 
-    ``notices`` (window changes) are known before iteration. When iteration ends, normally or through an
-    exception such as ``KeyboardInterrupt``, the turn is recorded in the session; then ``interrupted``, ``text``
-    and ``result`` (None if interrupted) describe it.
+    ``notices`` (window changes) are known before iteration. When iteration ends, normally, through
+    :meth:`pieces`' stop flag, or through an exception such as ``KeyboardInterrupt``, the turn is recorded in the
+    session; then ``interrupted``, ``text`` and ``result`` (None if interrupted) describe it.
     """
 
     def __init__(self, session: "ChatSession", turn: Turn, generation: Generation, notices: list[str]) -> None:
@@ -115,17 +117,34 @@ class Reply:
         self.notices = notices
         self.prompt_tokens = len(generation.ids)
         self.done = False
+        self.stopped = False  # iteration ended before the answer did (stop flag, exception, or close)
 
     def __iter__(self) -> Iterator[str]:
+        return self.pieces()
+
+    def pieces(self, stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """The answer's text pieces. ``stop()`` is asked before each piece is handed out: once it is true no
+        further piece is yielded (the step in flight is discarded, not shown) and the turn is recorded as
+        interrupted with exactly the text yielded so far (``stopped`` becomes true)."""
         if self.done:
             raise RuntimeError("a Reply can be iterated only once")
+        self.done = True
         shown: list[str] = []
+        gen = iter(self.generation)
         try:
-            for piece in self.generation:
+            while not (stop is not None and stop()):
+                try:
+                    piece = next(gen)
+                except StopIteration:
+                    break
+                if stop is not None and stop():  # the flag came while this step ran: it is never shown
+                    break
                 shown.append(piece)
                 yield piece
         finally:
-            self.done = True
+            if self.generation.result is None:
+                self.stopped = True
+                gen.close()  # cancels the engine's step loop (its state stays consistent)
             self._session._record(self.turn, self.generation.result, "".join(shown))
 
     @property
@@ -134,7 +153,7 @@ class Reply:
 
     @property
     def interrupted(self) -> bool:
-        return self.done and self.generation.result is None
+        return self.stopped
 
     @property
     def text(self) -> str:
@@ -350,6 +369,13 @@ def parse_command(text: str) -> tuple[str, str] | None:
         return None
     name, _, arg = s[1:].partition(" ")
     return name.lower(), arg.strip()
+
+
+def summary_line(stats: Stats) -> str:
+    """The one-line speed summary printed after each answer: tokens, decoding speed, tokens per target pass."""
+    s = stats
+    return (f"{s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} tok/s, "
+            f"{s.tokens_per_step:.2f} tokens/step")
 
 
 def format_stats(stats: Stats) -> list[str]:

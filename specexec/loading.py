@@ -22,6 +22,23 @@ from specexec.model import Globals, ModelConfig, ResidentLayers, Transformer
 
 log = logging.getLogger(__name__)
 
+
+class _BnbKernelsHint(logging.Filter):
+    """Turns bitsandbytes' import-time warning "Failed to load CPU gemm_4bit_forward from kernels-community ...
+    `pip install kernels`" (CPUs with AVX512-BF16) into one debug line. Why: NF4 on a CPU here dequantizes each
+    weight and runs the dense linear (offload/quant.py); bitsandbytes' fused CPU GEMM that `kernels` would fetch
+    (from the Hugging Face hub, at import) is never called, so the hint is noise and installing it buys nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "kernels-community" in record.getMessage():
+            log.debug("bitsandbytes' optional fused CPU kernel is unavailable (%s); not used: NF4 on a CPU "
+                      "dequantizes and runs the dense linear", record.getMessage()[:160])
+            return False
+        return True
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

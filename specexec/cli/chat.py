@@ -25,6 +25,7 @@ from specexec.chat import (
     load_engine,
     parse_command,
     read_message,
+    summary_line,
 )
 from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging, user_message
@@ -96,7 +97,7 @@ def chat(
         session = ChatSession(engine, system=system, options=gen)
         if not quiet:
             _banner(model, engine, method)
-        repl(session)
+        repl(session, quiet)
 
     guarded(run, verbose)
 
@@ -113,8 +114,8 @@ def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
 # ---------------------------------------------------------------------------------------------- the REPL
 
 
-def repl(session: ChatSession) -> None:
-    """Read messages and commands until /quit or end of input (Ctrl-D)."""
+def repl(session: ChatSession, quiet: bool = False) -> None:
+    """Read messages and commands until /quit or end of input (Ctrl-D); ``quiet``: no per-answer summary."""
     if sys.stdin.isatty():
         _setup_readline()
     while True:
@@ -134,7 +135,7 @@ def repl(session: ChatSession) -> None:
             continue
         cmd = parse_command(text)
         if cmd is None:
-            answer(session, text)
+            answer(session, text, quiet)
         elif not command(session, *cmd):
             return
 
@@ -232,9 +233,10 @@ def _ctrl_c_as_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, old)
 
 
-def answer(session: ChatSession, text: str) -> None:
-    """Stream one answer. Ctrl-C stops it (the session keeps what was shown); errors print one line."""
-    pieces = None
+def answer(session: ChatSession, text: str, quiet: bool = False) -> None:
+    """Stream one answer, then (unless ``quiet``) a one-line speed summary on stderr. Ctrl-C stops it cleanly:
+    nothing of the step in flight is printed and the session keeps exactly what was shown. Errors print one line."""
+    reply = pieces = None
     try:
         with _ctrl_c_as_flag() as stop:
             reply = session.send(text)
@@ -242,29 +244,29 @@ def answer(session: ChatSession, text: str) -> None:
                 raise KeyboardInterrupt
             for n in reply.notices:
                 _notice(n)
-            pieces = iter(reply)
+            pieces = reply.pieces(stop.is_set)
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-                if stop.is_set():
-                    raise KeyboardInterrupt
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the answer started, or a second Ctrl-C
         if pieces is None:
             typer.echo()
             _notice("interrupted before the answer started")
             return
         pieces.close()  # records the turn now, whatever was running when Ctrl-C arrived
-        sys.stdout.write("\n")
-        kept = "the partial answer stays in the history" if reply.text else "nothing was generated; turn dropped"
-        _notice(f"interrupted: {kept}")
-        return
     except SpecexecError as e:
-        if pieces is not None:
+        if reply is not None:
             sys.stdout.write("\n")
         _error(e)
         return
+    assert reply is not None
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if reply.interrupted or not reply.done:
+        kept = "the partial answer stays in the history" if reply.text else "nothing was generated; turn dropped"
+        _notice(f"interrupted: {kept}")
+    elif not quiet and reply.result is not None:
+        typer.secho(f"[{summary_line(reply.result.stats)}]", dim=True, err=True)
 
 
 def command(session: ChatSession, name: str, arg: str) -> bool:
