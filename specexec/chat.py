@@ -145,11 +145,12 @@ class Reply:
             if self.generation.result is None:
                 self.stopped = True
                 gen.close()  # cancels the engine's step loop (its state stays consistent)
-            self._session._record(self.turn, self.generation.result, "".join(shown))
+            self._session._record(self.turn, self.result, "".join(shown))
 
     @property
     def result(self) -> Result | None:
-        return self.generation.result
+        """The finished generation; None when interrupted (its statistics are incomplete)."""
+        return None if self.stopped else self.generation.result
 
     @property
     def interrupted(self) -> bool:
