@@ -22,11 +22,13 @@ from specexec.errors import SpecexecError
 from specexec.loading import (
     check_tokenizers_match,
     load_model,
+    draft_vocab_ids,
     load_tokenizer,
     model_dir,
     parse_device,
-    parse_dtype,
     read_config,
+    resolve_draft,
+    resolve_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -42,12 +44,16 @@ def load(
     offload: Any = None,
     tree: TreeConfig | None = None,
     progress: bool = True,
+    draft_vocab: int | None = None,
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
-    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA, fp32 on CPU), ``draft_dtype``
-    the draft's (default: same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
+    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
+    cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
+    ``dtype``; also ``int8``: int8 weights on CPU). ``draft_vocab``: restrict the draft's lm_head to that many
+    frequency-ranked token ids plus special ids and the tokens it is fed (CPU; FR-Spec). ``context`` is the
+    longest prompt + answer the KV caches hold.
     """
     if context < 8:
         raise SpecexecError(f"context must be >= 8 tokens, got {context}")
@@ -62,7 +68,10 @@ def load(
     # the draft first: it stays resident, and the target's memory plan then sees what is left
     d_model = None
     if d_path is not None:
-        d_model = _load(d_path, dev, parse_dtype(draft_dtype or dtype, dev))
+        d_cfg = read_config(d_path)
+        d_dt, d_int8 = resolve_draft(draft_dtype or dtype, dev, d_cfg)
+        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, draft_vocab) if draft_vocab is not None else None
+        d_model = _load(d_path, dev, d_dt, int8=d_int8, head_ids=head)
     t_cfg = read_config(t_path)
     context = min(context, t_cfg.max_position_embeddings)
     room = (tree or TreeConfig()).largest + 2
@@ -75,7 +84,7 @@ def load(
         t_model = load_offloaded(t_path, dev, dtype, offload, draft_bytes=0, kv_bytes=kv, max_tokens=room)
     else:
         check_host_memory(t_path, kv if dev.type == "cpu" else 0)
-        t_model = _load(t_path, dev, parse_dtype(dtype, dev))
+        t_model = _load(t_path, dev, resolve_dtype(dtype, dev, t_cfg))
     return Engine(t_model, t_tok, d_model, context=context, tree=tree)
 
 
@@ -107,9 +116,9 @@ def check_host_memory(path: Any, extra: int) -> None:
         )
 
 
-def _load(path: Any, dev: torch.device, dt: torch.dtype):
+def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
     try:
-        return load_model(path, dev, dt)
+        return load_model(path, dev, dt, **kw)
     except torch.cuda.OutOfMemoryError:
         raise SpecexecError(
             f"not enough GPU memory to load {path} resident; use --offload auto or a smaller --dtype"
