@@ -24,11 +24,13 @@ from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
     load_model,
+    draft_vocab_ids,
     load_tokenizer,
     model_dir,
     parse_device,
-    parse_dtype,
     read_config,
+    resolve_draft,
+    resolve_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,16 @@ def load(
     tree: TreeConfig | None = None,
     progress: bool = True,
     cache_dir: str | Path | None = None,
+    draft_vocab: int | None = None,
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
-    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA, fp32 on CPU), ``draft_dtype``
-    the draft's (default: same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
+    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
+    cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
+    ``dtype``; also ``int8``: int8 weights on CPU). ``draft_vocab``: restrict the draft's lm_head to that many
+    frequency-ranked token ids plus special ids and the tokens it is fed (CPU; FR-Spec). ``context`` is the
+    longest prompt + answer the KV caches hold.
     ``cache_dir``: specexec's cache root (models, offload layer caches); default :func:`specexec.hub.cache_home`.
 
     Before anything is allocated, the weights (at their loaded dtype, counted from the safetensors headers), both
@@ -75,8 +81,8 @@ def load(
     t_cfg = read_config(t_path)
     d_cfg = read_config(d_path) if d_path is not None else None
     context = min(context, t_cfg.max_position_embeddings)
-    d_dt = parse_dtype(draft_dtype or dtype, dev) if d_path is not None else None
-    d_isz = d_dt.itemsize if d_dt is not None else 4
+    d_dt, d_int8 = resolve_draft(draft_dtype or dtype, dev, d_cfg) if d_cfg is not None else (None, False)
+    d_isz = (1 if d_int8 else d_dt.itemsize) if d_dt is not None else 4
     d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg) if d_path is not None else None
     plan = None
     if _offloaded(offload, dev):
@@ -95,18 +101,21 @@ def load(
         memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
                             draft_weights=d_weights)
     else:
-        t_isz = parse_dtype(dtype, dev).itemsize
+        t_isz = resolve_dtype(dtype, dev, t_cfg).itemsize
         t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz, t_cfg)
         memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
                             draft_weights=d_weights)
     # the draft first: it stays resident, and the target's memory plan accounted for it
-    d_model = _load(d_path, dev, d_dt) if d_path is not None else None
+    d_model = None
+    if d_path is not None and d_cfg is not None and d_dt is not None:
+        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, draft_vocab) if draft_vocab is not None else None
+        d_model = _load(d_path, dev, d_dt, int8=d_int8, head_ids=head)
     if plan is not None:
         from offload import load_offloaded
 
         t_model = load_offloaded(t_path, dev, dtype, offload, plan=plan)
     else:
-        t_model = _load(t_path, dev, parse_dtype(dtype, dev))
+        t_model = _load(t_path, dev, resolve_dtype(dtype, dev, t_cfg))
     return Engine(t_model, t_tok, d_model, context=context, tree=tree,
                   calibration_dir=hub.cache_home(cache_dir) / "calibration")
 
@@ -120,9 +129,9 @@ def _offloaded(offload: Any, dev: torch.device) -> bool:
     return True
 
 
-def _load(path: Any, dev: torch.device, dt: torch.dtype):
+def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
     try:
-        return load_model(path, dev, dt)
+        return load_model(path, dev, dt, **kw)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(
             f"not enough GPU memory to load {path} resident; use {setting('OffloadConfig.mode', 'auto')} or a "
