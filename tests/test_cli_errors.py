@@ -435,8 +435,13 @@ def test_notices_gpu_memory_on_cpu_and_capped_context(models):
     assert not [line for line in result.stderr.splitlines() if line.startswith("error")]
 
 
-def test_generate_stats_line_shows_calibration(models):
-    """Not quiet: the stats line on stderr includes the auto budget's calibration time."""
+def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
+    """Not quiet: the stats line on stderr includes the auto budget's calibration time (the cost-model policy a GPU
+    uses; a CPU's measured policy needs no calibration)."""
+    from specexec.engine import Engine
+
+    monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # no calibration cached from an earlier run
     cmd = ["generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--device", "cpu",
            "-p", "t10 t11", "-n", "4", "--budget", "auto", "--max-budget", "8"]
     result = runner.invoke(app, cmd)
