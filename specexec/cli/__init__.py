@@ -27,8 +27,8 @@ from specexec.cli.models import app as _models_app  # noqa: E402
 
 app.add_typer(_models_app, name="models", help="List and pull models (aliases, demo pair).")
 
-# commands that live in their own modules: chat, doctor, bench (each module defines one function of that name)
-for _name in ("chat", "doctor", "bench"):
+# commands that live in their own modules: chat, doctor, bench, serve (each module defines one function of that name)
+for _name in ("chat", "doctor", "bench", "serve"):
     try:
         _mod = __import__(f"specexec.cli.{_name}", fromlist=[_name])
     except ModuleNotFoundError as _e:  # not written yet
