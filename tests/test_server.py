@@ -30,8 +30,8 @@ from specexec.config import SamplingConfig, TreeConfig
 from specexec.server import Defaults, ServerConfig, create_app
 
 TREE = TreeConfig(budget=8, early_stop=False)
-CONTEXT = 1024
-LONG = 900  # a long answer (max_tokens) for the cancel / queue tests
+CONTEXT = 2048
+LONG = 2000  # a long answer (max_tokens) for the cancel / queue tests
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t3 {{ m['content'] }} t4 "
             "{% elif m['role'] == 'system' %}t7 {{ m['content'] }} t8 "
             "{% else %}t5 {{ m['content'] }} t6 {% endif %}{% endfor %}{% if add_generation_prompt %}t5{% endif %}")
@@ -309,7 +309,7 @@ def test_malformed_and_missing(live):
                  json.dumps({"messages": "hello"}).encode(), json.dumps({"messages": HI, "stream": "yes"}).encode(),
                  json.dumps({"messages": HI, "temperature": "hot"}).encode(),
                  json.dumps({"messages": HI, "temperature": float("nan")}).encode(),
-                 json.dumps({"messages": HI, "seed": "abc"}).encode(),
+                 json.dumps({"messages": HI, "seed": "abc"}).encode(), json.dumps({"messages": HI, "seed": 2**70}).encode(),
                  json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode()):
         r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 400, (body, r.text)
@@ -398,6 +398,18 @@ def test_health_answers_during_a_generation_and_disconnect_cancels(live, client,
     # the next request starts at once and is right
     r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=12)
     assert r.choices[0].message.content == expect(ref, "t10 t11 t12", 12, chat=True)
+
+
+def test_non_streamed_request_cancelled_when_the_client_leaves(live, client, ref):
+    w = live.state.worker
+    cancelled = w.cancelled
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes the connection
+        httpx.post(live.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": LONG},
+                   timeout=httpx.Timeout(30, read=0.5))
+    live.wait_idle()
+    assert w.cancelled == cancelled + 1 and w.last.generated < LONG // 2
+    r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6)
+    assert r.choices[0].message.content == expect(ref, "t10 t11 t12", 6, chat=True)
 
 
 def test_queue_full_gives_429_and_a_waiting_client_can_leave(live, client):

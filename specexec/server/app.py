@@ -200,6 +200,7 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
             raise p.ApiError(503, "the model is still loading" if state.error is None else
                              f"the model failed to load: {state.error}", None, "model_not_ready",
                              headers={"Retry-After": "5"})
+        w.check_room()  # refuse early, before tokenizing, when the queue is already full
         eng = state.engine
         ids = await asyncio.to_thread(_encode, eng, req)
         max_new = p.resolve_max_tokens(req, len(ids), eng.context, config.defaults.max_new_tokens)

@@ -148,6 +148,8 @@ def _common(body: Any, defaults: Defaults) -> dict[str, Any]:
     seed = body.get("seed", s.seed)
     if seed is not None and not _is_int(seed):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed", "invalid_type")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise ApiError(400, f"'seed' must fit in 64 bits, got {seed}", "seed", "invalid_value")
     sampling = SamplingConfig(temperature=temperature, top_k=int(top_k or 0), top_p=top_p, min_p=min_p,
                               seed=None if seed is None else int(seed))
     mt = _opt_int(body, "max_completion_tokens", 1, None)

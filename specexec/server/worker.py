@@ -130,12 +130,16 @@ class Worker:
     def busy(self) -> bool:
         return self.running is not None
 
+    def check_room(self) -> None:
+        """Raise ApiError 429 when ``max_waiting`` jobs already wait behind a running one."""
+        if self._pending >= 1 + self.max_waiting:
+            raise ApiError(429, f"the server is busy: one generation runs and {self.max_waiting} wait; "
+                                "retry shortly", None, "queue_full", headers={"Retry-After": "1"})
+
     def submit(self, job: Job) -> None:
-        """Queue ``job``, or raise ApiError 429 when ``max_waiting`` jobs already wait behind a running one."""
+        """Queue ``job``, or raise ApiError 429 (see :meth:`check_room`)."""
         with self._lock:
-            if self._pending >= 1 + self.max_waiting:
-                raise ApiError(429, f"the server is busy: one generation runs and {self.max_waiting} wait; "
-                                    "retry shortly", None, "queue_full", headers={"Retry-After": "1"})
+            self.check_room()
             self._pending += 1
             job.state, job.worker = "waiting", self
         self._jobs.put(job)
