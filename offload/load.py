@@ -8,6 +8,8 @@ reads the packed files and never quantizes again.
 
 from __future__ import annotations
 
+from specexec.errors import SpecexecError
+
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,11 +18,11 @@ import torch
 from torch import Tensor
 
 from offload.layout import LayerLayout, layer_layout
-from offload.plan import OffloadConfig, Plan, make_plan
+from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
 from offload.quant import quantize_layer
-from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore
+from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, setting
 from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig, Transformer
 
@@ -32,7 +34,9 @@ def target_compute_dtype(dtype_str: str, offload: OffloadConfig, device: torch.d
     if offload.target_dtype in ("bf16", "fp16"):
         want = {"bf16": torch.bfloat16, "fp16": torch.float16}[offload.target_dtype]
         if dtype_str != "auto" and parse_dtype(dtype_str, device) != want:
-            raise SpecexecError(f"--dtype {dtype_str} contradicts --target-dtype {offload.target_dtype}")
+            raise ConfigError("dtype", dtype_str, "contradicts the target dtype",
+                              f"{setting('dtype', dtype_str)} contradicts "
+                              f"{setting('OffloadConfig.target_dtype', offload.target_dtype)}")
         return want
     return parse_dtype(dtype_str, device)
 
@@ -48,20 +52,35 @@ def load_offloaded(
     max_tokens: int = 2048,
     h2d_gbps: float | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    plan: Plan | None = None,
 ) -> Transformer:
     """Load the target at ``path`` placed by :func:`~offload.plan.make_plan`; ``model.layers`` is the streamer.
 
-    ``draft_bytes``/``kv_bytes``: VRAM the draft and the KV caches will take (the plan reserves it).
+    ``draft_bytes``/``kv_bytes``: VRAM the draft and the KV caches (and step buffers) will take (the plan reserves
+    it). ``plan``: one already made (by :func:`plan_offload`); else it is made here from this machine.
     ``chunk_bytes``: staging/CRC chunk of newly written caches and of staged RAM (tests use small ones).
     """
     path = model_dir(Path(path))
     cfg = read_config(path)
-    dtype = target_compute_dtype(dtype_str, offload, device)
-    plan = make_plan(cfg, offload, device, draft_bytes, kv_bytes, dtype=dtype, model_path=path,
-                     max_tokens=max_tokens, h2d_gbps=h2d_gbps)
+    if plan is None:
+        plan = plan_offload(path, device, dtype_str, offload, draft_bytes, kv_bytes, max_tokens=max_tokens,
+                            h2d_gbps=h2d_gbps)
     log.info("%s", plan.describe())
     layers = build_layers(path, cfg, plan, device, chunk_bytes=chunk_bytes)
     return load_model(path, device, plan.fmt.dtype, layers=layers)
+
+
+def plan_offload(path: Path, device: torch.device, dtype_str: str = "auto", offload: OffloadConfig = OffloadConfig(),
+                 draft_bytes: int = 0, kv_bytes: int = 0, *, max_tokens: int = 2048,
+                 h2d_gbps: float | None = None) -> Plan:
+    """:func:`~offload.plan.make_plan` for the checkpoint at ``path`` on this machine (nothing is allocated)."""
+    path = model_dir(Path(path))
+    cfg = read_config(path)
+    dtype = target_compute_dtype(dtype_str, offload, device)
+    root = offload.offload_root
+    model = PlanModel.from_checkpoint(cfg, dtype, path, root, draft_bytes=draft_bytes, kv_bytes=kv_bytes,
+                                      max_tokens=max_tokens)
+    return make_plan(Resources.probe(device, root, h2d_gbps), model, offload)
 
 
 def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
@@ -73,7 +92,18 @@ def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
     if plan.cache_dir is not None:
         store = SsdStore.open(plan.cache_dir, layout, cfg.num_layers)
         if store is None:
-            store = builder.write_cache(path, cfg, plan.cache_dir, chunk_bytes)
+            what = "NF4 layer cache" if plan.fmt.kind == "nf4" else "SSD-tier layer cache"
+            log.warning("writing the %s of %s: %d layers, %.1f GB, into %s (once; later starts reuse it; "
+                        "`specexec cache rm` removes it)", what, path.name, cfg.num_layers,
+                        cfg.num_layers * layout.nbytes / 1e9, plan.cache_dir)
+            writable_dir(plan.cache_dir, what)
+            try:
+                store = builder.write_cache(path, cfg, plan.cache_dir, chunk_bytes)
+            except OSError as e:
+                raise SpecexecError(
+                    f"cannot write the {what} in {plan.cache_dir}: {e.strerror or e}; point the cache at a "
+                    "writable disk with space (--cache-dir, or the SPECEXEC_HOME environment variable)"
+                ) from None
         else:
             log.info("reading packed layers from %s", plan.cache_dir)
             builder.read_cache(store)

@@ -1,14 +1,17 @@
 """The memory plan: where each target layer lives (GPU, pinned RAM, SSD), decided before anything is loaded.
 
-Inputs: free VRAM (``torch.cuda.mem_get_info``, capped by ``gpu_memory_gb``), available RAM (psutil) and free disk
-(``shutil.disk_usage``); the exact packed layer size comes from :func:`~offload.layout.layer_layout`.
+:func:`make_plan` is pure: its inputs are a :class:`Resources` (free VRAM, capped by ``gpu_memory_gb``; RAM; free
+disk where the cache goes; :meth:`Resources.probe` reads them from this machine) and a :class:`PlanModel` (config,
+compute dtype, the VRAM the draft and the KV/step buffers take, the model's layer caches). Byte counts come from
+:mod:`specexec.sizes`; the exact packed layer size from :func:`~offload.layout.layer_layout`. ``load_offloaded`` and
+``specexec doctor`` both call it.
 Fixed VRAM: the globals (embeddings, final norm, lm_head), the draft, the KV cache and a workspace for a pass
 of ``max_tokens`` tokens. What is left holds the ring of streamed-layer buffers, then as many resident layers as
 fit. ``mode=auto``: ``none`` (all resident) if everything fits in VRAM, else ``ram`` if RAM minus a safety margin
 holds the streamed layers, else ``ssd``. ``target_dtype=auto``: 16-bit when the model fits in VRAM, else NF4
 (3.6x fewer bytes to stream per pass). On a CPU device (tests) the "VRAM" budget is ``gpu_memory_gb`` or
 unlimited, so ``auto`` gives ``none`` unless a cap is set. When the model cannot fit as asked, :func:`make_plan`
-raises a :class:`SpecexecError` saying what is short and what to change — before any weight is read.
+raises an :class:`~specexec.errors.OutOfMemory` saying what is short and what to change — before any weight is read.
 
 Time floor of one forward = streamed bytes / pinned host→device bandwidth (25 GB/s, a PCIe 4.0 x16 desktop, unless
 measured with :func:`measure_h2d_bandwidth`).
@@ -18,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import psutil
 import torch
@@ -27,7 +31,8 @@ import torch
 from offload.layout import LayerFormat, layer_layout, layer_shapes
 from offload.quant import max_linear_numel
 from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
-from specexec.errors import SpecexecError
+from specexec import sizes
+from specexec.errors import ConfigError, OutOfMemory, SpecexecError, check_finite, setting
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -51,28 +56,34 @@ class OffloadConfig:
     mode: str = "auto"  # auto | none (all on GPU) | ram (stream from pinned RAM) | ssd (stream from disk)
     gpu_memory_gb: float | None = None  # cap on the VRAM the target may use (GB = 1e9 bytes); None: all free
     target_dtype: str = "auto"  # auto | bf16 | fp16 | nf4: how target layers are stored and streamed
-    ssd_dir: Path | None = None  # packed-layer cache (SSD tier, NF4 cache); None: offload.store.default_cache_dir()
+    cache_dir: Path | None = None  # specexec's cache root (packed layers: <cache_dir>/offload); None: hub.cache_home()
     lookahead: int = 1  # streamed layers in flight while one computes
     ring_size: int | None = None  # GPU layer buffers for streaming; None: lookahead + 1
     resident_layers: int | None = None  # force this many leading layers to stay on the GPU; None: as many as fit
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ConfigError("OffloadConfig.mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.target_dtype not in TARGET_DTYPES:
-            raise ValueError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+            raise ConfigError("OffloadConfig.target_dtype", self.target_dtype,
+                              f"must be one of {', '.join(TARGET_DTYPES)}")
+        check_finite("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb)
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
-            raise ValueError(f"gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+            raise ConfigError("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
         if self.lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
+            raise ConfigError("OffloadConfig.lookahead", self.lookahead, "must be >= 1")
         if self.ring_size is not None and self.ring_size < max(2, self.lookahead + 1):
-            raise ValueError(
-                f"ring_size must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}, got {self.ring_size}"
-            )
+            raise ConfigError("OffloadConfig.ring_size", self.ring_size,
+                              f"must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}")
         if self.resident_layers is not None and self.resident_layers < 0:
-            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
-        if self.ssd_dir is not None and not isinstance(self.ssd_dir, Path):
-            object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
+            raise ConfigError("OffloadConfig.resident_layers", self.resident_layers, "must be >= 0")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
+            object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+
+    @property
+    def offload_root(self) -> Path:
+        """Where packed-layer caches (SSD tier, NF4) live: ``<cache_dir>/offload``."""
+        return self.cache_dir / "offload" if self.cache_dir is not None else default_cache_dir()
 
     @property
     def ring(self) -> int:
@@ -87,22 +98,73 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def globals_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Embedding + final norm + lm_head (unless tied) in ``dtype``."""
-    isz = torch.empty((), dtype=dtype).element_size()
-    mats = 1 if cfg.tie_word_embeddings else 2
-    return (mats * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * isz
+    return sizes.globals_bytes(cfg, _itemsize(dtype))
 
 
 def workspace_bytes(cfg: ModelConfig, fmt: LayerFormat, device: torch.device, max_tokens: int) -> int:
-    """Activations of one pass over ``max_tokens`` tokens (MLP, qkv, fp32 logits) + the NF4 dequant scratch."""
-    isz = torch.empty((), dtype=fmt.dtype).element_size()
-    shapes = layer_shapes(cfg)
-    T = max_tokens
-    act = T * (3 * shapes["w13"][0] + shapes["wqkv"][0] + 4 * cfg.hidden_size) * isz
-    logits = T * cfg.vocab_size * (isz + 4)
+    """One target pass over ``max_tokens`` tokens: activations and logits (:mod:`specexec.sizes`) + the NF4
+    dequantization scratch on CUDA."""
+    isz = _itemsize(fmt.dtype)
+    act = sizes.pass_activation_bytes(cfg, max_tokens, isz) + sizes.logits_bytes(cfg, max_tokens, isz)
     scratch = max_linear_numel(layer_layout(cfg, fmt)) * isz if fmt.kind == "nf4" and device.type == "cuda" else 0
-    return act + logits + scratch
+    return act + scratch
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the machine offers the plan, in bytes: probed by :meth:`probe`, or given (doctor, tests)."""
+
+    device: str = "cpu"  # "cuda" or "cpu" (a CPU "GPU" is unlimited unless gpu_memory_gb caps it)
+    vram_free: int | None = None  # free VRAM of the CUDA device (None on a CPU)
+    ram_total: int = 0
+    ram_available: int = 0
+    disk_free: int | None = None  # free bytes on the cache's filesystem (None: unknown)
+    h2d_gbps: float | None = None  # measured pinned host->device bandwidth (None: assume DEFAULT_H2D_GBPS)
+
+    @classmethod
+    def probe(cls, device: torch.device, cache_root: Path | None = None, h2d_gbps: float | None = None
+              ) -> "Resources":
+        """This machine now: torch.cuda.mem_get_info, psutil, shutil.disk_usage of ``cache_root``."""
+        vram = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+        vm = psutil.virtual_memory()
+        disk = _free_disk(cache_root) if cache_root is not None else None
+        return cls(device=device.type, vram_free=vram, ram_total=int(vm.total), ram_available=int(vm.available),
+                   disk_free=disk, h2d_gbps=h2d_gbps)
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """The target as the plan sees it: its config, compute dtype, what else takes VRAM, and its caches."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype  # compute dtype (target_dtype bf16/fp16 overrides it)
+    draft_bytes: int = 0  # VRAM of the resident draft's weights
+    kv_bytes: int = 0  # VRAM of the KV caches and the step's other buffers (see specexec.sizes.EngineMemory)
+    max_tokens: int = 2048  # rows of the largest target pass (its activations, logits, NF4 scratch)
+    cache_dirs: Mapping[str, Path] = field(default_factory=dict)  # layer format name -> this model's cache dir
+    cached: frozenset[str] = frozenset()  # format names whose cache is complete on disk
+
+    @classmethod
+    def from_checkpoint(cls, cfg: ModelConfig, dtype: torch.dtype, path: Path | None, cache_root: Path,
+                        **kw: Any) -> "PlanModel":
+        """With the cache directories (and which are complete) of the checkpoint at ``path`` under ``cache_root``."""
+        dirs: dict[str, Path] = {}
+        done: set[str] = set()
+        for fmt in (LayerFormat("dense", dtype), LayerFormat("nf4", dtype),
+                    LayerFormat("dense", torch.bfloat16), LayerFormat("dense", torch.float16)):
+            if path is None:
+                dirs[fmt.name] = cache_root
+                continue
+            d = dirs[fmt.name] = cache_dir_for(cache_root, path, fmt)
+            if SsdStore.open(d, layer_layout(cfg, fmt), cfg.num_layers) is not None:
+                done.add(fmt.name)
+        return cls(cfg=cfg, dtype=dtype, cache_dirs=dirs, cached=frozenset(done), **kw)
 
 
 @dataclass(frozen=True)
@@ -179,41 +241,31 @@ def _free_disk(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def make_plan(
-    cfg: ModelConfig,
-    offload: OffloadConfig,
-    device: torch.device,
-    draft_bytes: int = 0,
-    kv_bytes: int = 0,
-    *,
-    dtype: torch.dtype | None = None,
-    model_path: Path | None = None,
-    max_tokens: int = 2048,
-    h2d_gbps: float | None = None,
-) -> Plan:
-    """Decide resident layers, ring, tier and storage format; raise SpecexecError if it cannot fit as asked.
+def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = OffloadConfig()) -> Plan:
+    """Decide resident layers, ring, tier and storage format; raise OutOfMemory if it cannot fit as asked.
 
-    ``dtype``: compute dtype (default :func:`compute_dtype`); ``target_dtype`` bf16/fp16 overrides it.
-    ``model_path``: lets the plan see an existing packed-layer cache (no disk needed then).
-    ``max_tokens``: the largest pass (tree) the workspace is sized for. ``h2d_gbps``: measured bandwidth.
+    Pure: everything it knows about the machine is in ``resources`` and about the model in ``model`` (so load and
+    ``specexec doctor`` share it, and tests give it any machine).
     """
-    cuda = device.type == "cuda"
-    dtype = dtype or compute_dtype(device)
+    cfg = model.cfg
+    cuda = resources.device == "cuda"
+    dtype = model.dtype
     if offload.target_dtype in ("bf16", "fp16"):
         dtype = torch.bfloat16 if offload.target_dtype == "bf16" else torch.float16
     n = cfg.num_layers
     R = offload.ring
 
     if cuda:
-        free, _ = torch.cuda.mem_get_info(device)
-        budget: int | None = max(0, free - VRAM_HEADROOM)
+        budget: int | None = max(0, (resources.vram_free or 0) - VRAM_HEADROOM)
         if offload.gpu_memory_gb is not None:
             budget = min(budget, int(offload.gpu_memory_gb * GB))
     else:
         budget = int(offload.gpu_memory_gb * GB) if offload.gpu_memory_gb is not None else None
+    device = torch.device(resources.device)
 
     def fixed(fmt: LayerFormat) -> int:
-        return globals_bytes(cfg, dtype) + draft_bytes + kv_bytes + workspace_bytes(cfg, fmt, device, max_tokens)
+        return (globals_bytes(cfg, dtype) + model.draft_bytes + model.kv_bytes
+                + workspace_bytes(cfg, fmt, device, model.max_tokens))
 
     def fits_all(fmt: LayerFormat) -> bool:
         return budget is None or fixed(fmt) + n * layer_layout(cfg, fmt).nbytes <= budget
@@ -233,58 +285,56 @@ def make_plan(
         mode = "none" if fits_all(fmt) else "stream"  # CPU without gpu_memory_gb: unlimited, always none
     if mode == "none":
         if not fits_all(fmt):
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"the target needs {(fixed_bytes + n * lb) / GB:.1f} GB of VRAM with every layer on the GPU "
-                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use --offload auto, ram or ssd"
-                + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
-            )
+                f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use {setting('OffloadConfig.mode')} "
+                "auto, ram or ssd"
+                + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
+                "GPU memory", fixed_bytes + n * lb, budget)
         k = n
     else:
         k = _resident_count(offload, n, lb, R, fixed_bytes, budget, fmt)
     resident, streamed = tuple(range(k)), tuple(range(k, n))
     vram_need = fixed_bytes + k * lb + (R * lb if streamed else 0)
 
-    vm = psutil.virtual_memory()
-    ram_avail = int(vm.available)
-    ram_room = ram_avail - max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * vm.total))
+    ram_avail = resources.ram_available
+    ram_room = ram_avail - max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * resources.ram_total))
     host_bytes = len(streamed) * lb
     staging = STAGING_BUFFERS * min(CHUNK_BYTES, lb)
     if mode == "stream":
         mode = "ram" if host_bytes <= ram_room else "ssd"
     if mode == "ram" and host_bytes > ram_room:
-        raise SpecexecError(
-            f"--offload ram needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} streamed {fmt.name} layers, "
-            f"but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
-            f"({ram_avail / GB:.1f} GB free): use --offload ssd"
-            + ("" if fmt.kind == "nf4" else ", --target-dtype nf4") + ", or free some memory"
-        )
+        raise OutOfMemory(
+            f"{setting('OffloadConfig.mode', 'ram')} needs {host_bytes / GB:.1f} GB of RAM for {len(streamed)} "
+            f"streamed {fmt.name} layers, but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
+            f"({ram_avail / GB:.1f} GB free): use {setting('OffloadConfig.mode', 'ssd')}"
+            + ("" if fmt.kind == "nf4" else f", {setting('OffloadConfig.target_dtype', 'nf4')}")
+            + ", or free some memory", "RAM", host_bytes, max(ram_room, 0))
     ram_need = host_bytes if mode == "ram" else (staging if streamed else 0)
     if mode == "ssd" and ram_need > ram_room:
-        raise SpecexecError(
-            f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)"
-        )
+        raise OutOfMemory(
+            f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)",
+            "RAM", ram_need, max(ram_room, 0))
 
     cache_dir: Path | None = None
     disk_free: int | None = None
     disk_need = 0
     if mode == "ssd" or fmt.kind == "nf4":
-        root = offload.ssd_dir or default_cache_dir()
-        cache_dir = cache_dir_for(root, model_path, fmt) if model_path is not None else root
-        layout = layer_layout(cfg, fmt)
-        ready = model_path is not None and SsdStore.open(cache_dir, layout, n) is not None
-        disk_need = 0 if ready else n * lb
-        disk_free = _free_disk(cache_dir)
-        if disk_need and disk_need + DISK_MARGIN > disk_free:
+        cache_dir = model.cache_dirs.get(fmt.name, offload.offload_root)
+        disk_need = 0 if fmt.name in model.cached else n * lb
+        disk_free = resources.disk_free
+        if disk_need and disk_free is not None and disk_need + DISK_MARGIN > disk_free:
             why = "the SSD tier" if mode == "ssd" else "the NF4 cache (quantized once, reused by later starts)"
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"{why} needs {disk_need / GB:.1f} GB of disk in {cache_dir}, but only {disk_free / GB:.1f} GB "
-                "is free: point --ssd-dir at a disk with more space"
-            )
+                f"is free: point the cache ({setting('OffloadConfig.cache_dir')}, or the SPECEXEC_HOME environment "
+                "variable) at a disk with more space", "disk", disk_need, disk_free)
+    h2d = resources.h2d_gbps
     return Plan(
         mode=mode, fmt=fmt, num_layers=n, layer_bytes=lb, resident=resident, streamed=streamed, ring_size=R,
-        lookahead=offload.lookahead, device=str(device), vram_budget=budget, vram_need=vram_need,
+        lookahead=offload.lookahead, device=resources.device, vram_budget=budget, vram_need=vram_need,
         ram_available=ram_avail, ram_need=ram_need, disk_free=disk_free, disk_need=disk_need, cache_dir=cache_dir,
-        h2d_gbps=h2d_gbps or DEFAULT_H2D_GBPS, h2d_measured=h2d_gbps is not None,
+        h2d_gbps=h2d or DEFAULT_H2D_GBPS, h2d_measured=h2d is not None,
     )
 
 
@@ -296,21 +346,21 @@ def _resident_count(
         k = min(offload.resident_layers, n)
         need = fixed + k * lb + (R * lb if k < n else 0)
         if budget is not None and need > budget:
-            raise SpecexecError(
+            raise OutOfMemory(
                 f"{k} resident layers + a ring of {R} need {need / GB:.1f} GB of VRAM, "
-                f"the budget is {budget / GB:.1f} GB: ask for fewer resident layers"
-            )
+                f"the budget is {budget / GB:.1f} GB: ask for fewer {setting('OffloadConfig.resident_layers')}",
+                "GPU memory", need, budget)
         return k
     if budget is None or fixed + n * lb <= budget:
         return n
     k = (budget - fixed - R * lb) // lb
     if k < 0:
-        raise SpecexecError(
+        raise OutOfMemory(
             f"VRAM too small to stream the target: globals, draft, KV cache and workspace take {fixed / GB:.1f} GB "
             f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
-            f"{budget / GB:.1f} GB: shorten the KV cache, use a smaller draft"
-            + ("" if fmt.kind == "nf4" else ", or --target-dtype nf4")
-        )
+            f"{budget / GB:.1f} GB: lower {setting('context')}, use a smaller draft"
+            + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
+            "GPU memory", fixed + R * lb, budget)
     return int(min(k, n))
 
 

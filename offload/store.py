@@ -10,7 +10,7 @@ rounds every block up to a power of two (a 1.71 GB bf16 70B layer would take 2.1
 pinning fails (WSL caps pinned memory near 1 GiB), the layer stays pageable and the streamer stages it through a
 small ring of pinned chunk buffers instead — pageable H2D copies run 7.5x slower than pinned ones.
 
-SSD tier (also the NF4 cache): ``<cache>/<model>-<format>-<key>/layer_00000.bin ...`` plus ``manifest.json``
+SSD tier (also the NF4 cache): ``<cache>/offload/<model>-<format>-<key>/layer_00000.bin ...`` plus ``manifest.json``
 (format version, layout, per-file size and one CRC32 per chunk), written last so that its presence marks a
 complete cache. Files are read with large sequential ``readinto`` calls by worker threads into pinned staging
 buffers (never mmapped to the GPU); every chunk's CRC is checked the first time this process reads it, and file
@@ -43,9 +43,17 @@ MANIFEST = "manifest.json"
 
 
 def default_cache_dir() -> Path:
-    """Where packed layers are cached: ``$SPECEXEC_CACHE/offload``, else ``~/.cache/specexec/offload``."""
-    root = os.environ.get("SPECEXEC_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "specexec") / "offload"
+    """Where packed layers are cached by default: ``<specexec cache>/offload`` (:func:`specexec.hub.cache_home`)."""
+    from specexec.hub import cache_home
+
+    return cache_home() / "offload"
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """Create ``path`` if needed and check that a file can be written in it (see :func:`specexec.hub.writable_dir`)."""
+    from specexec.hub import writable_dir as _writable
+
+    return _writable(path, what)
 
 
 def _cuda_clear_error() -> None:

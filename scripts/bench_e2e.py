@@ -138,7 +138,7 @@ def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes
     import torch
 
     from offload.layout import LayerFormat, layer_layout, layer_shapes
-    from offload.plan import OffloadConfig, globals_bytes, make_plan, workspace_bytes
+    from offload.plan import OffloadConfig, PlanModel, Resources, globals_bytes, make_plan, workspace_bytes
     from offload.quant import quantize_layer
     from offload.store import HostBuffer, RamStore
     from offload.streamer import StreamedLayers
@@ -151,8 +151,9 @@ def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes
     # the plan: charge the draft + KV first; RAM is checked by the plan for all 80 layers, which this machine may
     # not hold in bf16 (137 GB) — then compute the same resident count directly from the VRAM budget.
     try:
-        plan = make_plan(cfg, OffloadConfig(mode="ram", gpu_memory_gb=gpu_memory_gb, target_dtype=fmt), dev,
-                         draft_bytes, kv_bytes, dtype=bf16, max_tokens=max_tokens, h2d_gbps=h2d)
+        off = OffloadConfig(mode="ram", gpu_memory_gb=gpu_memory_gb, target_dtype=fmt)
+        plan = make_plan(Resources.probe(dev, None, h2d), PlanModel(cfg, bf16, draft_bytes=draft_bytes,
+                         kv_bytes=kv_bytes, max_tokens=max_tokens), off)
         resident = len(plan.resident)
         plan_text = plan.describe()
     except Exception as e:  # noqa: BLE001 - report and fall back to the same arithmetic

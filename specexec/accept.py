@@ -25,28 +25,32 @@ from torch import Tensor
 
 from specexec import sampling
 from specexec.config import SamplingConfig
+from specexec.propose.base import Proposal
 from specexec.tree import Tree
 from specexec.verify import walk
 
 
-def accept(tree: Tree, logits: Tensor, q: Tensor | None, samp: SamplingConfig, gen: torch.Generator | None,
+def accept(proposal: Proposal, logits: Tensor, samp: SamplingConfig, gen: torch.Generator | None,
            n: int) -> tuple[list[int], list[int]]:
-    """One step's acceptance. Returns (accepted path: tree nodes root first, emitted tokens).
+    """One step's acceptance by the rule the proposal names. Returns (accepted path: tree nodes root first,
+    emitted tokens).
 
-    ``logits`` (N, V): the target's logits at every tree node. ``q`` (gamma, Vq): the draft distributions the
-    chain's tokens were drawn from when chain sampling, else None (tree walk). ``n``: the root's (pending
-    token's) position, so node i's choice is the token at position n + 1 + depth(i). ``gen``: the generation's
-    generator; its seed keys the tree walk's uniforms, its stream drives chain acceptance.
+    ``logits`` (N, V): the target's logits at every tree node. ``proposal.q`` (gamma, Vq): the draft
+    distributions the chain's tokens were drawn from (chain rule only). ``n``: the root's (pending token's)
+    position, so node i's choice is the token at position n + 1 + depth(i). ``gen``: the generation's generator;
+    its seed keys the tree walk's uniforms, its stream drives chain acceptance.
     """
-    if q is None:
-        seed = 0 if gen is None else gen.initial_seed()  # gen is None only when greedy
-        return walk(tree, tree_choices(tree, logits, samp, seed, n))
+    tree, q = proposal.tree, proposal.q
+    if proposal.rule == "tree" or samp.greedy:
+        key = 0 if gen is None else int(gen.initial_seed())  # gen is None only when greedy
+        return walk(tree, tree_choices(tree, logits, samp, key, n))
+    assert q is not None
     p = sampling.probs(logits, samp)  # (gamma+1, V)
     toks = tree.n_tokens[1:]  # (gamma,) the chain x_1..x_gamma
     if q.shape[0] != toks.shape[0]:
         raise ValueError(f"chain of {toks.shape[0]} tokens but {q.shape[0]} draft distributions")
-    k, nxt = speculative_accept(p[None], q[None], toks[None], gen)
-    k = int(k)
+    acc, nxt = speculative_accept(p[None], q[None], toks[None], gen)
+    k = int(acc)
     return list(range(k + 1)), toks[:k].tolist() + [int(nxt)]
 
 

@@ -11,22 +11,26 @@ Example::
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from specexec import hub
+from specexec import hub, memory, sizes
 from specexec.config import TreeConfig
 from specexec.engine import Engine
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
     load_model,
+    draft_vocab_ids,
     load_tokenizer,
     model_dir,
     parse_device,
-    parse_dtype,
     read_config,
+    resolve_draft,
+    resolve_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -42,41 +46,78 @@ def load(
     offload: Any = None,
     tree: TreeConfig | None = None,
     progress: bool = True,
+    cache_dir: str | Path | None = None,
+    draft_vocab: int | None = None,
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
-    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA, fp32 on CPU), ``draft_dtype``
-    the draft's (default: same as ``dtype``). ``context`` is the longest prompt + answer the KV caches hold.
+    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
+    cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
+    ``dtype``; also ``int8``: int8 weights on CPU). ``draft_vocab``: restrict the draft's lm_head to that many
+    frequency-ranked token ids plus special ids and the tokens it is fed (CPU; FR-Spec). ``context`` is the
+    longest prompt + answer the KV caches hold.
+    ``cache_dir``: specexec's cache root (models, offload layer caches); default :func:`specexec.hub.cache_home`.
+
+    Before anything is allocated, the weights (at their loaded dtype, counted from the safetensors headers), both
+    KV caches and every tree-sized buffer are checked against free memory (:mod:`specexec.memory`); a load that
+    does not fit raises :class:`~specexec.memory.NotEnoughMemory` (naming the largest tree budget that fits when
+    the tree is what is too big).
     """
     if context < 8:
-        raise SpecexecError(f"context must be >= 8 tokens, got {context}")
+        raise ConfigError("context", context, "must be >= 8 tokens")
+    tree = tree or TreeConfig()
+    home = Path(cache_dir).expanduser() if cache_dir is not None else None
+    if offload is not None and home is not None and offload.cache_dir is None:
+        offload = replace(offload, cache_dir=home)
     dev = parse_device(device)
-    t_path = model_dir(hub.resolve(target, progress=progress))
+    t_path = model_dir(hub.resolve(target, progress=progress, home=home))
     t_tok = load_tokenizer(t_path)
     d_path = None
     if draft is not None:
-        d_path = model_dir(hub.resolve(draft, progress=progress))
+        d_path = model_dir(hub.resolve(draft, progress=progress, home=home))
         d_tok = load_tokenizer(d_path)
         check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
-    # the draft first: it stays resident, and the target's memory plan then sees what is left
-    d_model = None
-    if d_path is not None:
-        d_model = _load(d_path, dev, parse_dtype(draft_dtype or dtype, dev))
     t_cfg = read_config(t_path)
+    d_cfg = read_config(d_path) if d_path is not None else None
     context = min(context, t_cfg.max_position_embeddings)
-    room = (tree or TreeConfig()).largest + 2
-    kv = _kv_bytes(t_cfg, context + room, dev)
-    if d_model is not None:
-        kv += _kv_bytes(d_model.cfg, context + 2 * room + (tree or TreeConfig()).max_beams, dev)
+    d_dt, d_int8 = resolve_draft(draft_dtype or dtype, dev, d_cfg) if d_cfg is not None else (None, False)
+    d_isz = (1 if d_int8 else d_dt.itemsize) if d_dt is not None else 4
+    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg) if d_path is not None else None
+    plan = None
     if _offloaded(offload, dev):
+        from offload.load import plan_offload, target_compute_dtype
+
+        t_isz = target_compute_dtype(dtype, offload, dev).itemsize
+        est = sizes.engine_memory(t_cfg, d_cfg, context, t_isz, d_isz, tree, target_weights=0,
+                                  draft_weights=d_weights)
+        others = est.total - est.weights - est.step.logits - est.step.target_activations
+        plan = plan_offload(t_path, dev, dtype, offload, draft_bytes=est.weights, kv_bytes=others,
+                            max_tokens=min(sizes.step_room(tree) - 1, tree.verify_chunk))
+        # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
+        t_weights = sizes.globals_bytes(t_cfg, t_isz)
+        if dev.type == "cpu":
+            t_weights += len(plan.resident) * plan.layer_bytes + plan.ram_need
+        memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
+                            draft_weights=d_weights)
+    else:
+        t_isz = resolve_dtype(dtype, dev, t_cfg).itemsize
+        t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz, t_cfg)
+        memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
+                            draft_weights=d_weights)
+    # the draft first: it stays resident, and the target's memory plan accounted for it
+    d_model = None
+    if d_path is not None and d_cfg is not None and d_dt is not None:
+        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, draft_vocab) if draft_vocab is not None else None
+        d_model = _load(d_path, dev, d_dt, int8=d_int8, head_ids=head)
+    if plan is not None:
         from offload import load_offloaded
 
-        t_model = load_offloaded(t_path, dev, dtype, offload, draft_bytes=0, kv_bytes=kv, max_tokens=room)
+        t_model = load_offloaded(t_path, dev, dtype, offload, plan=plan)
     else:
-        check_host_memory(t_path, kv if dev.type == "cpu" else 0)
-        t_model = _load(t_path, dev, parse_dtype(dtype, dev))
-    return Engine(t_model, t_tok, d_model, context=context, tree=tree)
+        t_model = _load(t_path, dev, resolve_dtype(dtype, dev, t_cfg))
+    return Engine(t_model, t_tok, d_model, context=context, tree=tree,
+                  calibration_dir=hub.cache_home(cache_dir) / "calibration")
 
 
 def _offloaded(offload: Any, dev: torch.device) -> bool:
@@ -88,29 +129,10 @@ def _offloaded(offload: Any, dev: torch.device) -> bool:
     return True
 
 
-def _kv_bytes(cfg: Any, slots: int, dev: torch.device) -> int:
-    elem = 4 if dev.type == "cpu" else 2
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * slots * elem
-
-
-def check_host_memory(path: Any, extra: int) -> None:
-    """Refuse up front when the weights (fp32 on CPU: 2x the fp16 files) plus ``extra`` bytes exceed free RAM."""
-    import psutil
-
-    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    need = files * 2 + extra
-    avail = psutil.virtual_memory().available
-    if need > avail:
-        raise SpecexecError(
-            f"not enough RAM: loading {path.name} needs about {need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available "
-            "(lower --context, or use a GPU with --offload)"
-        )
-
-
-def _load(path: Any, dev: torch.device, dt: torch.dtype):
+def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
     try:
-        return load_model(path, dev, dt)
+        return load_model(path, dev, dt, **kw)
     except torch.cuda.OutOfMemoryError:
-        raise SpecexecError(
-            f"not enough GPU memory to load {path} resident; use --offload auto or a smaller --dtype"
-        ) from None
+        raise OutOfMemory(
+            f"not enough GPU memory to load {path} resident; use {setting('OffloadConfig.mode', 'auto')} or a "
+            f"smaller {setting('dtype')}", "GPU memory") from None

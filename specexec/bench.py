@@ -20,8 +20,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+
+# ``default``: what ``generate`` / ``chat`` do with no tuning flags (specexec with --budget auto, or n-grams without
+# a draft); ``ngram``: draft-free prompt lookup with its measured (auto) size choice
+BENCH_METHODS = (*METHODS, "default")
 from specexec.engine import Engine, Result
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +77,14 @@ def _prose_prompt(topic: str, chars: int = 400) -> Prompt | None:
 
 def builtin_prompts(n: int = 8) -> list[Prompt]:
     """Up to ``n`` prompts alternating code and prose, taken from this Python's standard library."""
+    if n < 1:
+        raise ConfigError("num_prompts", n, "must be >= 1")
     code = [p for p in map(_code_prompt, CODE_SOURCES) if p]
     prose = [p for p in map(_prose_prompt, PROSE_TOPICS) if p]
     mixed = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]
     if not mixed:
-        raise SpecexecError("no built-in prompts: this Python lacks stdlib sources; pass --prompts FILE.jsonl")
+        raise SpecexecError(
+            f"no built-in prompts: this Python lacks stdlib sources; pass {setting('prompts')} FILE.jsonl")
     return mixed[:n]
 
 
@@ -131,11 +138,13 @@ class BenchConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)  # beams/branch/depth for every budget
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in BENCH_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(BENCH_METHODS)}",
+                              f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
+                              f"choose from {', '.join(BENCH_METHODS)}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         for b in self.budgets:
             replace(self.tree, budget=b, auto=False)  # validates each budget (ValueError)
         for g in self.gammas:
@@ -148,6 +157,7 @@ class BenchConfig:
             out += [("chain", g) for g in self.gammas]
         if "specexec" in self.methods:
             out += [("specexec", b) for b in self.budgets]
+        out += [(m, None) for m in ("ngram", "default") if m in self.methods]
         return out
 
 
@@ -200,9 +210,11 @@ def _one(engine: Engine, prompt: Prompt, method: str, param: int | None, cfg: Be
     """One prompt, cold cache."""
     engine.reset()
     tree = replace(cfg.tree, budget=param, auto=False) if method == "specexec" and param else cfg.tree
+    if method in ("ngram", "default"):  # their measured choice of size, as generate/chat run them
+        tree = replace(cfg.tree, auto=True)
     chain = ChainConfig(gamma=param) if method == "chain" and param else ChainConfig()
-    return engine.generate(prompt.text, max_new or cfg.max_new_tokens, method=method, sampling_cfg=cfg.sampling,
-                           tree=tree, chain=chain, chat=prompt.chat)
+    return engine.generate(prompt.text, max_new or cfg.max_new_tokens, method=None if method == "default" else method,
+                           sampling_cfg=cfg.sampling, tree=tree, chain=chain, chat=prompt.chat)
 
 
 def _row(method: str, param: int | None, results: list[Result]) -> Row:
@@ -218,8 +230,9 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: s
               on_run: Callable[[str], None] | None = None) -> BenchReport:
     """Run every (method, param) over every prompt; ``on_run(label)`` is called after each (method, param, prompt)."""
     runs = cfg.runs()
-    if engine.draft is None and any(m != "ar" for m, _ in runs):
-        raise SpecexecError("bench: chain and specexec need a draft model (--draft), or use --methods ar")
+    if engine.draft is None and any(m in ("chain", "specexec") for m, _ in runs):
+        raise SpecexecError(f"bench: chain and specexec need a draft model ({setting('draft')}), "
+                            f"or use {setting('methods', 'ar')}")
     for method in dict.fromkeys(m for m, _ in runs):  # warm-up: allocations, kernels, lazy imports
         _one(engine, prompts[0], method, max(cfg.budgets) if method == "specexec" else None, cfg, max_new=4)
     rows, per_prompt, ref = [], [], None
@@ -270,7 +283,7 @@ def plot(report: BenchReport, path: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SpecexecError("--plot needs matplotlib (pip install 'specexec[plot]')") from None
+        raise SpecexecError(f"{setting('plot')} needs matplotlib (pip install 'specexec[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

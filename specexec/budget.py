@@ -1,4 +1,8 @@
-"""Automatic tree budget: pick the budget b that maximises expected tokens/s.
+"""The budget policy: how many tokens the next proposal may hold, and what a draft pass is worth.
+
+One object per generation answers ``choose()`` (the next step's size), ``grow_cost(b)`` (the costs the tree's
+early stop weighs) and ``update(step)`` (what the step did). :class:`FixedBudget` keeps one size and measures
+its costs; :class:`AutoBudget` picks the size with the best expected tokens/s:
 
     tokens/s(b) = E[emitted | b] / (draft_s(b) + target_s(b))
 
@@ -20,7 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specexec.draft import GrowCost
+from typing import Protocol
+
+from specexec.propose.tree import GrowCost
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,45 @@ def interp(points: dict[int, float], x: float) -> float:
     x0, x1 = xs[i - 1], xs[i]
     y0, y1 = points[x0], points[x1]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
+
+
+@dataclass
+class StepRecord:
+    """What one decode step did (fed back to the policy)."""
+
+    budget: int  # the size the policy chose
+    tree_logp: list[float]  # the proposal's non-root cumulative scores (log path probabilities)
+    emitted: int  # tokens the step emitted (before any EOS / limit cut)
+    draft_s: float  # seconds spent proposing
+    target_s: float  # seconds of the target's pass + acceptance
+    passes: int  # draft passes
+
+
+class BudgetPolicy(Protocol):
+    def choose(self) -> int: ...
+
+    def grow_cost(self, budget: int) -> GrowCost | None: ...
+
+    def update(self, step: StepRecord) -> None: ...
+
+
+@dataclass
+class FixedBudget:
+    """Always ``budget``; measures the step costs so the tree's early stop can weigh a draft pass."""
+
+    budget: int
+    costs: "StepCosts" = field(default_factory=lambda: StepCosts())
+    max_depth: int = 32
+
+    def choose(self) -> int:
+        return self.budget
+
+    def grow_cost(self, budget: int) -> GrowCost | None:
+        return self.costs.grow_cost(budget)
+
+    def update(self, step: StepRecord) -> None:
+        predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0) if step.tree_logp else 0.0
+        self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 
 
 @dataclass
@@ -112,9 +157,10 @@ class AutoBudget:
         self.history.append(best)
         return best
 
-    def update(self, budget: int, tree_logp: list[float], emitted: int, draft_s: float, target_s: float,
-               passes: int) -> None:
+    def update(self, step: StepRecord) -> None:
         """Feed back one step: the tree's cumulative draft log-probs (non-root), tokens emitted, times."""
+        budget, tree_logp, emitted = step.budget, step.tree_logp, step.emitted
+        draft_s, target_s, passes = step.draft_s, step.target_s, step.passes
         probs = sorted((math.exp(x) for x in tree_logp), reverse=True)
         curve, acc = [], 1.0
         for p in probs:
@@ -193,3 +239,144 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
         top = max(top, points[k])
         out[k] = top
     return out
+
+
+@dataclass
+class _Arm:
+    seconds: float = 0.0  # EMA of a step's seconds (proposal + verification)
+    tokens: float = 0.0  # EMA of tokens emitted per step
+    n: int = 0  # steps observed
+    last: int = -1  # the step it was last chosen at
+
+
+@dataclass
+class AdaptiveBudget:
+    """Chooses each step's size among ``arms`` by MEASURED tokens per second.
+
+    Built for a compute-bound verifier (a CPU), where a bigger tree costs more to verify and a draft pass costs a
+    good fraction of a target pass, so the best choice -- no draft at all (size 0: the n-gram trie, or plain
+    AR when nothing matches), a small tree, a bigger one -- depends on the machine and on the text being written.
+    Each arm keeps EMAs of its step seconds and emitted tokens; the best rate wins; an arm not tried for
+    ``explore_every`` steps next to the current best is tried once (so a change of text -- a repeated passage, a
+    switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the calibrated cost model,
+    when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
+    speed depends on it.
+    """
+
+    arms: tuple[int, ...]
+    prior: Callable[[int], float] | None = None  # expected tokens/s of an untried arm
+    explore_every: int = 8
+    alpha: float = 0.3
+    costs: StepCosts = field(default_factory=StepCosts)  # for the tree's early stop
+    max_depth: int = 32
+    _stats: dict[int, _Arm] = field(default_factory=dict)
+    _step: int = 0
+    _current: int | None = None
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.arms:
+            raise ValueError("AdaptiveBudget needs at least one arm")
+        self.arms = tuple(sorted(set(self.arms)))
+        self._stats = {a: _Arm() for a in self.arms}
+
+    def rate(self, arm: int) -> float | None:
+        s = self._stats[arm]
+        if s.n == 0:
+            return self.prior(arm) if self.prior is not None else None
+        return s.tokens / max(s.seconds, 1e-9)
+
+    def choose(self) -> int:
+        self._step += 1
+        rated = {a: self.rate(a) for a in self.arms}
+        known = {a: r for a, r in rated.items() if r is not None}
+        if not known:
+            best = self.arms[0]
+        else:
+            best = max(known, key=lambda a: known[a])
+        i = self.arms.index(best)
+        choice = best
+        if self._step > 1 and self._step % self.explore_every == 0:
+            neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
+            if neighbours:  # the one tried longest ago
+                choice = min(neighbours, key=lambda a: self._stats[a].last)
+        elif len(known) < len(self.arms) and self._stats[best].n >= 2:
+            untried = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms) and rated[self.arms[j]] is None]
+            if untried:
+                choice = untried[0]
+        self._stats[choice].last = self._step
+        self._current = choice
+        self.history.append(choice)
+        return choice
+
+    def grow_cost(self, budget: int) -> GrowCost | None:
+        return self.costs.grow_cost(budget)
+
+    def update(self, step: StepRecord) -> None:
+        s = self._stats.get(step.budget)
+        if s is None:
+            return
+        sec = step.draft_s + step.target_s
+        if s.n == 0:
+            s.seconds, s.tokens = sec, float(step.emitted)
+        else:
+            s.seconds = _ema(s.seconds, sec, self.alpha)
+            s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
+        s.n += 1
+        if step.budget > 0 and step.passes > 0:
+            predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
+            self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Per arm: steps, measured tokens/step and seconds/step (EMAs)."""
+        return {a: {"steps": s.n, "tokens": s.tokens, "seconds": s.seconds} for a, s in self._stats.items() if s.n}
+
+
+# ---------------------------------------------------------------------------------------------- calibration cache
+
+DRIFT = 1.5  # measured / calibrated step costs beyond this factor (either way) trigger a new calibration
+
+
+def calibration_key(*parts: object) -> str:
+    """A stable key for a calibration: machine, versions, model shapes and dtypes, tree limits."""
+    import hashlib
+    import json
+    import platform
+
+    import torch
+
+    blob = json.dumps([platform.machine(), platform.processor(), torch.__version__, torch.get_num_threads(),
+                       *[repr(p) for p in parts]], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_calibration(path) -> tuple[dict[int, float], dict[int, float]] | None:
+    """A cached (target seconds by size, draft seconds by beams), or None when absent or unreadable."""
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+        return ({int(k): float(v) for k, v in d["target_s"].items()},
+                {int(k): float(v) for k, v in d["draft_pass_s"].items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_calibration(path, target_s: dict[int, float], draft_pass_s: dict[int, float]) -> None:
+    """Write the calibration (best effort: an unwritable cache only costs a calibration next time)."""
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"target_s": target_s, "draft_pass_s": draft_pass_s}))
+    except OSError as e:
+        log.info("calibration not cached (%s)", e)
+
+
+def drifted(policy: AutoBudget, min_steps: int = 8) -> bool:
+    """Whether the steps measured since calibration disagree with it by more than :data:`DRIFT` (e.g. the machine
+    was busy while calibrating): then the calibration is redone before the next generation."""
+    if len(policy.history) < min_steps:
+        return False
+    lim = math.log(DRIFT)
+    return abs(math.log(policy._target_scale)) > lim or abs(math.log(policy._draft_scale)) > lim

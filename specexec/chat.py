@@ -12,9 +12,11 @@ Context window: when system + history + the new message + ``max_new_tokens`` exc
 turns leave the window (the system prompt stays; they remain in the saved transcript) and a notice says so. A
 message that cannot fit even alone raises :class:`SpecexecError` for that message only; the session goes on.
 
-Interruption (Ctrl-C while an answer streams): the caller catches ``KeyboardInterrupt``. The text shown so far is
-kept as the assistant message, marked ``interrupted`` in the transcript (so the model sees what the user saw);
-an answer interrupted before any text appeared drops the whole turn. The engine stays usable: its state only
+Interruption (Ctrl-C while an answer streams): the REPL sets a flag that :meth:`Reply.pieces` checks before
+handing out each piece, so nothing of the step in flight is shown once it is set (a second Ctrl-C raises
+``KeyboardInterrupt`` at once). The text yielded so far is kept as the assistant message, marked ``interrupted``
+in the transcript (so the model sees what the user saw); an answer interrupted before any text appeared drops the
+whole turn. The engine stays usable: its state only
 advances after a completed step, and the next request re-syncs through the prefix cache.
 """
 
@@ -27,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.engine import Engine, Generation, Result, Stats
-from specexec.errors import SpecexecError
+from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class ModelOptions:
     draft_dtype: str | None = None
     context: int = 4096
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
+    cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
 
 
 def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
@@ -62,12 +65,12 @@ def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
     """
     from specexec import api, hub
 
-    t_path = hub.resolve(opts.target, progress=progress)
-    d_path = hub.resolve(opts.draft, progress=progress) if opts.draft else None
+    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
+    d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
     with (status or (lambda _msg: nullcontext()))("loading models"):
         return api.load(str(t_path), str(d_path) if d_path else None, device=opts.device, dtype=opts.dtype,
                         draft_dtype=opts.draft_dtype, context=opts.context, offload=opts.offload, tree=tree,
-                        progress=progress)
+                        progress=progress, cache_dir=opts.cache_dir)
 
 
 # ---------------------------------------------------------------------------------------------- the session
@@ -96,17 +99,17 @@ class GenOptions:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if self.method is not None:
+            check_method(self.method)
 
 
 class Reply:
     """One answer being generated. Iterate for text pieces (like :class:`~specexec.engine.Generation`).
 
-    ``notices`` (window changes) are known before iteration. When iteration ends, normally or through an
-    exception such as ``KeyboardInterrupt``, the turn is recorded in the session; then ``interrupted``, ``text``
-    and ``result`` (None if interrupted) describe it.
+    ``notices`` (window changes) are known before iteration. When iteration ends, normally, through
+    :meth:`pieces`' stop flag, or through an exception such as ``KeyboardInterrupt``, the turn is recorded in the
+    session; then ``interrupted``, ``text`` and ``result`` (None if interrupted) describe it.
     """
 
     def __init__(self, session: "ChatSession", turn: Turn, generation: Generation, notices: list[str]) -> None:
@@ -114,26 +117,44 @@ class Reply:
         self.notices = notices
         self.prompt_tokens = len(generation.ids)
         self.done = False
+        self.stopped = False  # iteration ended before the answer did (stop flag, exception, or close)
 
     def __iter__(self) -> Iterator[str]:
+        return self.pieces()
+
+    def pieces(self, stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """The answer's text pieces. ``stop()`` is asked before each piece is handed out: once it is true no
+        further piece is yielded (the step in flight is discarded, not shown) and the turn is recorded as
+        interrupted with exactly the text yielded so far (``stopped`` becomes true)."""
         if self.done:
             raise RuntimeError("a Reply can be iterated only once")
+        self.done = True
         shown: list[str] = []
+        gen = iter(self.generation)
         try:
-            for piece in self.generation:
+            while not (stop is not None and stop()):
+                try:
+                    piece = next(gen)
+                except StopIteration:
+                    break
+                if stop is not None and stop():  # the flag came while this step ran: it is never shown
+                    break
                 shown.append(piece)
                 yield piece
         finally:
-            self.done = True
-            self._session._record(self.turn, self.generation.result, "".join(shown))
+            if self.generation.result is None:
+                self.stopped = True
+                gen.close()  # cancels the engine's step loop (its state stays consistent)
+            self._session._record(self.turn, self.result, "".join(shown))
 
     @property
     def result(self) -> Result | None:
-        return self.generation.result
+        """The finished generation; None when interrupted (its statistics are incomplete)."""
+        return None if self.stopped else self.generation.result
 
     @property
     def interrupted(self) -> bool:
-        return self.done and self.generation.result is None
+        return self.stopped
 
     @property
     def text(self) -> str:
@@ -151,11 +172,12 @@ class ChatSession:
             raise SpecexecError("this model's tokenizer has no chat template: chat needs an instruct/chat model "
                                 "(use `specexec generate` for plain completion)")
         if self.options.method not in (None, "ar") and engine.draft is None:
-            raise SpecexecError(f"--method {self.options.method} needs a draft model (--draft)")
+            raise ConfigError("method", self.options.method, "needs a draft model",
+                              f"{setting('method', self.options.method)} needs a draft model: pass {setting('draft')}")
         if self.options.max_new_tokens + MIN_ANSWER_TOKENS > engine.context:
             raise SpecexecError(
-                f"max-new-tokens ({self.options.max_new_tokens}) leaves no room for a message in the context "
-                f"({engine.context} tokens): lower --max-new-tokens or raise --context"
+                f"{setting('max_new_tokens', self.options.max_new_tokens)} leaves no room for a message in the "
+                f"context ({engine.context} tokens): lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         self.system = _check_text(system, "system prompt") if system else None
         self.turns: list[Turn] = []
@@ -204,7 +226,7 @@ class ChatSession:
             raise SpecexecError(
                 f"message too long: it takes {len(alone)} tokens"
                 + (" with the system prompt" if self.system else "")
-                + f" and the context holds {ctx}; shorten it or raise --context"
+                + f" and the context holds {ctx}; shorten it or raise {setting('context')}"
             )
         window = [t for t in self.turns if t.in_context]
         drop = 0
@@ -348,6 +370,13 @@ def parse_command(text: str) -> tuple[str, str] | None:
         return None
     name, _, arg = s[1:].partition(" ")
     return name.lower(), arg.strip()
+
+
+def summary_line(stats: Stats) -> str:
+    """The one-line speed summary printed after each answer: tokens, decoding speed, tokens per target pass."""
+    s = stats
+    return (f"{s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} tok/s, "
+            f"{s.tokens_per_step:.2f} tokens/step")
 
 
 def format_stats(stats: Stats) -> list[str]:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specexec.errors import ConfigError, check_finite
+from specexec.errors import ConfigError, check_finite, setting
 
-METHODS = ("ar", "chain", "specexec")
+METHODS = ("ar", "chain", "specexec", "ngram")
 NEEDS_DRAFT = ("chain", "specexec")  # methods that need a draft model
+
+
+def check_method(method: str) -> None:
+    """Raise :class:`ConfigError` unless ``method`` is one of :data:`METHODS`."""
+    if method not in METHODS:
+        raise ConfigError("method", method, f"must be one of {', '.join(METHODS)}",
+                          f"unknown {setting('method')} {method!r}; choose one of {', '.join(METHODS)}")
 
 
 @dataclass(frozen=True)

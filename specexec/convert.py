@@ -89,29 +89,29 @@ def gguf_to_hf_dir(
 
 @contextlib.contextmanager
 def _stage_display(progress: bool) -> Iterator[Callable[[str], None]]:
-    """Yield ``stage(text)``, which logs a stage and, with ``progress``, prints it as a line on stderr.
+    """Yield ``stage(text)``, which logs a stage and, with ``progress``, shows it on stderr as a rich spinner with
+    its elapsed time (the steps have no meaningful length, so no bar and no time estimate; a finished stage stays
+    as a line with the time it took).
 
-    With ``progress`` transformers' own tqdm bars show (the dequantization bar is real per-tensor progress).
-    Without it they are silenced for the duration and restored after: the load/save bars through transformers'
-    progress-bar switch; the GGUF reader's bar by swapping its module-level ``tqdm`` for a disabled one (that
-    reader calls ``tqdm`` directly and ignores the switch).
+    transformers' own tqdm bars are always silenced for the duration and restored after (one progress library,
+    and their per-tensor estimates were wildly off): the load/save bars through transformers' progress-bar
+    switch; the GGUF reader's bar by swapping its module-level ``tqdm`` for a disabled one (that reader calls
+    ``tqdm`` directly and ignores the switch).
     """
-    console = None
-    if progress:
-        from rich.console import Console
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
 
-        console = Console(stderr=True)
+    bars = Progress(SpinnerColumn(finished_text="[green]done[/]"), TextColumn("converting: {task.description}"),
+                    TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=False)
+    current: list[int] = []  # rich task ids, one per stage
 
     def stage(text: str) -> None:
         logger.info("convert: %s", text)
-        if console is not None:
-            console.print(f"[dim]converting:[/] {text}", highlight=False)
-
-    if progress:
-        yield stage
-        return
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
+        if current:
+            bars.update(current[-1], total=1, completed=1)
+        current.append(bars.add_task(text, total=None))
 
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -119,7 +119,10 @@ def _stage_display(progress: bool) -> Iterator[Callable[[str], None]]:
     if original is not None:
         gguf_utils.tqdm = functools.partial(original, disable=True)
     try:
-        yield stage
+        with bars:
+            yield stage
+            if current:
+                bars.update(current[-1], total=1, completed=1)
     finally:
         if original is not None:
             gguf_utils.tqdm = original

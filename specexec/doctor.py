@@ -1,10 +1,11 @@
 """``specexec doctor``: what this machine offers (GPU, VRAM, RAM, CPU, host→device and disk bandwidth, library
 versions) and, for a target model, a placement recommendation computed from its ``config.json`` alone.
 
-The recommendation mirrors the offload manager's rules (DESIGN.md, :mod:`offload.plan`): keep everything on the
-GPU in 16-bit if it fits; otherwise store the target in NF4 (3.6x fewer bytes per streamed pass), keep as many
-leading layers resident as VRAM allows after the globals, KV cache, workspace and a ring of two streamed-layer
-buffers, and stream the rest from pinned RAM if it fits there, else from SSD. The floor of one target pass is the
+On a GPU the recommendation IS the offload manager's plan (:func:`offload.plan.make_plan` fed this machine's
+figures): 16-bit on the GPU if it fits; otherwise NF4 (3.6x fewer bytes per streamed pass), as many leading
+layers resident as VRAM allows after the globals, KV cache, tree buffers and the ring of streamed-layer buffers,
+the rest streamed from pinned RAM if it fits there, else from SSD. Models need not be downloaded: an alias that
+is not present is planned from the architecture recorded in configs/models.toml. The floor of one target pass is the
 streamed bytes over the bandwidth that feeds them (pinned H2D for RAM, min(disk, H2D) for SSD).
 Bandwidths are measured here where possible, else assumed and labelled so. GB = 1e9 bytes.
 """
@@ -15,6 +16,7 @@ import logging
 import mmap
 import os
 import platform
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +27,9 @@ import psutil
 import torch
 
 from specexec.errors import SpecexecError
-from specexec.memory import global_params, kv_bytes_per_token, layer_bytes, param_count
+from specexec import sizes
+from specexec.config import TreeConfig
+from specexec.sizes import layer_bytes, param_count
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,6 @@ GB = 1e9
 MIB = 1 << 20
 ASSUMED_H2D_GBPS = 25.0  # pinned host→device, PCIe 4.0 x16, when not measured
 ASSUMED_RAM_GBPS = 20.0  # CPU-only: memory bandwidth a decoder pass reads its weights at (rough)
-VRAM_HEADROOM = 1 << 29  # allocator fragmentation, cuBLAS workspaces
-RING_BUFFERS = 2  # streamed-layer buffers on the GPU
 TREE_TOKENS = 256  # tree size the workspace is sized for
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "safetensors", "accelerate", "huggingface_hub", "specexec")
 
@@ -73,6 +75,7 @@ class SystemInfo:
     cuda_note: str  # "" when a CUDA GPU is present, else "no CUDA GPU: CPU-only mode"
     disk: DiskInfo | None
     versions: dict[str, str | None] = field(default_factory=dict)
+    cache_disk_free: int | None = None  # free bytes on the cache's filesystem (None: unknown)
 
 
 @dataclass
@@ -234,6 +237,16 @@ def disk_read(directory: Path, size_mb: int = 256) -> DiskInfo:
         path.unlink(missing_ok=True)
 
 
+def _free_disk(path: Path) -> int | None:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return int(shutil.disk_usage(p).free)
+    except OSError:
+        return None
+
+
 def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool = True) -> SystemInfo:
     """Everything about this machine the planner cares about (``measure=False`` skips the timed tests)."""
     from specexec import hub
@@ -241,7 +254,7 @@ def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool 
     vm = psutil.virtual_memory()
     gpu = gpu_info(measure)
     disk = disk_read(disk_dir or hub.cache_home(), disk_mb) if measure and disk_mb > 0 else None
-    return SystemInfo(
+    return SystemInfo(cache_disk_free=_free_disk(disk_dir or hub.cache_home()),
         cpu_model=cpu_model(), cpu_cores=psutil.cpu_count(logical=False), cpu_threads=psutil.cpu_count(),
         ram_total=int(vm.total), ram_available=int(vm.available), gpu=gpu,
         cuda_note="" if gpu else "no CUDA GPU: CPU-only mode", disk=disk, versions=versions(),
@@ -251,72 +264,97 @@ def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool 
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def locate_config(spec: str) -> tuple[Path | None, str]:
-    """The local config.json of a model spec (alias, path, HF id) without downloading; else (None, why)."""
+def model_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | None, str, str]:
+    """The architecture of a model spec without downloading anything: (config or None, where it came from, why
+    None). A local path or a downloaded alias gives its config.json; an alias not downloaded gives the architecture
+    recorded in configs/models.toml; an HF id gives its config.json if the HF cache holds it, else None with the
+    reason. A spec that is none of these (unknown alias, missing path) raises :class:`SpecexecError`. ``home``:
+    the cache root aliases are looked up in (default :func:`specexec.hub.cache_home`)."""
+    import json
+
     from specexec import hub
 
+    source: Path | None = None
+    if spec in hub.aliases():
+        if hub.is_present(spec, home):
+            source = hub.local_path(spec, home) / "config.json"
+        else:
+            known = hub.known_config(spec)
+            if known is None:
+                return None, "", f"{spec} is not downloaded and configs/models.toml has no architecture for it"
+            return _parse(known, "configs/models.toml"), f"configs/models.toml (alias {spec}, not downloaded)", ""
+    else:
+        try:
+            path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
+        except SpecexecError as e:
+            if not hub._HF_ID.match(spec) or hub._looks_like_path(spec):
+                raise  # an unknown alias or a missing path: a user error, not a missing download
+            source = _cached_hf_config(spec)
+            if source is None:
+                return None, "", f"{spec} is not present locally ({e})"
+        else:
+            directory = path.parent if path.is_file() else path
+            source = directory / "config.json"
+            if not source.is_file():
+                return None, "", (f"no config.json in {directory} (a GGUF file gets one when specexec first "
+                                  "converts it)")
     try:
-        path = hub.resolve(spec, pull_missing=False, progress=False)
-    except SpecexecError as e:
-        cached = _cached_hf_config(spec)
-        if cached is not None:
-            return cached, ""
-        return None, f"{spec} is not present locally ({e})"
-    if path.is_file():
-        path = path.parent
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return None, f"no config.json in {path} (a GGUF file gets one when specexec first converts it)"
-    return cfg, ""
+        raw = json.loads(source.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecexecError(f"cannot read {source}: {e}") from None
+    return _parse(raw, str(source)), str(source), ""
+
+
+def _parse(raw: dict, where: str) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(raw)
+    except (ValueError, KeyError) as e:
+        raise SpecexecError(f"cannot use the model config in {where}: {e}") from None
 
 
 def _cached_hf_config(spec: str) -> Path | None:
-    """config.json of an HF id (or an alias's upstream id) if that one file is in the HF cache."""
+    """config.json of an HF id if that one file is in the HF cache."""
     from huggingface_hub import try_to_load_from_cache
 
-    from specexec import hub
-
-    repo = hub.aliases()[spec].hf_id if spec in hub.aliases() else spec
-    if repo.count("/") != 1:
-        return None
     try:
-        found = try_to_load_from_cache(repo, "config.json")
+        found = try_to_load_from_cache(spec, "config.json")
     except ValueError:  # not a valid repo id
         return None
     return Path(found) if isinstance(found, str) else None
 
 
-def recommend(spec: str, system: SystemInfo, context: int = 4096) -> Recommendation:
-    """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only)."""
-    import json
-
-    cfg_path, why = locate_config(spec)
-    if cfg_path is None:
+def recommend(spec: str, system: SystemInfo, context: int = 4096, home: Path | None = None) -> Recommendation:
+    """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
+    nothing is downloaded). Unknown specs raise :class:`SpecexecError`."""
+    cfg, source, why = model_config(spec, home)
+    if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
-    try:
-        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    except (ValueError, KeyError) as e:
-        return Recommendation(target=spec, present=True, config_path=str(cfg_path),
-                              note=f"cannot read {cfg_path}: {e}")
-    rec = Recommendation(target=spec, present=True, config_path=str(cfg_path), params=param_count(cfg),
+    rec = Recommendation(target=spec, present=True, config_path=source, params=param_count(cfg),
                          num_layers=cfg.num_layers, layer_gb_bf16=layer_bytes(cfg, "bf16") / GB,
                          layer_gb_nf4=layer_bytes(cfg, "nf4") / GB)
+    if "models.toml" in source:
+        rec.notes.append("planned from the architecture in configs/models.toml (the model is not downloaded)")
     context = min(context, cfg.max_position_embeddings)
     if system.gpu is None:
         _recommend_cpu(rec, cfg, system, context)
     else:
-        _recommend_gpu(rec, cfg, system, context)
+        _recommend_gpu(rec, cfg, system, context, home)
     return rec
 
 
 def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int) -> None:
     """CPU-only: the whole model lives in RAM (fp32 if it fits, else bf16); a pass reads every weight."""
+    from specexec.memory import NotEnoughMemory, check_engine
+
     rec.tier, rec.resident_layers, rec.streamed_layers = "cpu", cfg.num_layers, 0
+    tree = TreeConfig()
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
-        need = param_count(cfg) * nbytes + kv_bytes_per_token(cfg, nbytes) * context
-        if need <= system.ram_available:
-            rec.dtype = dtype
-            break
+        try:
+            check_engine(cfg, None, torch.device("cpu"), context, nbytes, nbytes, tree, have=system.ram_available)
+        except NotEnoughMemory:
+            continue
+        rec.dtype = dtype
+        break
     else:
         rec.dtype, rec.tier = "bf16", "does-not-fit"
         rec.notes.append(f"even bf16 needs {param_count(cfg) * 2 / GB:.1f} GB of RAM, "
@@ -329,33 +367,34 @@ def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     rec.notes.append("no CUDA GPU: CPU-only mode (offload tiers apply to GPUs only)")
 
 
-def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int) -> None:
-    """GPU: 16-bit resident if it fits; else NF4 with resident layers + streaming from RAM, else SSD."""
+def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int,
+                   home: Path | None = None) -> None:
+    """GPU: the offload manager's own plan (:func:`offload.plan.make_plan`) for this machine's figures."""
+    from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
+
     gpu = system.gpu
     assert gpu is not None
+    tree = TreeConfig()
+    mem = sizes.engine_memory(cfg, None, context, 2, 2, tree, target_weights=0)
+    others = mem.total - mem.step.logits - mem.step.target_activations
+    resources = Resources(device="cuda", vram_free=gpu.vram_free, ram_total=system.ram_total,
+                          ram_available=system.ram_available, disk_free=system.cache_disk_free,
+                          h2d_gbps=gpu.pinned_h2d_gbps)
+    model = PlanModel(cfg, torch.bfloat16, kv_bytes=others, max_tokens=min(TREE_TOKENS, sizes.step_room(tree)))
+    try:
+        plan = make_plan(resources, model, OffloadConfig(cache_dir=home))
+    except SpecexecError as e:
+        rec.tier = "does-not-fit"
+        rec.notes.append(str(e))
+        return
+    rec.dtype = "nf4" if plan.fmt.kind == "nf4" else "bf16"
+    rec.tier = plan.mode
+    rec.resident_layers, rec.streamed_layers = len(plan.resident), len(plan.streamed)
     n = cfg.num_layers
-    fixed = (global_params(cfg) * 2 + kv_bytes_per_token(cfg, 2) * context
-             + TREE_TOKENS * cfg.vocab_size * 6 + VRAM_HEADROOM)
-    budget = gpu.vram_free - fixed
-    lb16, lb4 = layer_bytes(cfg, "bf16"), layer_bytes(cfg, "nf4")
-    if n * lb16 <= budget:
-        rec.dtype, rec.tier, rec.resident_layers, rec.streamed_layers = "bf16", "none", n, 0
-    elif n * lb4 <= budget:
-        rec.dtype, rec.tier, rec.resident_layers, rec.streamed_layers = "nf4", "none", n, 0
-        rec.notes.append(f"bf16 would need {n * lb16 / GB:.1f} GB of VRAM for the layers; "
-                         f"{max(budget, 0) / GB:.1f} GB is left after globals, KV cache and workspace")
-    else:
-        k = max(0, min(n, (budget - RING_BUFFERS * lb4) // lb4))
-        rec.dtype, rec.resident_layers, rec.streamed_layers = "nf4", int(k), int(n - k)
-        streamed = (n - k) * lb4
-        ram_room = system.ram_available - max(2 << 30, int(0.1 * system.ram_total))
-        rec.tier = "ram" if streamed <= ram_room else "ssd"
-        if budget < RING_BUFFERS * lb4:
-            rec.tier = "does-not-fit"
-            rec.notes.append("VRAM cannot even hold the ring of streamed-layer buffers: shorten --context")
-        bf16_floor = (n * lb16) / ((gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS) * GB)
+    if plan.fmt.kind == "nf4":
+        bf16_floor = n * layer_bytes(cfg, "bf16") / ((gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS) * GB)
         rec.notes.append(f"streaming all layers in bf16 instead would take >= {bf16_floor:.2f} s per pass")
-    streamed_bytes = (rec.streamed_layers or 0) * (lb4 if rec.dtype == "nf4" else lb16)
+    streamed_bytes = plan.bytes_per_forward
     rec.streamed_gb_per_pass = streamed_bytes / GB
     h2d = gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS
     h2d_src = "measured" if gpu.pinned_h2d_gbps else "assumed"
@@ -372,7 +411,12 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
 
 
 def run_doctor(target: str | None = None, context: int = 4096, disk_mb: int = 256, measure: bool = True,
-               disk_dir: Path | None = None) -> DoctorReport:
-    """The whole report: the machine, plus a recommendation for ``target`` if given."""
-    system = system_info(disk_dir, disk_mb, measure)
-    return DoctorReport(system=system, recommendation=recommend(target, system, context) if target else None)
+               disk_dir: Path | None = None, home: Path | None = None) -> DoctorReport:
+    """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
+    root (``--cache-dir``; default :func:`specexec.hub.cache_home`), where models are looked up and whose disk is
+    measured unless ``disk_dir`` is given."""
+    from specexec import hub
+
+    system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
+    rec = recommend(target, system, context, home) if target else None
+    return DoctorReport(system=system, recommendation=rec)

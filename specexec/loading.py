@@ -17,24 +17,89 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from specexec.errors import SpecexecError
-from specexec.model import Globals, ModelConfig, ResidentLayers, Transformer
+from specexec.errors import ConfigError, SpecexecError, setting
+from specexec.model import Globals, Int8Linear, ModelConfig, ResidentLayers, SubsetHead, Transformer
 
 log = logging.getLogger(__name__)
 
+
+class _BnbKernelsHint(logging.Filter):
+    """Turns bitsandbytes' import-time warning "Failed to load CPU gemm_4bit_forward from kernels-community ...
+    `pip install kernels`" (CPUs with AVX512-BF16) into one debug line. Why: NF4 on a CPU here dequantizes each
+    weight and runs the dense linear (offload/quant.py); bitsandbytes' fused CPU GEMM that `kernels` would fetch
+    (from the Hugging Face hub, at import) is never called, so the hint is noise and installing it buys nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "kernels-community" in record.getMessage():
+            log.debug("bitsandbytes' optional fused CPU kernel is unavailable (%s); not used: NF4 on a CPU "
+                      "dequantizes and runs the dense linear", record.getMessage()[:160])
+            return False
+        return True
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DRAFT_DTYPES = ("auto", *DTYPES, "int8")  # what a draft accepts (int8: weight format, CPU only)
+DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' → bf16 on CUDA (fp16 if bf16 is unsupported), fp32 on CPU; else fp32/bf16/fp16."""
+    """Static resolution (no measuring): 'auto' → bf16 on CUDA (fp16 if bf16 is unsupported), fp32 on CPU;
+    else fp32/bf16/fp16; 'int8' → fp32 (the int8 draft computes activations in fp32).
+
+    Memory estimates use this (fp32 is the larger CPU choice); loading uses :func:`resolve_dtype`, which
+    measures on a CPU.
+    """
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
+    if name == "int8":
+        return torch.float32
     if name not in DTYPES:
-        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16")
+        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16 (a draft also int8)")
     return DTYPES[name]
+
+
+def weight_bytes(name: str, device: torch.device) -> int:
+    """Bytes per weight for a dtype name (int8: 1; the KV cache and norms stay in the compute dtype)."""
+    return 1 if name == "int8" else parse_dtype(name, device).itemsize
+
+
+def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    """The compute dtype to load ``cfg``'s model in. 'auto' on a CPU: fp32 or bf16, whichever this machine runs
+    faster for multi-row passes (:mod:`specexec.cpu_probe`, measured once per machine and cached)."""
+    if name == "int8":
+        raise SpecexecError("int8 is a draft-only format (--draft-dtype int8); the target's dtype sets the output")
+    if name == "auto" and device.type == "cpu":
+        from specexec import cpu_probe
+
+        return cpu_probe.choose_dtype(cfg)
+    return parse_dtype(name, device)
+
+
+def resolve_draft(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, bool]:
+    """(compute dtype, int8 weights) for a draft dtype name (auto / fp32 / bf16 / fp16 / int8)."""
+    if name == "int8":
+        if device.type != "cpu":
+            raise SpecexecError("--draft-dtype int8 is a CPU format; on a GPU use bf16/fp16 (or an NF4 target)")
+        return torch.float32, True
+    return resolve_dtype(name, device, cfg), False
+
+
+def draft_vocab_ids(tokenizer: "TokenizerInfo", vocab_size: int, k: int = DEFAULT_DRAFT_VOCAB) -> Tensor:
+    """A data-free frequency-ranked draft vocabulary (FR-Spec, arXiv 2502.14856): ids [0, k) -- in a byte-level
+    BPE lower ids are earlier merges, i.e. more frequent -- plus every special / added / EOS id. The prompt's
+    and generated tokens join at run time (:meth:`specexec.model.SubsetHead.observe`)."""
+    if k < 1:
+        raise SpecexecError(f"draft vocabulary size must be >= 1, got {k}")
+    tok = tokenizer.tokenizer
+    extra = set(tokenizer.eos_ids) | set(getattr(tok, "all_special_ids", []) or [])
+    extra |= set(int(i) for i in (getattr(tok, "added_tokens_decoder", None) or {}))
+    ids = torch.cat([torch.arange(min(k, vocab_size)), torch.tensor(sorted(extra), dtype=torch.long)])
+    return torch.unique(ids[(ids >= 0) & (ids < vocab_size)])
 
 
 def parse_device(name: str) -> torch.device:
@@ -42,9 +107,10 @@ def parse_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise SpecexecError(f"unknown device {name!r}; choose auto, cpu or cuda")
+        raise ConfigError("device", name, "must be auto, cpu or cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecexecError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
+        raise SpecexecError(f"{setting('device', 'cuda')} was asked for but no CUDA GPU is available "
+                            f"(use {setting('device', 'cpu')})")
     return torch.device(name)
 
 
@@ -154,19 +220,33 @@ def _check_sizes(path: Path) -> None:
             )
 
 
+def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` as a tensor of its own (always a copy).
+
+    safetensors (0.8+) returns zero-copy views into the memory-mapped file, at offsets aligned to only 4-8 bytes.
+    MKL's GEMM takes different code paths (and so sums in a different order) for differently aligned operands,
+    so weights left as such views compute ~1e-6 differently from the same weights in allocator-aligned memory --
+    e.g. the offload manager's packed layers, which must give bit-identical logits -- and a model's weights
+    would also stay backed by its file. A copy lives in the allocator's 64-byte aligned memory.
+    """
+    return t.to(dtype, copy=True)
+
+
 def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
-    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused."""
+    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused; every tensor is
+    its own aligned copy (see :func:`_owned`)."""
     shards = _Shards(path)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731
+        g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
+        o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
         w = {
-            "attn_norm": g("input_layernorm.weight"),
+            "attn_norm": o("input_layernorm.weight"),
             "wqkv": torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]),
-            "wo": g("self_attn.o_proj.weight"),
-            "mlp_norm": g("post_attention_layernorm.weight"),
+            "wo": o("self_attn.o_proj.weight"),
+            "mlp_norm": o("post_attention_layernorm.weight"),
             "w13": torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
-            "w2": g("mlp.down_proj.weight"),
+            "w2": o("mlp.down_proj.weight"),
         }
         if cfg.qkv_bias:
             w["bqkv"] = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
@@ -174,30 +254,56 @@ def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tu
 
 
 def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent)."""
+    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent), each its own aligned copy."""
     shards = _Shards(path)
-    embed = shards.get("model.embed_tokens.weight").to(dtype)
-    lm = shards.get("lm_head.weight").to(dtype) if shards.has("lm_head.weight") else embed
-    if cfg.tie_word_embeddings:
-        lm = embed
-    return {"embed": embed, "norm": shards.get("model.norm.weight").to(dtype), "lm_head": lm}
+    embed = _owned(shards.get("model.embed_tokens.weight"), dtype)
+    if cfg.tie_word_embeddings or not shards.has("lm_head.weight"):
+        lm = embed  # a tied checkpoint's stored lm_head copy is not loaded
+    else:
+        lm = _owned(shards.get("lm_head.weight"), dtype)
+    return {"embed": embed, "norm": _owned(shards.get("model.norm.weight"), dtype), "lm_head": lm}
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, layers: Any = None) -> Transformer:
+INT8_KEYS = ("wqkv", "wo", "w13", "w2")
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, layers: Any = None, int8: bool = False,
+               head_ids: Tensor | None = None) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
     ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the
-    globals are loaded here.
+    globals are loaded here. ``int8`` (CPU, drafts): every linear and the lm_head/embedding as
+    :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading). ``head_ids``: restrict the
+    lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only: it changes the logits).
     """
     path = model_dir(path)
     cfg = read_config(path)
     _check_sizes(path)
-    g = read_globals(path, cfg, dtype)
-    embed = g["embed"].to(device)
-    lm = embed if g["lm_head"] is g["embed"] else g["lm_head"].to(device)
-    glob = Globals(embed=embed, norm=g["norm"].to(device), lm_head=lm)
+    g = read_globals(path, cfg, torch.float32 if int8 else dtype)
+    if int8:
+        if device.type != "cpu":
+            raise SpecexecError("int8 weights are a CPU format")
+        tied = g["lm_head"] is g["embed"]
+        lm: Any = Int8Linear(g["lm_head"])
+        embed: Any = lm if tied else g["embed"].to(dtype)
+        glob = Globals(embed=embed, norm=g["norm"].to(dtype), lm_head=lm)
+    else:
+        embed = g["embed"].to(device)
+        lm = embed if g["lm_head"] is g["embed"] else g["lm_head"].to(device)
+        glob = Globals(embed=embed, norm=g["norm"].to(device), lm_head=lm)
+    del g
+    if head_ids is not None:
+        if device.type != "cpu":
+            raise SpecexecError("a reduced draft vocabulary is a CPU option (on a GPU the full lm_head is cheap)")
+        glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
-        layers = ResidentLayers([{k: t.to(device) for k, t in w.items()} for _, w in iter_layers(path, cfg, dtype)])
+        loaded = []
+        for _, w in iter_layers(path, cfg, torch.float32 if int8 else dtype):
+            if int8:
+                loaded.append({k: Int8Linear(t) if k in INT8_KEYS else t.to(dtype) for k, t in w.items()})
+            else:
+                loaded.append({k: t.to(device) for k, t in w.items()})
+        layers = ResidentLayers(loaded)
     return Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
 
 

@@ -1,107 +1,41 @@
-"""Memory estimates from a model's ``config.json`` alone (no weight is read) and the check that refuses a plan
-which cannot fit — before anything is allocated.
+"""The checks that refuse, before anything is allocated, a load that would not fit in memory.
 
-Why: a huge ``--context`` makes the static KV caches (``2 x layers x kv_heads x capacity x head_dim`` elements per
-model) bigger than the RAM, and ``torch.zeros`` of that size either fails with an allocator traceback or, worse,
-gets the process OOM-killed halfway through. :func:`check_load` computes what a resident load will allocate
-(weights + both KV caches + the logits of one tree pass) and raises :class:`SpecexecError` with the numbers and
-the fix when it exceeds what the device has free.
-
-Sizes are exact element counts of the Llama-family layout used by :mod:`specexec.model` (GB = 1e9 bytes).
+Why: a huge ``--context`` or tree ``--budget`` makes the static KV caches, the ancestry mask and the logits
+bigger than the RAM, and ``torch.zeros`` of that size either fails with an allocator traceback or, worse, gets the
+process OOM-killed (or swapping) halfway through. :func:`check_engine` adds up what a load will allocate (weights
+at their loaded dtype, both KV caches, every tree-sized buffer: :mod:`specexec.sizes`) and raises
+:class:`NotEnoughMemory` with the numbers and the fix -- for an oversized tree, the largest budget that fits.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
 
+from specexec import sizes
 from specexec.config import ChainConfig, TreeConfig
-from specexec.errors import SpecexecError
+from specexec.errors import OutOfMemory, setting
 from specexec.loading import model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
 GB = 1e9
-MARGIN_BYTES = 512 << 20  # kept free on the device for the allocator, activations, the OS
-NF4_BYTES_PER_PARAM = 0.5 + 4 / 64  # 4-bit codes + one fp32 absmax per 64-element block (bitsandbytes)
+MARGIN_BYTES = 512 << 20  # kept free on the device for the allocator, small activations, the OS
+MAX_BUDGET = 65536  # TreeConfig's own upper limit
 
 
-def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one decoder layer: attention (q, k, v, o [+ qkv bias]), gated MLP, two norms."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
-    mlp = 3 * d * cfg.intermediate_size
-    return attn + mlp + 2 * d
+class NotEnoughMemory(OutOfMemory):
+    """An engine would not fit in RAM/VRAM (an :class:`~specexec.errors.OutOfMemory` with ``resource`` "RAM" or
+    "GPU memory"). ``largest_budget``: the largest tree budget that fits (None when the tree is not what is too
+    big); ``need``/``have`` in bytes."""
 
-
-def global_params(cfg: ModelConfig) -> int:
-    """Embedding, final norm and lm_head (not counted twice when tied)."""
-    mats = 1 if cfg.tie_word_embeddings else 2
-    return mats * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """All parameters of the model."""
-    return cfg.num_layers * layer_params(cfg) + global_params(cfg)
-
-
-def layer_bytes(cfg: ModelConfig, kind: str) -> int:
-    """Bytes of one decoder layer stored as ``bf16``/``fp16`` (2 bytes a parameter), ``fp32`` or ``nf4`` (linear
-    weights 4-bit with an fp32 absmax per 64 values; norms and biases stay 16-bit)."""
-    n = layer_params(cfg)
-    if kind in ("bf16", "fp16"):
-        return 2 * n
-    if kind == "fp32":
-        return 4 * n
-    if kind != "nf4":
-        raise ValueError(f"unknown weight format {kind!r}")
-    d, hd = cfg.hidden_size, cfg.head_dim
-    small = 2 * d + (((cfg.num_heads + 2 * cfg.num_kv_heads) * hd) if cfg.qkv_bias else 0)
-    return int((n - small) * NF4_BYTES_PER_PARAM) + 2 * small
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """KV-cache bytes one token costs across all layers (keys and values)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-
-
-@dataclass(frozen=True)
-class EngineMemory:
-    """What a resident engine allocates, in bytes."""
-
-    weights: int  # target + draft weights (0 when the target is offloaded and the draft absent)
-    kv: int  # both static KV caches
-    workspace: int  # fp32 logits (and their probabilities) of the largest target and draft passes
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv + self.workspace
-
-
-def engine_memory(target: ModelConfig, draft: ModelConfig | None, context: int, dtype_bytes: int,
-                  draft_dtype_bytes: int, tree: TreeConfig, chain: ChainConfig,
-                  target_weights: bool = True) -> EngineMemory:
-    """Bytes an :class:`~specexec.engine.Engine` allocates with these configs (its cache sizing, replicated).
-
-    ``context`` is clamped to the target's ``max_position_embeddings`` like :func:`specexec.api.load` does.
-    ``target_weights=False``: the target's layers are offloaded (the offload plan accounts for them).
-    """
-    context = min(context, target.max_position_embeddings)
-    room = max(tree.largest, chain.gamma) + 2
-    weights = param_count(target) * dtype_bytes if target_weights else 0
-    kv = kv_bytes_per_token(target, dtype_bytes) * (context + room)
-    workspace = 2 * room * target.vocab_size * 4
-    if draft is not None:
-        weights += param_count(draft) * draft_dtype_bytes
-        kv += kv_bytes_per_token(draft, draft_dtype_bytes) * (context + room + tree.largest + tree.max_beams)
-        workspace += 2 * tree.max_beams * draft.vocab_size * 4
-    return EngineMemory(weights=weights, kv=kv, workspace=workspace)
+    def __init__(self, message: str, resource: str, need: int, have: int, largest_budget: int | None = None) -> None:
+        super().__init__(message, resource, need, have)
+        self.largest_budget = largest_budget
 
 
 def available_bytes(device: torch.device) -> int:
@@ -112,40 +46,89 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_memory(need: EngineMemory, device: torch.device, context: int) -> None:
-    """Raise :class:`SpecexecError` (with the numbers and the fix) if ``need`` exceeds the device's free memory."""
-    have = available_bytes(device) - MARGIN_BYTES
-    log.debug("memory check on %s: need %.2f GB (weights %.2f, kv %.2f, workspace %.2f), have %.2f GB",
+def _with_budget(tree: TreeConfig, budget: int) -> TreeConfig:
+    from dataclasses import replace
+
+    return replace(tree, max_budget=budget) if tree.auto else replace(tree, budget=budget)
+
+
+def largest_budget(target: ModelConfig, draft: ModelConfig | None, context: int, t_isz: int, d_isz: int,
+                   tree: TreeConfig, chain: ChainConfig | None, fixed: int, have: int) -> int:
+    """The largest tree budget (<= ``tree.largest``) whose buffers fit in ``have - fixed`` bytes; 0 if none."""
+    def fits(b: int) -> bool:
+        return fixed + sizes.step_buffers(target, draft, context, _with_budget(tree, b), chain, t_isz,
+                                          d_isz).total <= have
+
+    lo, hi = 0, tree.largest
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo < hi:  # fits(lo) holds; find the largest b in [lo, hi] with fits(b)
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_engine(target: ModelConfig, draft: ModelConfig | None, device: torch.device, context: int,
+                 target_itemsize: int, draft_itemsize: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                 target_weights: int | None = None, draft_weights: int | None = None,
+                 have: int | None = None) -> sizes.EngineMemory:
+    """Raise :class:`NotEnoughMemory` unless everything an engine with these settings allocates on ``device``
+    fits in ``have`` bytes (default: what the device has free, less a margin). Returns the estimate."""
+    context = min(context, target.max_position_embeddings)
+    need = sizes.engine_memory(target, draft, context, target_itemsize, draft_itemsize, tree, chain,
+                               target_weights=target_weights, draft_weights=draft_weights)
+    if have is None:
+        have = available_bytes(device) - MARGIN_BYTES
+    log.debug("memory check on %s: need %.2f GB (weights %.2f, kv %.2f, other tree buffers %.2f), have %.2f GB",
               device, need.total / GB, need.weights / GB, need.kv / GB, need.workspace / GB, have / GB)
     if need.total <= have:
-        return
+        return need
     where = "GPU memory (VRAM)" if device.type == "cuda" else "RAM"
+    resource = "GPU memory" if device.type == "cuda" else "RAM"
+    fixed = need.fixed
+    best = largest_budget(target, draft, context, target_itemsize, draft_itemsize, tree, chain, fixed, have)
+    free = f"only {max(have, 0) / GB:.1f} GB of {where} is free"
+    if best >= 1:
+        what, big = need.step.largest()
+        key = "TreeConfig.max_budget" if tree.auto else "TreeConfig.budget"
+        raise NotEnoughMemory(
+            f"the tree's buffers for {setting(key, tree.largest)} need {need.step.total / GB:.1f} GB of {where} "
+            f"(largest: {what} {big / GB:.1f} GB) on top of {fixed / GB:.1f} GB for the weights and KV caches, but "
+            f"{free}; the largest that fits is {setting(key, best)}",
+            resource, need.total, max(have, 0), largest_budget=best)
     if need.kv >= need.weights:
-        fix = "lower --context"
+        fix = f"lower {setting('context')}"
     else:
-        fix = "use a smaller model or a 16-bit --dtype" + (", or --offload" if device.type == "cuda" else "")
-    raise SpecexecError(
-        f"not enough {where}: the KV caches for --context {context} need {need.kv / GB:.2f} GB, the weights "
-        f"{need.weights / GB:.2f} GB and the workspace {need.workspace / GB:.2f} GB "
-        f"({need.total / GB:.2f} GB in all), but only {max(have, 0) / GB:.2f} GB is free: {fix}"
-    )
+        fix = f"use a smaller model or a 16-bit {setting('dtype')}" + (
+            f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else "")
+    raise NotEnoughMemory(
+        f"not enough {where}: the weights need {need.weights / GB:.2f} GB, the KV caches for "
+        f"{setting('context', context)} {need.kv / GB:.2f} GB and the other tree buffers {need.workspace / GB:.2f} GB "
+        f"({need.total / GB:.2f} GB in all), but {free}: {fix}", resource, need.total, max(have, 0))
 
 
 def check_load(target: Path, draft: Path | None, device: torch.device, dtype: str, draft_dtype: str | None,
                context: int, tree: TreeConfig | None = None, chain: ChainConfig | None = None,
-               target_weights: bool = True) -> EngineMemory:
-    """Check, from the config.json files only, that loading these models with these settings fits.
+               target_weights: bool = True) -> sizes.EngineMemory:
+    """Check, from config.json and the safetensors headers only, that loading these models with these settings
+    fits (see :func:`check_engine`).
 
     ``target``/``draft`` are model locations (validated with :func:`specexec.loading.model_dir`); ``dtype`` and
     ``draft_dtype`` are the CLI names (``auto``, ``bf16``...; ``nf4`` counts as offloaded). Returns the estimate.
     """
-    t_cfg = read_config(model_dir(target))
-    d_cfg = read_config(model_dir(draft)) if draft is not None else None
+    t_dir = model_dir(target)
+    d_dir = model_dir(draft) if draft is not None else None
+    t_cfg = read_config(t_dir)
+    d_cfg = read_config(d_dir) if d_dir is not None else None
     offloaded = dtype == "nf4" or not target_weights
-    t_bytes = parse_dtype("auto" if dtype == "nf4" else dtype, device).itemsize
+    t_isz = parse_dtype("auto" if dtype == "nf4" else dtype, device).itemsize
     d_name = draft_dtype or ("auto" if dtype == "nf4" else dtype)
-    d_bytes = parse_dtype(d_name, device).itemsize
-    need = engine_memory(t_cfg, d_cfg, context, t_bytes, d_bytes, tree or TreeConfig(), chain or ChainConfig(),
-                         target_weights=not offloaded)
-    check_memory(need, device, min(context, t_cfg.max_position_embeddings))
-    return need
+    d_isz = parse_dtype(d_name, device).itemsize
+    t_w = 0 if offloaded else sizes.stored_weights(t_dir).resident_bytes(t_isz, t_cfg)
+    d_w = sizes.stored_weights(d_dir).resident_bytes(d_isz, d_cfg) if d_dir is not None else None
+    return check_engine(t_cfg, d_cfg, device, context, t_isz, d_isz, tree or TreeConfig(), chain or ChainConfig(),
+                        target_weights=t_w, draft_weights=d_w)

@@ -125,18 +125,173 @@ class ResidentLayers:
         pass
 
 
-def linear(x: Tensor, w: Any) -> Tensor:
-    """x (T, in) @ w.T -> (T, out). ``w`` is a dense tensor or any object with ``.linear(x)`` (e.g. NF4).
+# CPU dtypes whose 8..48-row passes go through ``w @ x.T`` (see :func:`linear`). fp32 by measurement
+# (scripts/bench_cpu_matmul.py); bf16 only where :mod:`specexec.cpu_probe` measured it faster on this machine
+# (on an AVX2-only CPU bf16 wants ``F.linear``; on AMX / AVX512-BF16 CPUs the probe decides).
+_CPU_TRANSPOSED: set[torch.dtype] = {torch.float32}
+CPU_TRANSPOSED_ROWS = (8, 48)
 
-    On a CPU, 8..48 rows (tree verification, draft levels) go through ``w @ x.T``: the BLAS picks a far better
-    kernel for that orientation (scripts/bench_cpu_matmul.py on the demo shapes: 9 rows 1.1-1.6x faster per
-    weight, a 9-token target pass 1.6x; 2-5 and 64+ rows are slower that way, 1 row the same).
+
+def set_cpu_transposed(dtype: torch.dtype, on: bool) -> None:
+    """Whether CPU passes of 8..48 rows in ``dtype`` use the ``w @ x.T`` orientation (process-wide)."""
+    if on:
+        _CPU_TRANSPOSED.add(dtype)
+    else:
+        _CPU_TRANSPOSED.discard(dtype)
+
+
+def cpu_transposed(x: Tensor) -> bool:
+    """Does :func:`linear` run ``x`` (T, in) through ``w @ x.T``?"""
+    lo, hi = CPU_TRANSPOSED_ROWS
+    return x.device.type == "cpu" and x.dim() == 2 and lo <= x.shape[0] <= hi and x.dtype in _CPU_TRANSPOSED
+
+
+def linear(x: Tensor, w: Any) -> Tensor:
+    """x (T, in) @ w.T -> (T, out). ``w`` is a dense tensor or any object with ``.linear(x)`` (e.g. NF4, int8).
+
+    On a CPU, 8..48 rows (tree verification, draft levels) in fp32 go through ``w @ x.T``: the BLAS picks a far
+    better kernel for that orientation (scripts/bench_cpu_matmul.py on the demo shapes: 9 rows 1.1-1.6x faster per
+    weight, a 9-token target pass 1.6x; 2-5 and 64+ rows are slower that way, 1 row the same). bf16 follows the
+    rule only where the CPU probe measured it to pay (:func:`set_cpu_transposed`).
     """
     if isinstance(w, Tensor):
-        if x.device.type == "cpu" and 8 <= x.shape[0] <= 48 and x.dim() == 2:
+        if cpu_transposed(x):
             return torch.mm(w, x.T).T
         return F.linear(x, w)
     return w.linear(x)
+
+
+def embed_rows(w: Any, tokens: Tensor) -> Tensor:
+    """Embedding lookup: rows ``tokens`` of a dense (V, D) tensor or of a quantized weight (``.rows(tokens)``)."""
+    if isinstance(w, Tensor):
+        return w[tokens]
+    return w.rows(tokens)
+
+
+def _int8_kernel() -> str:
+    """The best int8 linear available in this torch build (see :class:`Int8Linear`)."""
+    ops = getattr(torch.ops, "quantized", None)
+    engines = torch.backends.quantized.supported_engines
+    if ops is not None and hasattr(ops, "linear_dynamic") and ("fbgemm" in engines or "x86" in engines):
+        return "dynamic"
+    if hasattr(torch, "_weight_int8pack_mm"):
+        return "int8pack"
+    return "dequant"
+
+
+class Int8Linear:
+    """A linear weight (out, in) as int8 with one fp32 scale per output channel (symmetric, round to nearest).
+
+    ``linear(x)`` runs one of three CPU kernels (``kernel``; default the first available):
+
+    - ``dynamic``: fbgemm's ``quantized::linear_dynamic`` (activations quantized per pass to 8 bits as well, int8
+      GEMM with fp32 accumulation; the fast AVX2/AVX512 path);
+    - ``int8pack``: ``torch._weight_int8pack_mm`` (weight-only, what gpt-fast uses on CPU);
+    - ``dequant``: dequantize to ``x``'s dtype, then the dense :func:`linear`.
+
+    Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
+    slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
+    differ from the dense weights' by the quantization error, which only changes what the draft proposes.
+    ``rows(ids)`` dequantizes embedding rows (a tied lm_head doubles as the embedding).
+    """
+
+    def __init__(self, w: Tensor, kernel: str | None = None) -> None:
+        w = w.detach().float()
+        self.shape = tuple(w.shape)
+        self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (out,) fp32
+        self.qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.kernel = kernel or _int8_kernel()
+        if self.kernel not in ("dynamic", "int8pack", "dequant"):
+            raise ValueError(f"unknown int8 kernel {self.kernel!r}")
+        self._packed: Any = None
+
+    def _prepacked(self) -> Any:
+        if self._packed is None:
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated
+                warnings.simplefilter("ignore")
+                q = torch._make_per_channel_quantized_tensor(
+                    self.qweight, self.scale.double(), torch.zeros(self.shape[0], dtype=torch.long), 0)
+                self._packed = torch.ops.quantized.linear_prepack(q, None)
+        return self._packed
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The dense weight (out, in) these int8 values stand for."""
+        return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Dequantized rows ``ids`` (n, in) in fp32 (embedding lookups)."""
+        return self.qweight[ids].to(torch.float32) * self.scale[ids][:, None]
+
+    def subset(self, ids: Tensor) -> "Int8Linear":
+        """The output channels ``ids`` as their own int8 weight (same values and scales, same kernel)."""
+        out = Int8Linear.__new__(Int8Linear)
+        out.shape = (int(ids.shape[0]), self.shape[1])
+        out.scale, out.qweight = self.scale[ids].contiguous(), self.qweight[ids].contiguous()
+        out.kernel, out._packed = self.kernel, None
+        return out
+
+    def linear(self, x: Tensor) -> Tensor:
+        """x (T, in) -> (T, out) in x's dtype."""
+        if self.kernel == "dynamic":
+            y = torch.ops.quantized.linear_dynamic(x.float(), self._prepacked(), True)
+            return y.to(x.dtype)
+        if self.kernel == "int8pack":
+            return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale.to(x.dtype))
+        return linear(x, self.dequantize(x.dtype))
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scale.numel() * 4
+
+
+class SubsetHead:
+    """A draft lm_head restricted to a subset of the vocabulary (FR-Spec, arXiv 2502.14856).
+
+    Scores only the ``ids`` rows of ``weight`` (a dense (V, D) tensor or an :class:`Int8Linear`) and returns
+    full-vocabulary logits (T, V) with ``-inf`` outside the subset, so the draft's callers see an ordinary model
+    that never proposes the excluded tokens. :meth:`observe` grows the subset with every token the model is fed
+    (the prompt, the committed text): a token that occurred is likely to recur. The draft only proposes, so the
+    subset changes speed and acceptance, never the output.
+    """
+
+    def __init__(self, weight: Any, ids: Tensor, vocab: int) -> None:
+        self.weight, self.vocab = weight, vocab
+        ids = torch.unique(ids.long().clamp(0, vocab - 1))
+        self.member = torch.zeros(vocab, dtype=torch.bool)
+        self.member[ids] = True
+        self.ids = ids
+        self.sub = self._rows(ids)
+        self.extra_ids = ids[:0]
+        self.extra: Any = None
+
+    def _rows(self, ids: Tensor) -> Any:
+        if isinstance(self.weight, Tensor):
+            return self.weight[ids.to(self.weight.device)].contiguous()
+        return self.weight.subset(ids)
+
+    def observe(self, tokens: Tensor) -> None:
+        """Add the tokens not in the subset yet (their rows are scored from now on)."""
+        toks = tokens.detach().to("cpu", torch.long)
+        toks = toks[(toks >= 0) & (toks < self.vocab)]
+        new = toks[~self.member[toks]]
+        if new.numel() == 0:
+            return
+        new = torch.unique(new)
+        self.member[new] = True
+        self.extra_ids = torch.cat([self.extra_ids, new])
+        self.extra = self._rows(self.extra_ids)  # rebuilt: small (tokens seen outside the subset)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.numel() + self.extra_ids.numel())
+
+    def linear(self, x: Tensor) -> Tensor:
+        out = torch.full((x.shape[0], self.vocab), float("-inf"), dtype=x.dtype, device=x.device)
+        out[:, self.ids.to(x.device)] = linear(x, self.sub)
+        if self.extra is not None:
+            out[:, self.extra_ids.to(x.device)] = linear(x, self.extra)
+        return out
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -222,7 +377,10 @@ class Transformer:
         """
         c = self.cfg
         T = tokens.shape[0]
-        x = self.globals.embed[tokens]  # (T, D)
+        head = self.globals.lm_head
+        if isinstance(head, SubsetHead):
+            head.observe(tokens)
+        x = embed_rows(self.globals.embed, tokens).to(self.dtype)  # (T, D)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)

@@ -118,13 +118,16 @@ class Detokenizer:
     U+FFFD while any of its characters is incomplete.)
     """
 
-    def __init__(self, tokenizer: Any, skip_ids: Iterable[int] = frozenset()) -> None:
+    def __init__(self, tokenizer: Any, skip_ids: Iterable[int] = frozenset(), context: Sequence[int] = ()) -> None:
+        """``context``: ids that precede the text (e.g. the prompt's last few), decoded as the first window's
+        prefix and never emitted, so a sentencepiece tokenizer keeps the first token's leading space. Without
+        it the text equals ``decode`` of the pushed ids alone (whose first leading space such decoders strip)."""
         self.tokenizer = tokenizer
         self.skip = special_ids(tokenizer) | {int(i) for i in skip_ids}
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(t) for t in context if int(t) not in self.skip]
         self._prefix = 0
-        self._read = 0
-        self._prefix_text = ""  # decode(ids[prefix:read])
+        self._read = len(self.ids)
+        self._prefix_text = self._decode(self.ids)  # decode(ids[prefix:read])
         self._parts: list[str] = []
 
     @property
@@ -244,12 +247,14 @@ class TextStream:
 
     ``push(ids)`` returns (new text, stopped). Once stopped (an EOS id, or a stop string completed) further
     pushes return ``("", True)``. ``n_tokens`` counts the ids consumed up to and including the one that stopped
-    the stream (the EOS id, or the token that completed a stop string): the ids a caller keeps.
+    the stream (the EOS id, or the token that completed a stop string): the ids a caller keeps. ``context``: see
+    :class:`Detokenizer`.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: Iterable[int] = (), stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int] = (), stops: Sequence[str] = (),
+                 context: Sequence[int] = ()) -> None:
         self.eos = frozenset(int(i) for i in eos_ids)
-        self.detok = Detokenizer(tokenizer, skip_ids=self.eos)
+        self.detok = Detokenizer(tokenizer, skip_ids=self.eos, context=context)
         self.matcher = StopMatcher(stops)
         self.hit_eos = False
         self.n_tokens = 0

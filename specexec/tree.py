@@ -94,6 +94,21 @@ class Tree:
         self.size += k
         return idx
 
+    def append(self, parents: list[int], tokens: list[int], depths: list[int], logp: list[float]) -> None:
+        """Append nodes given as lists (parents may be nodes of the same call: each must precede its children).
+
+        ``depths`` must equal parent depth + 1 (the caller built them, e.g. as a trie); draft slots stay -1.
+        """
+        k = len(tokens)
+        if self.size + k > self.capacity:
+            raise RuntimeError(f"tree capacity {self.capacity} exceeded ({self.size} + {k})")
+        s, e = self.size, self.size + k
+        self.tokens[s:e] = torch.tensor(tokens, dtype=torch.long)
+        self.parents[s:e] = torch.tensor(parents, dtype=torch.long)
+        self.depth[s:e] = torch.tensor(depths, dtype=torch.long)
+        self.logp[s:e] = torch.tensor(logp, dtype=torch.float32)
+        self.size = e
+
     def keep(self, keep: Tensor) -> None:
         """Compact to the nodes where ``keep`` (N,) is True; must be closed under ancestry and keep the root."""
         n = self.size

@@ -112,3 +112,89 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------------------------- the real demo pair
+#
+# Memory rule for `slow` tests (issue 15: the suite must run on a 16 GB machine, peak RSS < 8 GB): the real pair is
+# loaded ONCE per session by the `real_pair` fixture below and freed at the end. A test that needs the target or the
+# draft takes `real_pair` (or its `.target` / `.draft`); a transformers oracle is built with `hf_view` (its
+# parameters are views of our tensors: no second copy). Slow tests that start their own CLI process on the real
+# pair must not take `real_pair`: they run first (see pytest_collection_modifyitems), before the shared copy exists.
+
+REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+REAL_CONTEXT = 1024
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """The demo pair as one Engine: target fp32 (the CPU default, exactness is tested in it), draft bf16 (the
+    draft only changes speed; bf16 halves its 2 GB). Loaded once per session, freed at its end."""
+    import gc
+
+    from specexec import api, hub
+
+    for alias in (REAL_TARGET, REAL_DRAFT):
+        if not hub.is_present(alias):
+            hub.pull(alias, progress=False)
+    engine = api.load(REAL_TARGET, REAL_DRAFT, device="cpu", dtype="fp32", draft_dtype="bf16",
+                      context=REAL_CONTEXT, progress=False)
+    yield engine
+    engine.reset()
+    del engine
+    gc.collect()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests that do not use the shared real pair (CLI subprocesses, downloads) run before those that do, so a
+    process of their own never overlaps the shared in-process copy (which lives until the session ends)."""
+    def uses_shared_pair(item) -> bool:
+        return "real_pair" in getattr(item, "fixturenames", ())
+
+    slow = [i for i in items if i.get_closest_marker("slow")]
+    if not slow:
+        return
+    first = [i for i in slow if not uses_shared_pair(i)]
+    later = [i for i in slow if uses_shared_pair(i)]
+    rest = [i for i in items if not i.get_closest_marker("slow")]
+    items[:] = rest + first + later
+
+
+def hf_view(model, path: Path):
+    """A transformers model of ``path``'s architecture whose weights ARE ``model``'s (a specexec Transformer with
+    resident dense layers): built on the meta device, then every parameter set to a view of our fused tensors
+    (q/k/v and gate/up are row blocks of ``wqkv`` / ``w13``). An exact oracle that costs no second copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
+
+    def put(module, name: str, tensor) -> None:
+        setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+
+    g = model.globals
+    put(hf.model.embed_tokens, "weight", g.embed)
+    put(hf.model.norm, "weight", g.norm)
+    put(hf.lm_head, "weight", g.lm_head)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    for i, layer in enumerate(hf.model.layers):
+        w = model.layers.layer(i)
+        a, m = layer.self_attn, layer.mlp
+        put(layer.input_layernorm, "weight", w["attn_norm"])
+        put(layer.post_attention_layernorm, "weight", w["mlp_norm"])
+        for proj, lo, hi in ((a.q_proj, 0, q), (a.k_proj, q, q + kv), (a.v_proj, q + kv, q + 2 * kv)):
+            put(proj, "weight", w["wqkv"][lo:hi])
+            if "bqkv" in w:
+                put(proj, "bias", w["bqkv"][lo:hi])
+        put(a.o_proj, "weight", w["wo"])
+        inter = w["w13"].shape[0] // 2
+        put(m.gate_proj, "weight", w["w13"][:inter])
+        put(m.up_proj, "weight", w["w13"][inter:])
+        put(m.down_proj, "weight", w["w2"])
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)  # inv_freq is computed, not loaded: build it
+    leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if leftover:
+        raise AssertionError(f"hf_view left these on the meta device: {leftover}")
+    return hf.eval()

@@ -167,7 +167,7 @@ def test_answer_limited_when_message_is_long(engine):
 
 def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monkeypatch):
     """A KeyboardInterrupt raised in the middle of a target pass: partial answer kept, engine still exact."""
-    import specexec.engine as eng
+    import specexec.decode as eng
 
     real, calls = eng.score_tree, []
 
@@ -194,7 +194,7 @@ def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monke
 
 
 def test_interrupt_before_any_text_drops_the_turn(session, monkeypatch):
-    import specexec.engine as eng
+    import specexec.decode as eng
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -211,7 +211,7 @@ def test_bad_inputs(engine, session):
         session.send("t10 \udcff")
     with pytest.raises(SpecexecError, match="empty"):
         session.send("   ")
-    with pytest.raises(SpecexecError, match="max-new-tokens"):
+    with pytest.raises(SpecexecError, match="max_new_tokens=250 leaves no room"):
         ChatSession(engine, options=GenOptions(max_new_tokens=250))
     with pytest.raises(ValueError):
         GenOptions(max_new_tokens=0)
@@ -240,3 +240,95 @@ def test_read_message_and_commands():
     assert decode_line(b"caf\xc3\xa9\n") == "café"
     with pytest.raises(InvalidInput, match="UTF-8"):
         decode_line(b"\xff\xfe\n")
+
+
+# ---------------------------------------------------------------------------------------------- issue 15: clean stop
+
+
+def _flag_on_step(monkeypatch, step: int, action):
+    """Run ``action()`` inside the target pass of ``step`` (1-based): a Ctrl-C arriving while that step runs."""
+    import specexec.decode as eng
+
+    real, calls = eng.score_tree, []
+
+    def spy(*a, **k):
+        calls.append(1)
+        if len(calls) == step:
+            action()
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng, "score_tree", spy)
+    return calls
+
+
+def test_stop_flag_shows_nothing_of_the_step_in_flight(session, engine, monkeypatch):
+    import threading
+
+    stop, shown, at_flag = threading.Event(), [], []
+    _flag_on_step(monkeypatch, 3, lambda: (at_flag.append(len(shown)), stop.set()))
+    reply = session.send("t10 t11")
+    for piece in reply.pieces(stop.is_set):
+        shown.append(piece)
+    assert at_flag and len(shown) == at_flag[0] > 0  # nothing after the flag, though step 3 produced tokens
+    assert reply.interrupted and reply.result is None
+    turn = session.turns[-1]
+    assert turn.interrupted and turn.assistant == "".join(shown)  # the history holds exactly what was shown
+    monkeypatch.undo()
+    r2, _ = _answer(session, "t12")  # the engine re-syncs and stays exact
+    engine.reset()
+    assert engine.generate(r2.generation.ids, 12, method="ar").tokens == r2.result.tokens
+
+
+def test_stop_flag_already_set_drops_the_turn(session):
+    reply = session.send("t10")
+    assert list(reply.pieces(lambda: True)) == []
+    assert reply.interrupted and session.turns == []
+
+
+def test_cli_ctrl_c_prints_nothing_more_and_history_matches(session, monkeypatch, capsys):
+    """A real SIGINT during the 3rd target pass: stdout holds exactly the history's partial answer."""
+    import os
+    import signal
+
+    from specexec.cli.chat import answer
+
+    before = []  # stdout as it was when Ctrl-C arrived
+
+    def ctrl_c():
+        before.append(capsys.readouterr().out)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    _flag_on_step(monkeypatch, 3, ctrl_c)
+    answer(session, "t10 t11")
+    after, err = capsys.readouterr()
+    turn = session.turns[-1]
+    assert turn.interrupted and turn.assistant
+    assert after == "\n"  # not one character of the step in flight
+    assert before[0] == turn.assistant  # the history records exactly what was shown
+    assert "interrupted: the partial answer stays in the history" in err and "tok/s" not in err
+
+
+def test_cli_speed_summary_after_each_answer(session, capsys):
+    from specexec.cli.chat import answer
+
+    answer(session, "t10")
+    out, err = capsys.readouterr()
+    stats = session.last_stats
+    assert out == session.turns[-1].assistant + "\n"
+    summary = [line for line in err.splitlines() if "tok/s" in line]
+    assert summary == [f"[12 tokens, {stats.tokens_per_s:.1f} tok/s, {stats.tokens_per_step:.2f} tokens/step]"]
+    answer(session, "t11", quiet=True)
+    out, err = capsys.readouterr()
+    assert out.strip() and "tok/s" not in err
+
+
+def test_stats_histogram_counts_only_emitted_tokens(engine):
+    """A 2-token answer cannot have a step that emitted 5 tokens: the histogram adds up to the answer."""
+    engine.reset()
+    s = ChatSession(engine, options=GenOptions(max_new_tokens=2))
+    reply, _ = _answer(s, "t10 t11 t12")
+    st = reply.result.stats
+    assert st.new_tokens == 2
+    assert sum(k * n for k, n in st.accepted_hist.items()) == st.new_tokens
+    assert max(st.accepted_hist) <= 2 and sum(st.accepted_hist.values()) == st.steps
+    assert any(line.strip().startswith("2 ") for line in format_stats(st))

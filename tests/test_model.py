@@ -46,3 +46,42 @@ def test_config_parses_rope_scaling(tiny_models):
     assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
     assert read_config(tiny_models["qwen2"]).qkv_bias
     assert read_config(tiny_models["llama_tied"]).tie_word_embeddings
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 48, 49, 64])
+def test_linear_orientation_rule_is_numerically_a_linear(dtype, rows):
+    """Both orientations compute x @ w.T; the rule (8..48 rows; fp32 always, bf16 where the probe says) only
+    picks the kernel."""
+    from specexec.model import CPU_TRANSPOSED_ROWS, cpu_transposed, linear, set_cpu_transposed
+
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 64).to(dtype), torch.randn(96, 64).to(dtype)
+    ref = (x.float() @ w.float().T)
+    was = cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16))
+    try:
+        for on in (False, True):
+            set_cpu_transposed(torch.bfloat16, on)
+            lo, hi = CPU_TRANSPOSED_ROWS
+            want = lo <= rows <= hi and (dtype == torch.float32 or on)
+            assert cpu_transposed(x) == want
+            out = linear(x, w)
+            assert out.dtype == dtype and out.shape == (rows, 96)
+            tol = 1e-4 if dtype == torch.float32 else 0.1
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    finally:
+        set_cpu_transposed(torch.bfloat16, was)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_logits_track_fp32(tiny_models, family):
+    """The bf16 model is the fp32 model up to bf16 rounding (its own exactness reference is itself, in bf16)."""
+    path = tiny_models[family]
+    a, b = load_model(path, torch.device("cpu"), torch.float32), load_model(path, torch.device("cpu"), torch.bfloat16)
+    assert b.globals.embed.dtype == torch.bfloat16
+    ids = torch.arange(3, 19)
+    t = torch.arange(16)
+    la = a.forward(ids, t, t, _causal(0, 16, 16), a.new_cache(16))
+    lb = b.forward(ids, t, t, _causal(0, 16, 16), b.new_cache(16))
+    assert lb.dtype == torch.float32  # logits always come back in fp32
+    assert (la - lb).abs().max() < 0.1 * la.abs().max()

@@ -11,13 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload import OffloadConfig, StreamedLayers, load_offloaded, make_plan
+from offload import OffloadConfig, StreamedLayers, load_offloaded
+from offload.plan import PlanModel, Resources, make_plan
 from offload import plan as plan_mod
 from offload import quant
 from offload.layout import ALIGN, PAGE, LayerFormat, LayerLayout, layer_layout
 from offload.quant import NF4Linear, dense_weights, layer_weights, quantize_layer
 from offload.store import RamStore
-from specexec.errors import SpecexecError
+from specexec.cli.options import FLAGS
+from specexec.errors import OutOfMemory, SpecexecError
 from specexec.loading import load_model
 from specexec.model import ModelConfig, ResidentLayers, Transformer
 from tests.conftest import make_tiny
@@ -65,7 +67,7 @@ def _passes(model: Transformer, seed: int = 0) -> torch.Tensor:
 
 
 def _load(path: Path, tmp_path: Path, **kw) -> Transformer:
-    return load_offloaded(path, CPU, "fp32", OffloadConfig(ssd_dir=tmp_path / "cache", **kw), chunk_bytes=CHUNK)
+    return load_offloaded(path, CPU, "fp32", OffloadConfig(cache_dir=tmp_path / "cache", **kw), chunk_bytes=CHUNK)
 
 
 # -- bit-exact streaming -------------------------------------------------------------------------------------
@@ -82,6 +84,21 @@ def test_streamed_forward_equals_resident(tiny3, tmp_path, mode, resident, looka
     assert (st.layers_resident, st.layers_streamed) == (resident, 3 - resident)
     assert st.bytes_last_forward == st.bytes_per_forward == (3 - resident) * st.layer_bytes
     assert st.forwards == 6
+
+
+def test_resident_weights_are_aligned_copies(tiny3):
+    """The resident loader copies every weight out of the memory-mapped safetensors file (whose zero-copy views
+    sit at 4-8 byte offsets): MKL sums differently for differently aligned operands, so unaligned resident
+    weights gave logits ~1e-6 off the offload manager's aligned packed layers (and stayed backed by the file)."""
+    from safetensors import safe_open
+
+    model = load_model(tiny3, CPU, torch.float32)
+    with safe_open(str(tiny3 / "model.safetensors"), framework="pt", device="cpu") as f:
+        file_ptrs = {f.get_tensor(k).data_ptr() for k in f.keys()}
+    tensors = [t for i in range(3) for t in model.layers.layer(i).values()]
+    tensors += [model.globals.embed, model.globals.norm, model.globals.lm_head]
+    for t in tensors:
+        assert t.data_ptr() % 64 == 0 and t.data_ptr() not in file_ptrs
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "llama3"])
@@ -184,7 +201,7 @@ def test_nf4_cache_second_start_does_not_quantize(tiny3, tmp_path, monkeypatch):
 
 # -- the SSD cache: corrupt and truncated files -----------------------------------------------------------------
 def _cache_files(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "cache").glob("*/layer_*.bin"))
+    return sorted((tmp_path / "cache" / "offload").glob("*/layer_*.bin"))
 
 
 @pytest.mark.parametrize("layer", [0, 1])
@@ -224,6 +241,11 @@ def test_layout_sizes_match_the_physical_numbers():
         assert LayerLayout.from_json(lay.to_json()) == lay
 
 
+def _plan(off: OffloadConfig, dtype: torch.dtype = torch.float32, kv_bytes: int = 0):
+    """make_plan for Llama-70B on this (faked) machine, the CPU as "GPU" (capped by gpu_memory_gb)."""
+    return make_plan(Resources.probe(CPU, off.offload_root), PlanModel(LLAMA70B, dtype, kv_bytes=kv_bytes), off)
+
+
 def _fake_ram(monkeypatch, available_gb: float, total_gb: float = 64.0) -> None:
     vm = SimpleNamespace(available=int(available_gb * 1e9), total=int(total_gb * 1e9))
     monkeypatch.setattr(plan_mod.psutil, "virtual_memory", lambda: vm)
@@ -231,40 +253,44 @@ def _fake_ram(monkeypatch, available_gb: float, total_gb: float = 64.0) -> None:
 
 def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
-    off = OffloadConfig(mode="ram", target_dtype="bf16", gpu_memory_gb=24, ssd_dir=tmp_path)
-    with pytest.raises(SpecexecError, match=r"--offload ram needs 1\d\d\.\d GB of RAM .* use --offload ssd"):
-        make_plan(LLAMA70B, off, CPU)
+    off = OffloadConfig(mode="ram", target_dtype="bf16", gpu_memory_gb=24, cache_dir=tmp_path)
+    with pytest.raises(OutOfMemory, match=r"OffloadConfig.mode=ram needs 1\d\d\.\d GB of RAM .* use "
+                                          r"OffloadConfig.mode=ssd") as err:
+        _plan(off)
+    assert err.value.resource == "RAM" and err.value.need > err.value.have
+    assert "--offload ram needs" in err.value.render(FLAGS) and "use --offload ssd" in err.value.render(FLAGS)
     # NF4 (0.48 GB/layer) fits in the same RAM; auto picks ssd for bf16
-    p = make_plan(LLAMA70B, OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, ssd_dir=tmp_path), CPU)
+    p = _plan(OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, cache_dir=tmp_path))
     assert p.mode == "ram" and p.fmt.kind == "nf4" and len(p.resident) + len(p.streamed) == 80
-    p = make_plan(LLAMA70B, OffloadConfig(mode="auto", target_dtype="bf16", gpu_memory_gb=24, ssd_dir=tmp_path), CPU)
+    p = _plan(OffloadConfig(mode="auto", target_dtype="bf16", gpu_memory_gb=24, cache_dir=tmp_path))
     assert p.mode == "ssd"  # RAM too small for 16-bit layers: auto streams from disk
-    p = make_plan(LLAMA70B, OffloadConfig(mode="auto", gpu_memory_gb=24, ssd_dir=tmp_path), CPU)
+    p = _plan(OffloadConfig(mode="auto", gpu_memory_gb=24, cache_dir=tmp_path))
     assert (p.fmt.kind, p.fmt.dtype) == ("dense", torch.float32)  # CPU: target_dtype auto stays dense
-    p = make_plan(LLAMA70B, OffloadConfig(mode="auto", target_dtype="nf4", gpu_memory_gb=24, ssd_dir=tmp_path), CPU)
+    p = _plan(OffloadConfig(mode="auto", target_dtype="nf4", gpu_memory_gb=24, cache_dir=tmp_path))
     assert p.mode == "ram"
-    assert make_plan(LLAMA70B, OffloadConfig(), CPU).mode == "none"  # no cap on CPU: everything "fits"
-    p = make_plan(LLAMA70B, OffloadConfig(mode="ssd", target_dtype="bf16", gpu_memory_gb=24, ssd_dir=tmp_path), CPU,
-                  dtype=torch.bfloat16)
+    assert _plan(OffloadConfig()).mode == "none"  # no cap on CPU: everything "fits"
+    off = OffloadConfig(mode="ssd", target_dtype="bf16", gpu_memory_gb=24, cache_dir=tmp_path)
+    p = _plan(off, dtype=torch.bfloat16)
     assert p.mode == "ssd" and 0 < len(p.resident) < 20 and p.ring_size == 2
 
 
 def test_plan_refuses_disk_vram_and_none(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))
-    with pytest.raises(SpecexecError, match=r"SSD tier needs 136\.\d GB of disk .* --ssd-dir"):
-        make_plan(LLAMA70B, OffloadConfig(mode="ssd", target_dtype="bf16", ssd_dir=tmp_path), CPU)
-    with pytest.raises(SpecexecError, match="VRAM too small to stream"):
-        make_plan(LLAMA70B, OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=4), CPU,
-                  kv_bytes=int(2e9))
-    with pytest.raises(SpecexecError, match="use --offload auto, ram or ssd"):
-        make_plan(LLAMA70B, OffloadConfig(mode="none", target_dtype="bf16", gpu_memory_gb=24), CPU)
+    with pytest.raises(OutOfMemory, match=r"SSD tier needs 136\.\d GB of disk .*OffloadConfig.cache_dir") as err:
+        _plan(OffloadConfig(mode="ssd", target_dtype="bf16", cache_dir=tmp_path))
+    assert err.value.resource == "disk" and "--cache-dir" in err.value.render(FLAGS)
+    with pytest.raises(OutOfMemory, match="VRAM too small to stream"):
+        _plan(OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=4), kv_bytes=int(2e9))
+    with pytest.raises(OutOfMemory, match="use OffloadConfig.mode auto, ram or ssd") as err:
+        _plan(OffloadConfig(mode="none", target_dtype="bf16", gpu_memory_gb=24))
+    assert "use --offload auto, ram or ssd, or --target-dtype nf4" in err.value.render(FLAGS)
 
 
 def test_plan_describe(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=100, total_gb=128)
-    off = OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, ssd_dir=tmp_path, lookahead=2)
-    p = make_plan(LLAMA70B, off, CPU, dtype=torch.bfloat16)
+    off = OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, cache_dir=tmp_path, lookahead=2)
+    p = _plan(off, dtype=torch.bfloat16)
     text = p.describe()
     assert "mode=ram" in text and "nf4-b64-bfloat16" in text and "lookahead 2" in text
     assert f"{len(p.resident)} of 80 layers resident (0-{len(p.resident) - 1})" in text
@@ -283,8 +309,8 @@ def test_offload_config_validation(kw):
 
 
 def test_offload_config_defaults():
-    c = OffloadConfig(ssd_dir="/tmp/x", lookahead=3)
-    assert c.ssd_dir == Path("/tmp/x") and c.ring == 4
+    c = OffloadConfig(cache_dir="/tmp/x", lookahead=3)
+    assert c.cache_dir == Path("/tmp/x") and c.offload_root == Path("/tmp/x/offload") and c.ring == 4
 
 
 # -- the benchmark script ---------------------------------------------------------------------------------------
@@ -358,7 +384,7 @@ def wide(tmp_path_factory) -> Path:
 def test_cuda_streamed_equals_resident_bf16(wide, tmp_path, mode, lookahead):
     ref_model = load_model(wide, GPU, torch.bfloat16)
     refs = {T: _gpu_passes(ref_model, T, T) for T in (1, 64)}
-    off = OffloadConfig(mode=mode, target_dtype="bf16", ssd_dir=tmp_path, lookahead=lookahead, resident_layers=1)
+    off = OffloadConfig(mode=mode, target_dtype="bf16", cache_dir=tmp_path, lookahead=lookahead, resident_layers=1)
     model = _slow(load_offloaded(wide, GPU, "bf16", off, chunk_bytes=1 << 20))
     assert model.layers.stats.layers_streamed == 5 and len(model.layers._ring) == lookahead + 1
     for rep in range(10):
@@ -374,7 +400,7 @@ def test_cuda_unpinned_ram_is_staged(wide, tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "_host_register", lambda t: False)
     ref = _gpu_passes(load_model(wide, GPU, torch.bfloat16), 64, 1)
-    off = OffloadConfig(mode="ram", target_dtype="bf16", ssd_dir=tmp_path, resident_layers=0)
+    off = OffloadConfig(mode="ram", target_dtype="bf16", cache_dir=tmp_path, resident_layers=0)
     model = _slow(load_offloaded(wide, GPU, "bf16", off, chunk_bytes=1 << 20))
     assert model.layers.store.source(0) is None
     for _ in range(5):
@@ -399,7 +425,7 @@ def test_cuda_refused_pinning_leaves_cuda_usable():
 @cuda
 @pytest.mark.cuda
 def test_cuda_nf4(wide, tmp_path):
-    off = dict(target_dtype="nf4", ssd_dir=tmp_path)
+    off = dict(target_dtype="nf4", cache_dir=tmp_path)
     resident = load_offloaded(wide, GPU, "bf16", OffloadConfig(mode="none", **off))
     off_ram = OffloadConfig(mode="ram", resident_layers=0, lookahead=2, **off)
     streamed = _slow(load_offloaded(wide, GPU, "bf16", off_ram))

@@ -11,13 +11,13 @@ Speed. 20,000 samples x 9 methods x 5 sampling configs through the engine would 
 statistical runs use a fast path built from the production pieces, not a reimplementation:
 
 - the tiny models' next-token logits depend only on the prefix, so they are memoised per prefix (``Table``);
-- AR / SpecExec: the tree for a committed prefix is grown once by the real ``Drafter.grow`` (it is deterministic);
+- AR / SpecExec: the tree for a committed prefix is grown once by the real ``TreeDraft.grow`` (it is deterministic);
   every sample sharing that prefix draws its choices with the real ``accept.tree_choices`` (its own seed) and
   descends with the real ``verify.walk``;
-- chain: the draft tokens come from the real ``Engine._pick`` (x ~ q), acceptance is the real
+- chain: the draft tokens come from the real ``propose.chain.draft_choice`` (x ~ q), acceptance is the real
   ``accept.speculative_accept``, vectorised over all samples at once.
 
-What the fast path skips (the engine loop gluing these together: KV caches, ``accept.accept``, ``Drafter.chain``,
+What the fast path skips (the engine loop gluing these together: KV caches, ``accept.accept``, ``ChainDraft.propose``,
 EOS cut) is covered by the engine-level tests at the end: chain sampling through ``Engine.generate`` passes the
 same chi-square, and SpecExec gives token-for-token the AR output for the same seed.
 
@@ -39,8 +39,9 @@ from scipy import stats
 
 from specexec import accept, sampling
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.draft import Drafter
 from specexec.engine import Engine
+from specexec.propose import DraftModel, Proposal, TreeDraft
+from specexec.propose.chain import draft_choice
 from specexec.loading import load_model, load_tokenizer
 from specexec.tree import Tree
 from specexec.verify import walk
@@ -204,7 +205,7 @@ class TreeSampler:
 
     def __init__(self, draft_model, target: Table, samp: SamplingConfig, budget: int,
                  verifier: Table | None = None) -> None:
-        self.drafter = Drafter(draft_model, 4096) if budget else None
+        self.drafter = TreeDraft(DraftModel(draft_model, 4096), TreeConfig(budget=budget)) if budget else None
         self.samp, self.budget = samp, budget
         self.verifier = verifier or target  # whose logits verify the tree (a negative control passes the draft's)
         self.trees: dict[tuple[int, ...], tuple[Tree, torch.Tensor]] = {}
@@ -217,8 +218,8 @@ class TreeSampler:
                 tree = Tree(seq[-1], 1, CPU)
             else:
                 self.drafter.reset()
-                tree, _ = self.drafter.grow(seq, TreeConfig(budget=self.budget),
-                                            lambda lg: sampling.logprobs(lg, self.samp))
+                tree, *_ = self.drafter.grow(seq, TreeConfig(budget=self.budget),
+                                             lambda lg: sampling.logprobs(lg, self.samp))
             toks, par = tree.n_tokens.tolist(), tree.n_parents.tolist()
             ctx: list[tuple[int, ...]] = [prefix]
             for i in range(1, tree.size):
@@ -247,7 +248,7 @@ class TreeSampler:
 
 def chain_samples(draft: Table, target: Table, samp: SamplingConfig, gamma: int, n: int, seed: int,
                   rule=accept.speculative_accept) -> list[tuple[int, ...]]:
-    """Chain speculative sampling for n samples at once: draft x_i ~ q_i with ``Engine._pick``, then ``rule``."""
+    """Chain speculative sampling for n samples at once: draft x_i ~ q_i with ``draft_choice``, then ``rule``."""
     gen = torch.Generator().manual_seed(seed)
     out: list[tuple[int, ...]] = [()] * n
     active = list(range(n))
@@ -255,7 +256,7 @@ def chain_samples(draft: Table, target: Table, samp: SamplingConfig, gamma: int,
         pre = [out[i] for i in active]
         ctx, xs, qs = pre, [], []
         for _ in range(gamma):
-            tok, q = Engine._pick(draft.get(ctx), samp, gen)
+            tok, q = draft_choice(draft.get(ctx), samp, gen)
             xs.append(tok)
             qs.append(q)
             ctx = [c + (t,) for c, t in zip(ctx, tok.tolist())]
@@ -469,7 +470,8 @@ def test_accept_pads_a_narrower_draft_vocabulary():
         tree = Tree(1, 3, CPU)
         tree.add(torch.tensor([0]), x[0, :1], torch.zeros(1))
         tree.add(torch.tensor([1]), x[0, 1:], torch.zeros(1))
-        path, emitted = accept.accept(tree, p[0].log(), q[0], SamplingConfig(temperature=1.0, seed=0), gen, 5)
+        prop = Proposal(tree, rule="chain", q=q[0])
+        path, emitted = accept.accept(prop, p[0].log(), SamplingConfig(temperature=1.0, seed=0), gen, 5)
         assert len(emitted) == len(path) and all(t < 10 for t in emitted)
 
 
@@ -483,7 +485,7 @@ ENGINE_SAMPLES = 3000
 
 
 def test_engine_chain_sampling_distribution(engine, tables):
-    """Chain sampling through ``Engine.generate`` (Drafter.chain, accept.accept, caches, EOS cut) is exact."""
+    """Chain sampling through ``Engine.generate`` (ChainDraft, accept.accept, caches, EOS cut) is exact."""
     samp = CONFIGS["T1-p0.8"]
     P = truncate_at_eos(joint(tables[0], samp))
     out = [tuple(engine.generate(PROMPT, NEW, method="chain", chain=ChainConfig(gamma=3),
@@ -497,12 +499,12 @@ def test_engine_negative_control_accept_everything(engine, tables, monkeypatch):
     samp = CONFIGS["T1-p0.8"]
     P = truncate_at_eos(joint(tables[0], samp))
 
-    def accept_all(tree, logits, q, samp, gen, n):
-        path, emitted = accept.accept(tree, logits, q, samp, gen, n)
-        toks = tree.n_tokens[1:].tolist()
+    def accept_all(proposal, logits, samp, gen, n):
+        path, emitted = accept.accept(proposal, logits, samp, gen, n)
+        toks = proposal.tree.n_tokens[1:].tolist()
         return list(range(len(toks) + 1)), toks + [emitted[-1]]
 
-    monkeypatch.setattr("specexec.engine.accept", accept_all)
+    monkeypatch.setattr("specexec.decode.accept", accept_all)
     out = [tuple(engine.generate(PROMPT, NEW, method="chain", chain=ChainConfig(gamma=3),
                                  sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.8, seed=s)).tokens)
            for s in range(ENGINE_SAMPLES // 3)]
@@ -577,11 +579,12 @@ def test_cli_samples(pair):
 
 
 # -- the table ---------------------------------------------------------------------------------------------------------
-def test_print_table():
-    """Runs last in this module: prints every chi-square result (pytest -s)."""
-    if not RESULTS:
-        pytest.skip("no statistical test ran")
-    print("\n| config | method | samples | chi2 | dof | p-value | in p=0 cells |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for name, method, n, stat, dof, pval, imp in RESULTS:
-        print(f"| {name} | {method} | {n} | {stat:.1f} | {dof} | {pval:.3g} | {imp} |")
+@pytest.fixture(scope="module", autouse=True)
+def _print_table():
+    """After this module's tests: print every chi-square result (visible with pytest -s). Not a test itself."""
+    yield
+    if RESULTS:
+        print("\n| config | method | samples | chi2 | dof | p-value | in p=0 cells |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for name, method, n, stat, dof, pval, imp in RESULTS:
+            print(f"| {name} | {method} | {n} | {stat:.1f} | {dof} | {pval:.3g} | {imp} |")

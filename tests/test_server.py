@@ -309,7 +309,8 @@ def test_malformed_and_missing(live):
                  json.dumps({"messages": "hello"}).encode(), json.dumps({"messages": HI, "stream": "yes"}).encode(),
                  json.dumps({"messages": HI, "temperature": "hot"}).encode(),
                  json.dumps({"messages": HI, "temperature": float("nan")}).encode(),
-                 json.dumps({"messages": HI, "seed": "abc"}).encode(), json.dumps({"messages": HI, "seed": 2**70}).encode(),
+                 json.dumps({"messages": HI, "seed": "abc"}).encode(),
+                 json.dumps({"messages": HI, "seed": 2**70}).encode(),
                  json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode()):
         r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 400, (body, r.text)

@@ -171,6 +171,18 @@ def test_sentencepiece_leading_space(sp_tok):
     assert any(p.startswith(" ") for p in pieces[1:])  # later words keep their space
 
 
+def test_detokenizer_context_keeps_the_first_leading_space(sp_tok, byte_tok):
+    prompt, answer = _ids(sp_tok, "Hello"), _ids(sp_tok, " world and more 😀")
+    assert _ref(sp_tok, answer) == "world and more 😀"  # alone, the decoder strips the first space
+    d = Detokenizer(sp_tok, context=prompt[-4:])
+    got = "".join(d.push([i]) for i in answer) + d.flush()
+    assert got == d.text == " world and more 😀" == _ref(sp_tok, prompt + answer)[len(_ref(sp_tok, prompt)):]
+    # a byte-level tokenizer needs no context; with one, the answer's text is unchanged
+    a = _ids(byte_tok, " 加一 😀 x")
+    d = Detokenizer(byte_tok, context=_ids(byte_tok, "abc 😀"))
+    assert "".join(d.push([i]) for i in a) + d.flush() == _ref(byte_tok, a)
+
+
 @pytest.mark.parametrize("which", ["byte", "sp"])
 def test_detokenizer_random_splits(which, byte_tok, sp_tok):
     tok = byte_tok if which == "byte" else sp_tok
@@ -319,7 +331,8 @@ def test_stop_random_splits_match_the_reference():
     rng = random.Random(1)
     alphabet = "ab\nc"
     for _ in range(400):
-        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))})
+        stops = sorted({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+                        for _ in range(rng.randint(1, 3))})
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
         chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]

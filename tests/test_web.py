@@ -11,7 +11,6 @@ Skips (with the reason) only where no Chromium / chromedriver is installed; ``.c
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,26 @@ INJECTION = ["Hello ", "<b id=\"injected\">bold</b> ", "<script>window.__pwned =
 class FakeGeneration:
     """Yields the engine's scripted pieces with a delay; records how far it got and whether it was closed."""
 
-    def __init__(self, engine: "FakeEngine", ids: list[int], max_new: int) -> None:
+    def __init__(self, engine: FakeEngine, ids: list[int], max_new: int) -> None:
         self.engine, self.ids, self.max_new = engine, ids, max_new
         self.tokens: list[int] = []
         self.result: Result | None = None
         self.stats = Stats(method="specexec", budget=64)
+        self._it = self._run()
 
     def __iter__(self):
+        return self._it
+
+    def close(self) -> None:
+        self._it.close()
+        if self.result is None:
+            self._finish("cancelled")
+
+    def _run(self):
         eng = self.engine
         eng.consumed, eng.closed_early = 0, False
-        pieces = eng.script[: self.max_new]
         try:
-            for piece in pieces:
+            for piece in eng.script[: self.max_new]:
                 time.sleep(eng.delay)
                 self.tokens.append(5)
                 self.stats.steps += 1
@@ -51,10 +58,14 @@ class FakeGeneration:
         except GeneratorExit:
             eng.closed_early = True
             raise
+        self._finish("length")
+
+    def _finish(self, reason: str) -> None:
         n = len(self.tokens)
-        self.stats.new_tokens, self.stats.tokens_per_step, self.stats.tokens_per_s = n, 2.5, 123.4
-        self.result = Result(text="".join(pieces), tokens=list(self.tokens), prompt_tokens=len(self.ids),
-                             stats=self.stats)
+        s = self.stats
+        s.new_tokens, s.tokens_per_step, s.tokens_per_s, s.finish_reason = n, 2.5, 123.4, reason
+        self.result = Result(text="".join(self.engine.script[:n]), tokens=list(self.tokens),
+                             prompt_tokens=len(self.ids), stats=s)
 
 
 class FakeEngine:

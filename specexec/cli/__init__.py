@@ -27,6 +27,10 @@ from specexec.cli.models import app as _models_app  # noqa: E402
 
 app.add_typer(_models_app, name="models", help="List and pull models (aliases, demo pair).")
 
+from specexec.cli.cache import app as _cache_app  # noqa: E402
+
+app.add_typer(_cache_app, name="cache", help="List and remove specexec's caches (models, layer caches, wheels).")
+
 # commands that live in their own modules: chat, doctor, bench, serve (each module defines one function of that name)
 for _name in ("chat", "doctor", "bench", "serve"):
     try:

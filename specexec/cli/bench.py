@@ -10,16 +10,13 @@ from typing import Optional
 
 import typer
 
-from specexec.cli.chat import DEMO_DRAFT, DEMO_TARGET, spinner
-from specexec.cli.common import early_stop_option, guarded, setup_logging
-from specexec.cli.generate import offload_config
+from specexec.cli import options as o
+from specexec.cli.common import guarded, setup_logging
 
 
 def bench(
-    target: str = typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path."),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "-d",
-        help=f"Draft model; 'none' for no draft. Default: {DEMO_DRAFT} with the default target, else none."),
+    target: str = o.target(),
+    draft: Optional[str] = o.draft(),
     methods: str = typer.Option("ar,chain,specexec", "--methods", help="Comma-separated methods (ar always runs)."),
     budgets: str = typer.Option("16,64,256", "--budgets", help="SpecExec tree budgets to try."),
     gammas: str = typer.Option("2,4", "--gammas", help="Chain lengths to try."),
@@ -29,48 +26,55 @@ def bench(
     num_prompts: int = typer.Option(8, "--num-prompts", help="How many built-in prompts (code and prose) to use."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (then exactness is checked vs ar)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
-    max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
-    max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = early_stop_option(),
-    context: int = typer.Option(2048, "--context", help="KV cache length (longest prompt + answer)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option(
-        "auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
-    offload: str = typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
-    target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner or progress bar."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    temperature: float = o.temperature(),
+    top_p: float = o.top_p(),
+    top_k: int = o.top_k(),
+    min_p: float = o.min_p(),
+    seed: Optional[int] = o.seed(),
+    max_beams: int = o.max_beams(),
+    max_branch: int = o.max_branch(),
+    max_depth: int = o.max_depth(),
+    early_stop: Optional[bool] = o.early_stop(),
+    context: int = o.context(2048),
+    device: str = o.device(),
+    dtype: str = o.dtype(),
+    offload: str = o.offload(),
+    gpu_memory: Optional[float] = o.gpu_memory(),
+    target_dtype: str = o.target_dtype(),
+    cache_dir: Optional[Path] = o.cache_dir(),
+    draft_dtype: Optional[str] = o.draft_dtype(),
+    quiet: bool = o.quiet("No spinner or progress bar."),
+    verbose: bool = o.verbose(),
 ) -> None:
-    """Benchmark ar / chain / specexec over a prompt set (tokens/s, tokens per step, speedup, exactness)."""
+    """Benchmark ar / chain / specexec over a prompt set (tokens/s, tokens per step, speedup, exactness).
+
+    With the default target and no --draft, the demo draft is used; --draft none benchmarks ar alone.
+    """
     setup_logging(verbose, quiet)
-    if draft is None and target == DEMO_TARGET:
-        draft = DEMO_DRAFT
-    if draft is not None and draft.lower() == "none":
-        draft = None
 
     def run() -> None:
         from specexec.bench import BenchConfig, builtin_prompts, load_prompts, parse_ints, plot, run_bench, save_json
-        from specexec.chat import ModelOptions, load_engine
-        from specexec.config import SamplingConfig, TreeConfig
+        from specexec.chat import load_engine
+        from specexec.config import TreeConfig
 
+        # everything that needs no model is checked first: a bad option never costs a model load
         cfg = BenchConfig(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), budgets=parse_ints(budgets, "--budgets"),
             gammas=parse_ints(gammas, "--gammas"), max_new_tokens=max_new_tokens,
-            sampling=SamplingConfig(temperature=temperature, seed=seed),
+            sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
             tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth,
                             early_stop=early_stop))
+        o.check_max_new_tokens(max_new_tokens, context)
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)
-        model = ModelOptions(target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype,
-                             context=context, offload=offload_config(offload, gpu_memory, target_dtype))
+        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+                                cache_dir_=cache_dir)
+        o.notices_before_load(model)
         engine = load_engine(model, TreeConfig(budget=max(cfg.budgets), max_beams=max_beams), progress=not quiet,
-                             status=spinner(quiet))
+                             status=o.spinner(quiet))
+        o.notices_after_load(model, engine)
         report = _with_progress(quiet, len(cfg.runs()) * len(prompts),
-                                lambda step: run_bench(engine, prompts, cfg, target, draft, on_run=step))
+                                lambda step: run_bench(engine, prompts, cfg, target, model.draft, on_run=step))
         _table(report)
         if out:
             save_json(report, out)
@@ -79,7 +83,7 @@ def bench(
             plot(report, plot_path)
             typer.echo(f"plot: {plot_path}", err=True)
 
-    guarded(run)
+    guarded(run, verbose)
 
 
 def _with_progress(quiet: bool, total: int, work):

@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import typer
 
@@ -24,14 +25,12 @@ from specexec.chat import (
     load_engine,
     parse_command,
     read_message,
+    summary_line,
 )
-from specexec.cli.common import early_stop_option, guarded, setup_logging
-from specexec.cli.generate import offload_config, tree_config
-from specexec.config import METHODS, ChainConfig, SamplingConfig
+from specexec.cli import options as o
+from specexec.cli.common import guarded, setup_logging, user_message
+from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET  # noqa: F401  (re-exported)
 from specexec.errors import SpecexecError
-
-DEMO_TARGET = "qwen2.5-coder-1.5b"
-DEMO_DRAFT = "qwen2.5-coder-0.5b"
 
 HELP = '''commands:
   /help          this help
@@ -47,71 +46,63 @@ input:
 
 
 def chat(
-    target: str = typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path."),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "-d",
-        help=f"Draft model (alias, HF id or path); 'none' for no draft. Default: {DEMO_DRAFT} with the default "
-             "target, else none."),
+    target: str = o.target(),
+    draft: Optional[str] = o.draft(),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer (tokens)."),
-    method: Optional[str] = typer.Option(
-        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
-    budget: str = typer.Option(
-        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."),
-    max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
-    max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
-    max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = early_stop_option(),
-    gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
-    context: int = typer.Option(4096, "--context", help="Longest conversation + answer the KV caches hold (tokens)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option(
-        "auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
-    offload: str = typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
-    target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinners, progress bars or banner."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    method: Optional[str] = o.method(),
+    temperature: float = o.temperature(),
+    top_p: float = o.top_p(),
+    top_k: int = o.top_k(),
+    min_p: float = o.min_p(),
+    seed: Optional[int] = o.seed(),
+    budget: str = o.budget(),
+    max_budget: int = o.max_budget(),
+    max_beams: int = o.max_beams(),
+    max_branch: int = o.max_branch(),
+    max_depth: int = o.max_depth(),
+    early_stop: Optional[bool] = o.early_stop(),
+    gamma: int = o.gamma(),
+    context: int = o.context(),
+    device: str = o.device(),
+    dtype: str = o.dtype(),
+    offload: str = o.offload(),
+    gpu_memory: Optional[float] = o.gpu_memory(),
+    target_dtype: str = o.target_dtype(),
+    cache_dir: Optional[Path] = o.cache_dir(),
+    draft_dtype: Optional[str] = o.draft_dtype(),
+    quiet: bool = o.quiet("No spinners, progress bars or banner."),
+    verbose: bool = o.verbose(),
 ) -> None:
-    """Chat with a model in the terminal (streamed answers, history, /help for commands)."""
+    """Chat with a model in the terminal (streamed answers, history, /help for commands).
+
+    With the default target and no --draft, the demo draft is used (SpecExec); --draft none decodes plainly.
+    """
     setup_logging(verbose, quiet)
-    if draft is None and target == DEMO_TARGET:
-        draft = DEMO_DRAFT
-    if draft is not None and draft.lower() == "none":
-        draft = None
 
     def run() -> None:
-        model = ModelOptions(target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype,
-                             context=context, offload=offload_config(offload, gpu_memory, target_dtype))
-        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        # everything that needs no model is checked first: a bad option never costs a model load
+        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                cache_dir)
+        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        o.check_method(method, model.draft)
+        o.check_max_new_tokens(max_new_tokens, context)
         gen = GenOptions(max_new_tokens=max_new_tokens, method=method,
-                         sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                                 seed=seed),
-                         tree=tree, chain=ChainConfig(gamma=gamma))
+                         sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
+                         tree=tree, chain=o.chain_config(gamma))
+        o.notices_before_load(model)
         engine = load_engine(model, tree, progress=not quiet, status=spinner(quiet))
+        o.notices_after_load(model, engine)
         session = ChatSession(engine, system=system, options=gen)
         if not quiet:
             _banner(model, engine, method)
-        repl(session)
+        repl(session, quiet)
 
-    guarded(run)
+    guarded(run, verbose)
 
 
-def spinner(quiet: bool) -> Callable[[str], ContextManager[Any]]:
-    """A rich spinner on stderr for slow steps (nothing when quiet)."""
-    if quiet:
-        return lambda _msg: nullcontext()
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    return lambda msg: console.status(msg, spinner="dots")
+spinner = o.spinner  # also used by specexec.cli.doctor
 
 
 def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
@@ -123,8 +114,8 @@ def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
 # ---------------------------------------------------------------------------------------------- the REPL
 
 
-def repl(session: ChatSession) -> None:
-    """Read messages and commands until /quit or end of input (Ctrl-D)."""
+def repl(session: ChatSession, quiet: bool = False) -> None:
+    """Read messages and commands until /quit or end of input (Ctrl-D); ``quiet``: no per-answer summary."""
     if sys.stdin.isatty():
         _setup_readline()
     while True:
@@ -144,7 +135,7 @@ def repl(session: ChatSession) -> None:
             continue
         cmd = parse_command(text)
         if cmd is None:
-            answer(session, text)
+            answer(session, text, quiet)
         elif not command(session, *cmd):
             return
 
@@ -242,9 +233,10 @@ def _ctrl_c_as_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, old)
 
 
-def answer(session: ChatSession, text: str) -> None:
-    """Stream one answer. Ctrl-C stops it (the session keeps what was shown); errors print one line."""
-    pieces = None
+def answer(session: ChatSession, text: str, quiet: bool = False) -> None:
+    """Stream one answer, then (unless ``quiet``) a one-line speed summary on stderr. Ctrl-C stops it cleanly:
+    nothing of the step in flight is printed and the session keeps exactly what was shown. Errors print one line."""
+    reply = pieces = None
     try:
         with _ctrl_c_as_flag() as stop:
             reply = session.send(text)
@@ -252,29 +244,29 @@ def answer(session: ChatSession, text: str) -> None:
                 raise KeyboardInterrupt
             for n in reply.notices:
                 _notice(n)
-            pieces = iter(reply)
+            pieces = reply.pieces(stop.is_set)
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-                if stop.is_set():
-                    raise KeyboardInterrupt
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the answer started, or a second Ctrl-C
         if pieces is None:
             typer.echo()
             _notice("interrupted before the answer started")
             return
         pieces.close()  # records the turn now, whatever was running when Ctrl-C arrived
-        sys.stdout.write("\n")
-        kept = "the partial answer stays in the history" if reply.text else "nothing was generated; turn dropped"
-        _notice(f"interrupted: {kept}")
-        return
     except SpecexecError as e:
-        if pieces is not None:
+        if reply is not None:
             sys.stdout.write("\n")
         _error(e)
         return
+    assert reply is not None
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if reply.interrupted or not reply.done:
+        kept = "the partial answer stays in the history" if reply.text else "nothing was generated; turn dropped"
+        _notice(f"interrupted: {kept}")
+    elif not quiet and reply.result is not None:
+        typer.secho(f"[{summary_line(reply.result.stats)}]", dim=True, err=True)
 
 
 def command(session: ChatSession, name: str, arg: str) -> bool:
@@ -322,4 +314,5 @@ def _notice(message: str) -> None:
 
 
 def _error(message: object) -> None:
-    typer.secho(f"error: {message}", fg="red", err=True)
+    text = user_message(message) if isinstance(message, SpecexecError) else message  # settings named as flags
+    typer.secho(f"error: {text}", fg="red", err=True)

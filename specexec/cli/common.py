@@ -6,6 +6,7 @@ import logging
 import sys
 from typing import Any, Callable
 
+import click
 import typer
 
 from specexec.errors import SpecexecError
@@ -16,7 +17,7 @@ def run_cli(app: Any) -> None:
     try:
         app(standalone_mode=True)
     except SpecexecError as e:  # raised outside a command body (rare)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {user_message(e)}", file=sys.stderr)
         sys.exit(e.exit_code)
 
 
@@ -28,31 +29,42 @@ def setup_logging(verbose: bool, quiet: bool = False) -> None:
             logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def user_message(e: SpecexecError) -> str:
+    """The error's message with every setting named by its CLI flag (``context`` → ``--context``)."""
+    from specexec.cli.options import FLAGS
+
+    return e.render(FLAGS)
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``error: message`` on stderr; return the Exit to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
 
 
-def guarded(fn: Callable[[], Any]) -> Any:
-    """Call ``fn``; translate user errors (SpecexecError, bad config values, Ctrl-C) into clean exits."""
+INTERNAL_ERROR_EXIT = 1  # a bug (user errors exit 2, Ctrl-C 130)
+
+
+def guarded(fn: Callable[[], Any], verbose: bool = False) -> Any:
+    """Call ``fn``; user errors (:class:`SpecexecError`, Ctrl-C, host out of memory) become clean exits.
+
+    Anything else is a bug: without ``verbose`` one ``error: internal error ...`` line that points to ``-v``;
+    with it the exception propagates and Python prints the full traceback.
+    """
     try:
         return fn()
     except SpecexecError as e:
-        raise fail(str(e), e.exit_code) from None
-    except ValueError as e:  # config dataclasses validate with ValueError
-        raise fail(str(e)) from None
+        raise fail(user_message(e), e.exit_code) from None
     except KeyboardInterrupt:
         typer.echo("\ninterrupted", err=True)
         raise typer.Exit(130) from None
     except MemoryError:
         raise fail("out of host memory (RAM): use a smaller model, --offload ssd or a 4-bit target") from None
-
-
-def early_stop_option() -> Any:
-    """``--early-stop/--no-early-stop``, shared by generate, chat and bench (None: the device's default)."""
-    return typer.Option(
-        None, "--early-stop/--no-early-stop",
-        help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-             "Default: on for a CPU draft, off on a GPU.")
+    except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        raise
+    except Exception as e:
+        if verbose:
+            raise
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise fail(f"internal error ({type(e).__name__}{': ' + detail if detail else ''}); this is a bug in "
+                   "specexec: run again with -v for the traceback and report it", INTERNAL_ERROR_EXIT) from None

@@ -6,12 +6,14 @@ Parsing and printing only; the measurements and the recommendation live in :mod:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from specexec.cli.chat import spinner
+from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
+from specexec.errors import ConfigError
 
 GB = 1e9
 
@@ -21,6 +23,7 @@ def doctor(
         None, "--target", "-t", help="Recommend a placement for this model (alias, HF id or path; config.json only)."),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
+    cache_dir: Optional[Path] = o.cache_dir(),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
@@ -32,15 +35,15 @@ def doctor(
         from specexec.doctor import run_doctor
 
         if disk_mb < 0:
-            raise ValueError(f"--disk-mb must be >= 0, got {disk_mb}")
-        with spinner(quiet or as_json)("measuring this machine"):
-            report = run_doctor(target, context=context, disk_mb=disk_mb)
+            raise ConfigError("disk_mb", disk_mb, "must be >= 0")
+        with o.spinner(quiet or as_json)("measuring this machine"):
+            report = run_doctor(target, context=context, disk_mb=disk_mb, home=cache_dir)
         if as_json:
             typer.echo(json.dumps(report.to_json()))
         else:
             _print(report)
 
-    guarded(run)
+    guarded(run, verbose)
 
 
 def _print(report) -> None:
@@ -86,6 +89,12 @@ def _print_recommendation(console, r) -> None:
         return
     table.add_row("model", f"{r.params / 1e9:.2f} B parameters, {r.num_layers} layers "
                            f"({r.layer_gb_bf16:.3f} GB/layer bf16, {r.layer_gb_nf4:.3f} GB/layer nf4)")
+    if r.resident_layers is None:  # nothing fits: the notes say why
+        table.add_row("offload tier", r.tier)
+        for note in r.notes:
+            table.add_row("note", note)
+        console.print(table)
+        return
     table.add_row("dtype", r.dtype)
     table.add_row("offload tier", r.tier)
     table.add_row("resident layers", f"{r.resident_layers} of {r.num_layers} ({r.streamed_layers} streamed, "

@@ -5,119 +5,107 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional
 
 import typer
 
-from specexec.cli.common import early_stop_option, guarded, setup_logging
-from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
-from specexec.errors import SpecexecError
-
-DEMO_TARGET = "qwen2.5-coder-1.5b"
-
-
-def read_prompt(prompt: str) -> str:
-    """``-`` reads the prompt from stdin (must be UTF-8)."""
-    if prompt != "-":
-        return prompt
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecexecError(f"the prompt on stdin is not valid UTF-8 (byte {e.start})") from None
+from specexec.cli import options as o
+from specexec.cli.common import guarded, setup_logging
+from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET, tree_config  # noqa: F401  (tree_config: used by tests)
+from specexec.errors import ConfigError
 
 
-def tree_config(budget: str, max_budget: int, max_beams: int, max_branch: int, max_depth: int,
-                early_stop: bool | None = None) -> TreeConfig:
-    """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
-    if budget == "auto":
-        return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget, max_beams=max_beams,
-                          max_branch=max_branch, max_depth=max_depth, early_stop=early_stop)
-    try:
-        b = int(budget)
-    except ValueError:
-        raise SpecexecError(f"--budget must be a positive integer or 'auto', got {budget!r}") from None
-    return TreeConfig(budget=b, max_beams=max_beams, max_branch=max_branch, max_depth=max_depth,
-                      early_stop=early_stop)
-
-
-def offload_config(mode: str, gpu_memory: float | None, target_dtype: str):
-    """``--offload/--gpu-memory/--target-dtype`` → OffloadConfig (validated there)."""
-    from offload import OffloadConfig
-
-    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory, target_dtype=target_dtype)
+def chain_pieces(first: str | None, rest: Iterator[str]) -> Iterator[str]:
+    """The first text piece (already taken, None if there was none), then the rest."""
+    if first is not None:
+        yield first
+        yield from rest
 
 
 def stats_line(stats: dict) -> str:
     s = stats
     auto = "auto→" if s.get("budget_auto") else ""
     extra = f" budget={auto}{s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
+    calib = f", calibration {s['calibration_s']:.2f}s" if s.get("calibration_s") else ""
     return (f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
             f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
-            f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s, "
+            f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s{calib}, "
             f"wall {s['wall_s']:.2f}s")
 
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (raw unless --chat); '-' reads stdin."),
-    target: str = typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model (alias, HF id or path)."),
+    target: str = o.target(),
+    draft: Optional[str] = o.draft(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
-    method: Optional[str] = typer.Option(
-        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (same seed, same output)."),
+    method: Optional[str] = o.method(),
+    temperature: float = o.temperature(),
+    top_p: float = o.top_p(),
+    top_k: int = o.top_k(),
+    min_p: float = o.min_p(),
+    seed: Optional[int] = o.seed(),
     samples: int = typer.Option(
         1, "--samples", help="Draw N independent samples in one run (models load once); sample i uses seed + i "
         "when --seed is given. With --json and N > 1: JSON Lines, one object per sample per line."),
-    budget: str = typer.Option(
-        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."),
-    max_budget: int = typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto."),
-    max_beams: int = typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass."),
-    max_branch: int = typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node."),
-    max_depth: int = typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree."),
-    early_stop: Optional[bool] = early_stop_option(),
-    gamma: int = typer.Option(4, "--gamma", help="Chain: draft tokens per step."),
-    context: int = typer.Option(4096, "--context", help="Longest prompt + answer the KV caches hold (tokens)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."),
-    offload: str = typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd."),
-    gpu_memory: Optional[float] = typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB."),
-    target_dtype: str = typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype)."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print exactly one JSON object on stdout (with --samples N: one per line)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or stats line."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    budget: str = o.budget(),
+    max_budget: int = o.max_budget(),
+    max_beams: int = o.max_beams(),
+    max_branch: int = o.max_branch(),
+    max_depth: int = o.max_depth(),
+    early_stop: Optional[bool] = o.early_stop(),
+    gamma: int = o.gamma(),
+    context: int = o.context(),
+    device: str = o.device(),
+    dtype: str = o.dtype(),
+    offload: str = o.offload(),
+    gpu_memory: Optional[float] = o.gpu_memory(),
+    target_dtype: str = o.target_dtype(),
+    cache_dir: Optional[Path] = o.cache_dir(),
+    draft_dtype: Optional[str] = o.draft_dtype(),
+    as_json: bool = o.as_json("Print exactly one JSON object on stdout (with --samples N: one per line)."),
+    quiet: bool = o.quiet(),
+    verbose: bool = o.verbose(),
 ) -> None:
-    """Generate a continuation of one prompt."""
+    """Generate a continuation of one prompt.
+
+    With the default target and no --draft, the demo draft is used (SpecExec); --draft none decodes plainly.
+    """
     setup_logging(verbose, quiet)
 
     def run() -> None:
-        import specexec.api as api
+        from specexec.chat import load_engine
 
-        text = read_prompt(prompt)
-        samp = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        tree = tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
-        chain_cfg = ChainConfig(gamma=gamma)
-        if method is not None and method not in METHODS:
-            raise SpecexecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        # everything that needs no model is checked first: a bad option never costs a model load
+        text = o.prompt_text(prompt)
+        samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
+        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        chain_cfg = o.chain_config(gamma)
+        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
+                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                cache_dir)
+        o.check_method(method, model.draft)
+        o.check_max_new_tokens(max_new_tokens, context)
         if samples < 1:
-            raise SpecexecError(f"--samples must be >= 1, got {samples}")
-        engine = api.load(target, draft, device=device, dtype=dtype, draft_dtype=draft_dtype, context=context,
-                          offload=offload_config(offload, gpu_memory, target_dtype), tree=tree,
-                          progress=not quiet and not as_json)
+            raise ConfigError("samples", samples, "must be >= 1")
+        show = not quiet and not as_json
+        o.notices_before_load(model)
+        status = o.spinner(not show)
+        engine = load_engine(model, tree, progress=show, status=status)
+        o.notices_after_load(model, engine)
+        uses_tree = (method or ("specexec" if engine.draft is not None else "ar")) == "specexec"
+        first_label = "measuring step costs for --budget auto" if uses_tree and tree.auto else "reading the prompt"
         for i in range(samples):
             samp_i = replace(samp, seed=None if seed is None else seed + i)
             if samples > 1 and not as_json:
                 sys.stdout.write(f"----- sample {i + 1} of {samples} -----\n")
             g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp_i, tree=tree, chain=chain_cfg,
                               chat=chat)
-            for piece in g:
+            pieces = iter(g)
+            with status(first_label if i == 0 else "reading the prompt"):  # until the first text arrives
+                first = next(pieces, None)
+            for piece in chain_pieces(first, pieces):
                 if not as_json:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -130,4 +118,4 @@ def generate(
                 if not quiet:
                     typer.echo(stats_line(g.result.stats.to_json()), err=True)
 
-    guarded(run)
+    guarded(run, verbose)

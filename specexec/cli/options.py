@@ -20,6 +20,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         gpu_memory: Optional[float] = o.gpu_memory(),
         target_dtype: str = o.target_dtype(),
         cache_dir: Optional[Path] = o.cache_dir(),
+        method: Optional[str] = o.method(),
         budget: str = o.budget(),
         max_budget: int = o.max_budget(),
         max_beams: int = o.max_beams(),
@@ -35,7 +36,8 @@ library's validated configs (no logic beyond that). A command looks like this::
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
             tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir))
+                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
+                                    cache_dir)
             o.notices_before_load(model)
             engine = load_engine(model, tree, progress=not quiet, status=o.spinner(quiet))
             o.notices_after_load(model, engine)
@@ -52,11 +54,12 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager
 
 import typer
 
 from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import check_method as check_method_name
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
@@ -96,7 +99,9 @@ FLAGS: dict[str, str] = {
     "OffloadConfig.mode": "--offload",
     "OffloadConfig.gpu_memory_gb": "--gpu-memory",
     "OffloadConfig.target_dtype": "--target-dtype",
-    "OffloadConfig.ssd_dir": "--cache-dir",
+    "OffloadConfig.cache_dir": "--cache-dir",
+    "cache_dir": "--cache-dir",
+    "disk_mb": "--disk-mb",
 }
 
 
@@ -149,8 +154,9 @@ def target_dtype() -> Any:
 def cache_dir() -> Any:
     return typer.Option(
         None, "--cache-dir",
-        help="Directory for the packed-layer caches written by --offload ssd and --target-dtype nf4 "
-             "(default: $SPECEXEC_HOME/offload, i.e. ~/.cache/specexec/offload).")
+        help="specexec's cache root: downloaded/converted models (models/) and the packed-layer caches that "
+             "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else "
+             "~/.cache/specexec.")
 
 
 # ------------------------------------------------------------------------------------------------ tree / chain
@@ -236,10 +242,11 @@ def as_json(help: str = "Print exactly one JSON object on stdout.") -> Any:
 # ------------------------------------------------------------------------------------------------ builders
 
 
-def resolve_draft(target_: str, draft_: str | None) -> str | None:
-    """The draft to load: the demo draft for the demo target when none is given; ``none`` means no draft."""
+def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) -> str | None:
+    """The draft to load: the demo draft for the demo target when none is given (unless ``--method ar``, which
+    needs none); ``none`` means no draft."""
     if draft_ is None:
-        return DEMO_DRAFT if target_ == DEMO_TARGET else None
+        return DEMO_DRAFT if target_ == DEMO_TARGET and method_ not in ("ar", "ngram") else None
     return None if draft_.strip().lower() == "none" else draft_
 
 
@@ -274,26 +281,27 @@ def offload_config(mode: str, gpu_memory_: float | None, target_dtype_: str, cac
     from specexec.errors import check_finite
 
     check_finite("OffloadConfig.gpu_memory_gb", gpu_memory_)
-    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, ssd_dir=cache_dir_)
+    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, cache_dir=cache_dir_)
 
 
 def model_options(target_: str, draft_: str | None, device_: str, dtype_: str, draft_dtype_: str | None,
-                  context_: int, offload_cfg: Any) -> Any:
-    """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`)."""
+                  context_: int, offload_cfg: Any, method_: str | None = None, cache_dir_: Path | None = None) -> Any:
+    """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
+    ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
-    return ModelOptions(target=target_, draft=resolve_draft(target_, draft_), device=device_, dtype=dtype_,
-                        draft_dtype=draft_dtype_, context=context_, offload=offload_cfg)
+    return ModelOptions(target=target_, draft=resolve_draft(target_, draft_, method_), device=device_,
+                        dtype=dtype_, draft_dtype=draft_dtype_, context=context_, offload=offload_cfg,
+                        cache_dir=cache_dir_)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
     """An unknown method, or one that needs a draft when there is none, is refused before anything loads."""
     if method_ is None:
         return
-    if method_ not in METHODS:
-        raise ConfigError("method", method_, f"must be one of {', '.join(METHODS)}")
+    check_method_name(method_)
     if method_ in NEEDS_DRAFT and draft_ is None:
         raise ConfigError("method", method_, "needs a draft model",
                           f"{setting('method', method_)} needs a draft model: pass {setting('draft')}")
@@ -305,8 +313,9 @@ def check_max_new_tokens(max_new_tokens_: int, context_: int) -> None:
     if max_new_tokens_ < 1:
         raise ConfigError("max_new_tokens", max_new_tokens_, "must be >= 1")
     if max_new_tokens_ >= context_:
-        raise ConfigError("max_new_tokens", max_new_tokens_,
-                          f"exceeds the context ({context_} tokens): lower it or raise {setting('context')}")
+        raise ConfigError("max_new_tokens", max_new_tokens_, "must be less than the context",
+                          f"{setting('max_new_tokens', max_new_tokens_)} exceeds the context ({context_} tokens): "
+                          f"lower it or raise {setting('context')}")
 
 
 def prompt_text(prompt_: str) -> str:
@@ -323,7 +332,7 @@ def prompt_text(prompt_: str) -> str:
             text.encode("utf-8")  # argv bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
         except UnicodeEncodeError as e:
             raise InvalidPrompt(f"the {setting('prompt')} argument is not valid UTF-8 (character {e.start})") from None
-    if not text.strip():
+    if not text:
         raise InvalidPrompt("the prompt is empty")
     return text
 

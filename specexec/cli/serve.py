@@ -86,7 +86,8 @@ def serve(
         if queue < 0:
             raise ConfigError("queue", queue, "must be >= 0", f"--queue must be >= 0, got {queue}")
         if max_body_kb < 1:
-            raise ConfigError("max_body_kb", max_body_kb, "must be >= 1", f"--max-body-kb must be >= 1, got {max_body_kb}")
+            raise ConfigError("max_body_kb", max_body_kb, "must be >= 1",
+                              f"--max-body-kb must be >= 1, got {max_body_kb}")
         name = served_model_name or default_model_name(target)
         config = ServerConfig(model_name=name, api_key=api_key or None, queue=queue,
                               max_body_bytes=max(max_body_kb * 1024, 1024),
@@ -125,7 +126,7 @@ def serve(
             raise SpecexecError(f"loading the model failed: {type(e).__name__}: {e}") from e
         log.info("server stopped after %.0f s", time.perf_counter() - t0)
 
-    guarded(run)
+    guarded(run, verbose)
 
 
 def default_model_name(target: str) -> str:

@@ -11,8 +11,8 @@ Cancellation: :meth:`Job.cancel` (the client went away) removes a waiting job at
 by the worker after the engine's next piece (one decode step). Closing the engine's generator is a safe cancel:
 the engine's state only advances after whole steps, and the next request re-syncs through the prefix cache.
 
-Stop strings: a :class:`~specexec.text.StopMatcher` over the pieces holds back text that may be the start of a
-stop string; on a match the text before it is sent, the generation is closed and the finish reason is ``stop``.
+Stop strings and finish reasons come from the engine (``engine.stream(stop=...)``, ``Result.finish_reason``):
+``stop`` (EOS or a stop string; the stop text is not returned), ``length`` (max_tokens) or ``cancelled``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import SpecexecError
 from specexec.server.protocol import ApiError, GenRequest
-from specexec.text import StopMatcher, render_chat
+from specexec.text import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -198,69 +198,37 @@ class Worker:
         eng = self.engine
         t0 = time.perf_counter()
         g = eng.stream(job.ids, job.max_new, method=self.method, sampling_cfg=job.sampling, tree=self.tree,
-                       chain=self.chain)
-        it = iter(g)
-        matcher = StopMatcher(list(job.stops)) if job.stops else None
-        stopped = False
+                       chain=self.chain, stop=job.stops)
         try:
-            for piece in it:
+            for piece in g:  # one piece per decode step (a step whose text is held back yields none)
                 if job.cancelled.is_set():
                     break
-                if matcher is not None:
-                    safe, stopped = matcher.push(piece)
-                else:
-                    safe = piece
-                if safe:
-                    job.emit("text", safe)
-                if stopped:
-                    break
-            else:
-                if matcher is not None:
-                    tail = matcher.flush()
-                    if tail:
-                        job.emit("text", tail)
+                job.emit("text", piece)
         finally:
-            it.close()  # a safe cancel: the engine keeps whole steps only
-        result = getattr(g, "result", None)
-        tokens = list(result.tokens) if result is not None else list(getattr(g, "tokens", []))
-        job.generated = len(tokens)
-        if job.cancelled.is_set() and not stopped:
+            g.close()  # a safe cancel between pieces; a no-op once the generation has ended
+        result = g.result
+        assert result is not None
+        job.generated = len(result.tokens)
+        if job.cancelled.is_set() and result.finish_reason == "cancelled":
             with self._lock:
                 self.cancelled += 1
-            log.info("generation cancelled after %d tokens (client disconnected)", len(tokens))
+            log.info("generation cancelled after %d tokens (client disconnected)", len(result.tokens))
             job.emit("cancelled")
             return
-        stats = result.stats if result is not None else getattr(g, "stats", None)
-        if stopped:
-            finish = "stop"
-        else:
-            finish = getattr(result, "finish_reason", None) or (
-                "stop" if tokens and tokens[-1] in eng.tokenizer.eos_ids else "length")
-        ext = stats_ext(stats, len(tokens), result is not None, time.perf_counter() - t0)
-        prefill = ext.get("prefill_tokens", len(job.ids) - 1)  # the last prompt token is processed by step 1
+        stats = result.stats
+        ext = stats_ext(stats, time.perf_counter() - t0)
         with self._lock:
             self.completed += 1
-        job.emit("done", Outcome(finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=len(tokens),
-                                 cached_tokens=max(len(job.ids) - 1 - prefill, 0), ext=ext))
+        # the last prompt token is processed by the first decode step, not by the prefill
+        job.emit("done", Outcome(finish_reason=result.finish_reason, prompt_tokens=len(job.ids),
+                                 completion_tokens=len(result.tokens),
+                                 cached_tokens=max(len(job.ids) - 1 - stats.prefill_tokens, 0), ext=ext))
 
 
-def stats_ext(stats: Any, new_tokens: int, complete: bool, wall_s: float) -> dict[str, Any]:
-    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps.
-
-    A generation closed early (stop string) has no final stats from the engine: the rates are computed here from
-    its step count and its draft + target seconds.
-    """
-    if stats is None:
-        return {"new_tokens": new_tokens, "wall_s": round(wall_s, 4)}
-    steps = int(getattr(stats, "steps", 0))
-    if complete:
-        tps, tpstep = float(stats.tokens_per_s), float(stats.tokens_per_step)
-    else:
-        decode_s = float(getattr(stats, "draft_s", 0.0)) + float(getattr(stats, "target_s", 0.0))
-        tps = new_tokens / decode_s if decode_s > 0 else 0.0
-        tpstep = new_tokens / max(steps, 1)
-    return {"method": getattr(stats, "method", None), "budget": getattr(stats, "budget", None),
-            "budget_auto": bool(getattr(stats, "budget_auto", False)), "gamma": getattr(stats, "gamma", None),
-            "steps": steps, "new_tokens": new_tokens, "tokens_per_step": round(tpstep, 4),
-            "tokens_per_s": round(tps, 3), "prefill_tokens": int(getattr(stats, "prefill_tokens", 0)),
-            "wall_s": round(wall_s, 4)}
+def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
+    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps."""
+    return {"method": stats.method, "budget": stats.budget, "budget_auto": bool(stats.budget_auto),
+            "gamma": stats.gamma, "steps": int(stats.steps), "new_tokens": int(stats.new_tokens),
+            "tokens_per_step": round(float(stats.tokens_per_step), 4),
+            "tokens_per_s": round(float(stats.tokens_per_s), 3),
+            "prefill_tokens": int(stats.prefill_tokens), "wall_s": round(wall_s, 4)}

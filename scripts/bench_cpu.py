@@ -1,0 +1,610 @@
+#!/usr/bin/env python
+"""CPU end-to-end benchmark (issue 13): our decoding vs transformers' on the same two models, in one process.
+
+Configurations, each run on every prompt back to back (interleaved per prompt; the order rotates per prompt so no
+configuration always runs first):
+
+  ours AR              engine.generate(method="ar")
+  ours default         what ``specexec generate`` does with no tuning flags (method default, budget auto)
+  ours <--methods>     e.g. specexec:16, specexec:64, chain:2, ngram (any method name the engine accepts)
+  HF AR                transformers ``model.generate``
+  HF assisted fp32     ``assistant_model=`` the draft in fp32
+  HF assisted bf16     ``assistant_model=`` the draft in bf16 (a second copy)
+  HF prompt lookup     ``prompt_lookup_num_tokens=``
+
+Three prompt sets built at run time from this Python's standard library (no download): ``code`` (stdlib function
+headers + docstrings, raw completion), ``prose`` (openings of ``pydoc_data`` topics, raw completion) and
+``grounded`` (chat-template requests that contain the material to work on: add type hints / rename / write a
+docstring / translate a stdlib function given in full, summarize a given pydoc text).
+
+Every configuration gets the same prompt ids. Speed is new tokens / seconds of the whole call (prefill included,
+the same clock for ours and transformers'); our decode-only tok/s (prefill excluded, from our stats) is reported
+beside it. Tokens per step for transformers counts its streamer calls (one per target pass). Greedy: our methods
+must reproduce our AR's tokens (mismatches are counted, and are bugs); transformers' outputs are compared to ours
+and reported, not asserted (fp32 near-ties can differ). Sampling (--temperature 0.7): tok/s only.
+
+    flock /tmp/realpair.lock python scripts/bench_cpu.py --out docs/bench_cpu.json --md docs/BENCHMARKS.md
+
+``--smoke`` (with tiny models given by --target/--draft) checks the script's logic and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import importlib
+import inspect
+import json
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+SETS = ("code", "prose", "grounded")
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+HF_CONFIGS = ("hf-ar", "hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
+HF_SPECULATIVE = ("hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
+# issue 13's goals for our default: x our AR per set, x the best transformers speculative option, per-prompt floor
+GOAL_VS_AR = {"code": 1.5, "prose": 1.3, "grounded": 2.0}
+GOAL_VS_HF = 1.3
+GOAL_FLOOR = 0.95
+
+# Pure-Python stdlib modules whose public functions have docstrings (missing ones are skipped).
+CODE_MODULES = ("textwrap", "fnmatch", "statistics", "heapq", "shlex", "string", "json", "base64", "calendar",
+                "difflib", "glob", "posixpath", "colorsys", "html", "ipaddress", "linecache", "mimetypes", "pprint",
+                "quopri", "shutil", "tempfile", "tokenize", "urllib.parse", "uuid", "gettext", "copy", "inspect",
+                "secrets", "dataclasses", "functools", "keyword", "bisect", "random", "csv", "zipfile", "locale",
+                "ntpath", "platform", "sysconfig", "warnings")
+GROUNDED_TASKS = (
+    ("hints", "Add type hints to this function. Reply with the complete function.\n\n```python\n{code}\n```"),
+    ("rename", "Rewrite this code with clearer variable names, keeping its behaviour the same.\n\n"
+               "```python\n{code}\n```"),
+    ("docstring", "Write a docstring for this function and show the function with it.\n\n```python\n{code}\n```"),
+    ("translate", "Translate this Python function to JavaScript.\n\n```python\n{code}\n```"),
+    ("summarize", "Summarize the following text in a short paragraph.\n\n{text}"),
+)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    set: str
+    name: str
+    text: str
+    chat: bool = False
+
+
+def _stdlib_functions() -> list[tuple[str, Any, str]]:
+    """(qualname, function, source) of public module-level pure-Python functions with a docstring, round-robin
+    over CODE_MODULES so consecutive picks come from different modules."""
+    per_module: list[list[tuple[str, Any, str]]] = []
+    for modname in CODE_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        found = []
+        for name, fn in sorted(vars(mod).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != mod.__name__ or not fn.__doc__:
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            found.append((f"{modname}.{name}", fn, src))
+        if found:
+            per_module.append(found)
+    out = []
+    for i in range(max((len(f) for f in per_module), default=0)):
+        out += [f[i] for f in per_module if i < len(f)]
+    return out
+
+
+def _header_and_docstring(src: str) -> str | None:
+    """A function's signature and docstring (the model writes the body); None when it has no body after them."""
+    src = textwrap.dedent(src)
+    try:
+        node = ast.parse(src).body[0]
+    except SyntaxError:
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+        return None
+    first = node.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)):
+        return None
+    return "\n".join(src.splitlines()[: first.end_lineno]) + "\n"
+
+
+def _without_docstring(src: str) -> str:
+    src = textwrap.dedent(src)
+    node = ast.parse(src).body[0]
+    first = node.body[0]
+    lines = src.splitlines()
+    return "\n".join(lines[: first.lineno - 1] + lines[first.end_lineno:])
+
+
+def _pydoc_texts(chars: int) -> list[tuple[str, str]]:
+    """(topic, text) from ``pydoc_data``: each topic's opening (title dropped) cut at a sentence end."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return []
+    out = []
+    for topic in sorted(topics):
+        body = topics[topic].split("\n\n", 1)[-1].strip()
+        if len(body) < 300:
+            continue
+        cut = body[:chars]
+        end = cut.rfind(". ")
+        out.append((topic, cut[: end + 1] if end > chars // 3 else cut))
+    return out
+
+
+def _spread(items: list, n: int) -> list:
+    """``n`` items spread evenly over the list (deterministic)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def build_prompts(sets: tuple[str, ...], n: int) -> dict[str, list[Prompt]]:
+    funcs = _stdlib_functions()
+    out: dict[str, list[Prompt]] = {}
+    code = [Prompt("code", q, h) for q, _, s in funcs if (h := _header_and_docstring(s))][:n]
+    if "code" in sets:
+        out["code"] = code
+    if "prose" in sets:
+        out["prose"] = [Prompt("prose", f"pydoc:{t}", x) for t, x in _spread(_pydoc_texts(500), n)]
+    if "grounded" in sets:
+        # whole functions of moderate size (at least 5 lines of code besides the docstring), not in the code set
+        used = {p.name for p in code}  # the same choice whichever sets run
+        bodies = [(q, s) for q, _, s in funcs if q not in used and len(s) <= 2000 and _header_and_docstring(s)
+                  and _without_docstring(s).strip().count("\n") >= 5]
+        texts = _pydoc_texts(1500)
+        texts = texts[len(texts) // 2:] + texts[: len(texts) // 2]  # not the same openings as the prose set
+        grounded, bi, ti = [], 0, 0
+        for i in range(n):
+            kind, template = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
+            if kind == "summarize":
+                if ti >= len(texts):
+                    continue
+                topic, text = texts[ti]
+                ti += 1
+                grounded.append(Prompt("grounded", f"{kind}:pydoc:{topic}", template.format(text=text), chat=True))
+            else:
+                if bi >= len(bodies):
+                    continue
+                q, src = bodies[bi]
+                bi += 1
+                code = _without_docstring(src) if kind == "docstring" else textwrap.dedent(src)
+                grounded.append(Prompt("grounded", f"{kind}:{q}", template.format(code=code.rstrip()), chat=True))
+        out["grounded"] = grounded
+    for s in sets:
+        if len(out.get(s, [])) < n:
+            print(f"warning: only {len(out.get(s, []))} {s} prompts available (asked {n})", file=sys.stderr)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class Config:
+    """One thing to time. ``side`` is ours or hf; ``method``/``param`` drive our engine."""
+
+    name: str
+    side: str
+    method: str | None = None
+    param: str | None = None  # specexec: budget (int or "auto"); chain: gamma
+
+
+def our_configs(methods: str) -> list[Config]:
+    """ours-ar, ours-default, then each ``--methods`` entry: ``specexec:N``, ``specexec:auto``, ``chain:G``, a name."""
+    out = [Config("ours-ar", "ours", "ar"), Config("ours-default", "ours", None, "auto")]
+    for item in (m.strip() for m in methods.split(",")):
+        if not item:
+            continue
+        name, _, param = item.partition(":")
+        if name in ("specexec", "chain") and not param:
+            raise SystemExit(f"error: --methods {item}: give a budget (specexec:64) or gamma (chain:2)")
+        if name not in ("specexec", "chain") and param:
+            raise SystemExit(f"error: --methods {item}: only specexec and chain take a parameter")
+        if param and param != "auto" and not param.isdigit():
+            raise SystemExit(f"error: --methods {item}: the parameter must be an integer (or auto for specexec)")
+        if param == "auto" and name != "specexec":
+            raise SystemExit(f"error: --methods {item}: only specexec takes auto")
+        label = f"ours-{name}" + (f"-{param}" if param else "")
+        if label not in {c.name for c in out}:
+            out.append(Config(label, "ours", name, param or None))
+    return out
+
+
+def default_tree(max_budget: int = 2048):
+    """The tree settings of ``specexec generate`` with no tuning flags: budget auto (starting at 64, capped at
+    --max-budget 2048), beams/branch/depth at their defaults."""
+    from specexec.config import TreeConfig
+
+    return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget)
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+class Runner:
+    """Holds the loaded models and runs one (config, prompt ids) generation, returning a result record."""
+
+    def __init__(self, args: argparse.Namespace, configs: list[Config]) -> None:
+        import torch
+
+        from specexec import api, hub
+        from specexec.config import SamplingConfig
+        from specexec.loading import model_dir
+
+        self.args, self.configs = args, configs
+        fixed = [int(c.param) for c in configs if c.method == "specexec" and c.param and c.param.isdigit()]
+        self.tree_default = default_tree()
+        # load with room for the largest tree any configuration grows, so no run reallocates (and recalibrates)
+        load_tree = default_tree(max([2048] + fixed))
+        self.engine = api.load(args.target, args.draft, device="cpu", dtype=args.dtype, context=args.context,
+                               tree=load_tree, progress=False)
+        self.tok = self.engine.tokenizer.tokenizer
+        self.eos = sorted(self.engine.tokenizer.eos_ids)
+        self.samp = SamplingConfig(temperature=args.temperature, seed=args.seed)
+        self.hf: dict[str, Any] = {}
+        hf_names = [c.name for c in configs if c.side == "hf"]
+        if hf_names:
+            from transformers import AutoModelForCausalLM, GenerationConfig
+
+            t_path = model_dir(hub.resolve(args.target, progress=False))
+            d_path = model_dir(hub.resolve(args.draft, progress=False))
+            clean = GenerationConfig(eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None)
+
+            def load(path: Path, dtype: Any) -> Any:
+                m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+                m.generation_config = clean  # not the checkpoint's sampling defaults (repetition penalty, top-k)
+                return m
+
+            self.hf["target"] = load(t_path, self.engine.target.dtype)
+            if "hf-assisted-fp32" in hf_names:
+                self.hf["draft-fp32"] = load(d_path, torch.float32)
+            if "hf-assisted-bf16" in hf_names:
+                self.hf["draft-bf16"] = load(d_path, torch.bfloat16)
+
+    def encode(self, p: Prompt) -> list[int]:
+        from specexec.text import encode_text, render_chat
+
+        if p.chat and getattr(self.tok, "chat_template", None):
+            return render_chat(self.tok, [{"role": "user", "content": p.text}])
+        return encode_text(self.tok, p.text)
+
+    def run(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
+        return self._ours(c, ids, max_new, seed) if c.side == "ours" else self._hf(c, ids, max_new, seed)
+
+    def _ours(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
+        from dataclasses import replace
+
+        from specexec.config import ChainConfig
+
+        tree, chain = self.tree_default, ChainConfig()
+        if c.method == "specexec" and c.param:
+            tree = self.tree_default if c.param == "auto" else replace(self.tree_default, budget=int(c.param),
+                                                                      auto=False)
+        elif c.method == "chain" and c.param:
+            chain = ChainConfig(gamma=int(c.param))
+        self.engine.reset()  # cold cache: every configuration prefills the prompt
+        t = time.perf_counter()
+        r = self.engine.generate(ids, max_new, method=c.method, sampling_cfg=replace(self.samp, seed=seed),
+                                 tree=tree, chain=chain)
+        dt = time.perf_counter() - t
+        s = r.stats
+        rec = {"tokens": len(r.tokens), "seconds": dt, "tok_s": len(r.tokens) / dt if dt > 0 else 0.0,
+               "steps": s.steps, "tokens_per_step": s.tokens_per_step, "decode_tok_s": s.tokens_per_s,
+               "prefill_s": s.prefill_s, "ids": list(r.tokens)}
+        if s.budgets:
+            rec["budgets"] = {str(k): v for k, v in sorted(s.budgets.items())}
+        if s.calibration_s:
+            rec["calibration_s"] = s.calibration_s
+        return rec
+
+    def _hf(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
+        import torch
+        from transformers import GenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+
+        class Steps(BaseStreamer):
+            """Counts put() calls: the first carries the prompt, each later one a target pass's new tokens."""
+
+            def __init__(self) -> None:
+                self.puts, self.first = 0, None
+
+            def put(self, value: Any) -> None:
+                self.puts += 1
+                if self.puts == 2:
+                    self.first = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
+        greedy = self.args.temperature == 0
+        gen = dict(max_new_tokens=max_new, do_sample=not greedy, num_beams=1, repetition_penalty=1.0,
+                   eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None)
+        if not greedy:
+            gen.update(temperature=self.args.temperature, top_k=0, top_p=1.0)
+        kw: dict[str, Any] = {}
+        if c.name == "hf-assisted-fp32":
+            kw["assistant_model"] = self.hf["draft-fp32"]
+        elif c.name == "hf-assisted-bf16":
+            kw["assistant_model"] = self.hf["draft-bf16"]
+        elif c.name == "hf-lookup":
+            gen["prompt_lookup_num_tokens"] = self.args.lookup_tokens
+        model = self.hf["target"]
+        x = torch.tensor([ids])
+        steps = Steps()
+        if seed is not None:
+            torch.manual_seed(seed)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(**gen),
+                                 streamer=steps, **kw)
+        dt = time.perf_counter() - t
+        new = out[0, len(ids):].tolist()
+        n_steps = max(steps.puts - 1, 1)
+        return {"tokens": len(new), "seconds": dt, "tok_s": len(new) / dt if dt > 0 else 0.0, "steps": n_steps,
+                "tokens_per_step": len(new) / n_steps,
+                "ttft_s": (steps.first - t) if steps.first is not None else None, "ids": new}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_all(runner: Runner, prompts: dict[str, list[Prompt]], configs: list[Config], max_new: int,
+            log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every configuration on each prompt, back to back; the order rotates by one per prompt."""
+    greedy = runner.args.temperature == 0
+    records = []
+    k = 0
+    for set_name, plist in prompts.items():
+        for pi, p in enumerate(plist):
+            ids = runner.encode(p)
+            order = configs[k % len(configs):] + configs[: k % len(configs)]
+            k += 1
+            seed = None if greedy else runner.args.seed + k
+            got = {}
+            for c in order:
+                rec = runner.run(c, ids, max_new, seed)
+                got[c.name] = rec
+                log(f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
+                    f"{rec['tok_s']:7.2f} tok/s {rec['tokens_per_step']:5.2f} tok/step")
+            ref = got.get("ours-ar", {}).get("ids")
+            for c in configs:
+                rec = got[c.name]
+                row = {"set": set_name, "prompt": p.name, "prompt_tokens": len(ids), "config": c.name,
+                       "order": order.index(c), **{k2: v for k2, v in rec.items() if k2 != "ids"}}
+                if greedy and ref is not None and c.name != "ours-ar":
+                    d = _first_diff(ref, rec["ids"])
+                    row["match_ar"] = d is None
+                    row["first_diff"] = d
+                records.append(row)
+    return records
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool) -> dict[str, Any]:
+    """Per set and config: tokens, seconds, tok/s (total tokens / total seconds), ratios, per-prompt minima."""
+    sets: dict[str, Any] = {}
+    for set_name in dict.fromkeys(r["set"] for r in records):
+        rows = [r for r in records if r["set"] == set_name]
+        by = {c.name: [r for r in rows if r["config"] == c.name] for c in configs}
+        summ: dict[str, Any] = {}
+        for c in configs:
+            rs = by[c.name]
+            tokens, secs = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+            steps = sum(r["steps"] for r in rs)
+            s = {"side": c.side, "prompts": len(rs), "tokens": tokens, "seconds": secs,
+                 "tok_s": tokens / secs if secs > 0 else 0.0, "tokens_per_step": tokens / max(steps, 1)}
+            if c.side == "ours":
+                dec = [r["tokens"] / r["decode_tok_s"] for r in rs if r.get("decode_tok_s")]
+                s["decode_tok_s"] = tokens / sum(dec) if dec and sum(dec) > 0 else None
+            if greedy and c.name != "ours-ar":
+                s["mismatches"] = sum(not r.get("match_ar", True) for r in rs)
+            summ[c.name] = s
+        ar = summ.get("ours-ar", {}).get("tok_s")
+        hf_best = max((summ[n]["tok_s"] for n in HF_SPECULATIVE if n in summ), default=None)
+        ar_by_prompt = {r["prompt"]: r for r in by.get("ours-ar", [])}
+        for c in configs:
+            s = summ[c.name]
+            s["vs_our_ar"] = s["tok_s"] / ar if ar else None
+            s["vs_best_hf_speculative"] = s["tok_s"] / hf_best if hf_best else None
+            ratios = [r["tok_s"] / ar_by_prompt[r["prompt"]]["tok_s"] for r in by[c.name]
+                      if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]]["tok_s"] > 0]
+            s["min_prompt_vs_our_ar"] = min(ratios) if ratios else None
+            if c.side == "ours":
+                dec = [r["decode_tok_s"] / ar_by_prompt[r["prompt"]]["decode_tok_s"] for r in by[c.name]
+                       if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]].get("decode_tok_s")]
+                s["min_prompt_decode_vs_our_ar"] = min(dec) if dec else None
+        best_hf_name = max((n for n in HF_SPECULATIVE if n in summ), key=lambda n: summ[n]["tok_s"], default=None)
+        sets[set_name] = {"configs": summ, "best_hf_speculative": best_hf_name}
+    return sets
+
+
+def goals(sets: dict[str, Any]) -> dict[str, Any]:
+    """Issue 13's goals for ours-default, per set: met or not (a benchmark outcome, not an assertion)."""
+    out = {}
+    for set_name, d in sets.items():
+        s = d["configs"].get("ours-default")
+        if not s:
+            continue
+        g: dict[str, Any] = {}
+        if set_name in GOAL_VS_AR and s["vs_our_ar"] is not None:
+            g["vs_our_ar"] = {"goal": GOAL_VS_AR[set_name], "got": s["vs_our_ar"],
+                              "met": s["vs_our_ar"] >= GOAL_VS_AR[set_name]}
+        if s["vs_best_hf_speculative"] is not None:
+            g["vs_best_hf_speculative"] = {"goal": GOAL_VS_HF, "got": s["vs_best_hf_speculative"],
+                                           "met": s["vs_best_hf_speculative"] >= GOAL_VS_HF}
+        if s["min_prompt_vs_our_ar"] is not None:
+            g["min_prompt_vs_our_ar"] = {"goal": GOAL_FLOOR, "got": s["min_prompt_vs_our_ar"],
+                                         "met": s["min_prompt_vs_our_ar"] >= GOAL_FLOOR}
+        out[set_name] = g
+    return out
+
+
+def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["meta"]
+    lines = [f"### CPU benchmark: {m['target']} + {m['draft']}, {m['date']}", "",
+             f"{m['machine']}; torch {m['torch']} ({m['threads']} threads), transformers {m['transformers']}; "
+             f"our dtype {m['dtype']}; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
+             f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
+             + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else ""), "",
+             "tok/s = new tokens / seconds of the whole call (prefill included, same clock for every row); "
+             "decode tok/s excludes our prefill. Ratios: against our AR and against the best of transformers' "
+             "speculative options (assisted fp32 / bf16, prompt lookup) in the same set; min/prompt = the lowest "
+             "per-prompt tok/s ratio to our AR.", ""]
+    greedy = m["temperature"] == 0
+    for set_name, d in report["sets"].items():
+        lines += [f"**{set_name}** (best transformers speculative: {d['best_hf_speculative'] or '-'})", "",
+                  "| config | tok/s | × our AR | × best HF spec | min/prompt × our AR | decode tok/s | tokens/step |"
+                  + (" mismatches vs our AR |" if greedy else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if greedy else "")]
+        for name, s in d["configs"].items():
+            mm = s.get("mismatches")
+            lines.append(
+                f"| {name} | {s['tok_s']:.2f} | {_f(s['vs_our_ar'], suffix='×')} | "
+                f"{_f(s['vs_best_hf_speculative'], suffix='×')} | {_f(s['min_prompt_vs_our_ar'], suffix='×')} | "
+                f"{_f(s.get('decode_tok_s'))} | {s['tokens_per_step']:.2f} |"
+                + ((" - |" if mm is None else f" {mm}/{s['prompts']}"
+                    + (" (HF: reported, not asserted)" if s["side"] == "hf" else "") + " |") if greedy else ""))
+        lines.append("")
+    if report.get("goals"):
+        lines += ["Issue 13 goals for ours-default:", ""]
+        for set_name, g in report["goals"].items():
+            parts = [f"{k} {v['got']:.2f} (goal {v['goal']}) {'met' if v['met'] else 'NOT met'}" for k, v in g.items()]
+            lines.append(f"- {set_name}: " + "; ".join(parts))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], prompts: dict[str, list[Prompt]]):
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        commit = "?"
+    return {"target": args.target, "draft": args.draft, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.processor() or platform.machine()} {platform.system()}",
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(runner.engine.target.dtype).replace("torch.", ""),
+            "draft_dtype": str(runner.engine.draft.dtype).replace("torch.", "") if runner.engine.draft else None,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "prompts_per_set": args.prompts_per_set, "lookup_tokens": args.lookup_tokens, "commit": commit,
+            "smoke": args.smoke, "default_tree": asdict(runner.tree_default),
+            "configs": [asdict(c) for c in configs],
+            "prompts": {s: [{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in ps]
+                        for s, ps in prompts.items()}}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=TARGET)
+    p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--prompts-per-set", type=int, default=None, help="default 20 (1 with --smoke)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (8 with --smoke)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy, exactness checked) or e.g. 0.7")
+    p.add_argument("--seed", type=int, default=0, help="sampling: prompt k uses seed + k (ours and transformers)")
+    p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {', '.join(SETS)}")
+    p.add_argument("--methods", default="",
+                   help="our extra configurations: specexec:N, specexec:auto, chain:G, or a method name (ngram)")
+    p.add_argument("--hf", default=",".join(HF_CONFIGS),
+                   help=f"transformers configurations, from {', '.join(HF_CONFIGS)} ('' for none)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
+    p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: what generate uses)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--md", type=Path, default=None, help="append the markdown tables to this file")
+    p.add_argument("--smoke", action="store_true", help="logic check on tiny models (give --target/--draft)")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    args = p.parse_args(argv)
+    if args.prompts_per_set is None:
+        args.prompts_per_set = 1 if args.smoke else 20
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 8 if args.smoke else 128
+    if args.prompts_per_set < 1 or args.max_new_tokens < 1:
+        p.error("--prompts-per-set and --max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    sets = tuple(s.strip() for s in args.sets.split(",") if s.strip())
+    bad = [s for s in sets if s not in SETS]
+    if bad or not sets:
+        p.error(f"--sets: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(SETS)}")
+    args.sets = sets
+    hf = tuple(h.strip() for h in args.hf.split(",") if h.strip())
+    bad = [h for h in hf if h not in HF_CONFIGS]
+    if bad:
+        p.error(f"--hf: unknown {', '.join(bad)}; choose from {', '.join(HF_CONFIGS)}")
+    args.hf = hf
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configs = our_configs(args.methods) + [Config(h, "hf") for h in args.hf]
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    prompts = build_prompts(args.sets, args.prompts_per_set)
+    log(f"loading {args.target} + {args.draft} (ours{', transformers' if args.hf else ''})")
+    runner = Runner(args, configs)
+    # warm-up: every configuration once on a short prompt (allocations, lazy imports, our auto-budget calibration)
+    warm = next(p for ps in prompts.values() for p in ps)
+    ids = runner.encode(warm)
+    for c in configs:
+        runner.run(c, ids, 2 if args.smoke else 4, args.seed)
+    log("warm-up done")
+    records = run_all(runner, prompts, configs, args.max_new_tokens, log)
+    greedy = args.temperature == 0
+    sets = summarize(records, configs, greedy)
+    report = {"meta": _meta(args, runner, configs, prompts), "sets": sets, "goals": goals(sets), "runs": records}
+    md = markdown(report)
+    print(md)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {args.out}")
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        sep = "\n" if args.md.exists() and args.md.stat().st_size else ""
+        with args.md.open("a", encoding="utf-8") as f:
+            f.write(sep + md)
+        log(f"appended the tables to {args.md}")
+    mismatches = sum(s.get("mismatches") or 0 for d in sets.values() for s in d["configs"].values()
+                     if s["side"] == "ours")
+    if greedy and mismatches:
+        print(f"error: {mismatches} greedy runs of our methods differ from our AR (a bug)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The one decode loop: prefill → (propose → verify → accept → commit → emit)*, with stats.
+
+Every method runs through :func:`decode`: a proposer (:mod:`specexec.propose`) supplies each step's tree, the
+target verifies it in ONE pass (:func:`specexec.verify.score_tree`), the acceptance rule the proposal names keeps
+the longest exact prefix plus one token of the target's own, both sides commit (the target's KV cache here, the
+proposer's state in ``proposer.commit``), the budget policy learns what the step cost, and the emitted tokens are
+yielded. Chat, ``generate``, ``bench``, the server and the scripts all go through this loop (via the engine).
+
+:class:`TargetState` is the committed sequence and the target's KV cache: ``seq`` (its last token is pending, in
+no cache yet) and ``t_len`` (``seq[:t_len]`` is in the target cache). A new request that extends the committed
+sequence (the next chat turn) keeps the cached common prefix and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Generator
+
+import torch
+
+from specexec import sampling
+from specexec.accept import accept
+from specexec.budget import BudgetPolicy, StepRecord
+from specexec.config import SamplingConfig
+from specexec.kv_cache import KVCache
+from specexec.model import Transformer
+from specexec.propose.base import Proposer, StepContext
+from specexec.verify import commit_target, score_tree
+
+
+@dataclass
+class Stats:
+    """What one generation did. Seconds are wall-clock; tokens_per_s counts decoding only (prefill excluded)."""
+
+    method: str
+    steps: int = 0  # target verification passes (prefill excluded)
+    new_tokens: int = 0
+    tokens_per_step: float = 0.0
+    tokens_per_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
+    calibration_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
+    budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
+    budgets: dict[int, int] = field(default_factory=dict)  # specexec: budget -> steps that used it
+    budget_auto: bool = False
+    gamma: int | None = None
+    mean_tree_size: float = 0.0
+    draft_passes: int = 0
+    early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
+    accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
+    tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
+    finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
+
+    def to_json(self, shapes: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        d["budgets"] = {str(k): v for k, v in sorted(self.budgets.items())}
+        if not shapes:
+            d.pop("tree_shapes")
+        return d
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TargetState:
+    """The committed sequence and the target model's KV cache."""
+
+    def __init__(self, model: Transformer, capacity: int) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_cache(capacity)
+        self.seq: list[int] = []  # committed tokens; the last one is pending (in no cache yet)
+        self.t_len = 0  # seq[:t_len] is in the target cache
+
+    @property
+    def n(self) -> int:
+        """The pending token's position (= committed tokens in the cache)."""
+        return len(self.seq) - 1
+
+    def reset(self) -> None:
+        self.seq, self.t_len = [], 0
+
+    def adopt(self, ids: list[int]) -> None:
+        """Make ``ids`` the committed sequence, keeping the cached common prefix (excluding the pending token)."""
+        self.t_len = _lcp(self.seq[: self.t_len], ids[:-1])
+        self.seq = list(ids)
+
+    def prefill(self) -> int:
+        """Process the committed tokens the target cache lacks (all but the pending one). Returns how many."""
+        n = self.n
+        todo = n - self.t_len
+        if todo > 0:
+            dev = self.model.device
+            pos = torch.arange(self.t_len, n, device=dev)
+            mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
+            self.model.forward(torch.tensor(self.seq[self.t_len:n], device=dev), pos, pos, mask, self.cache,
+                               logits_rows=slice(-1, None))
+            self.t_len = n
+        return max(todo, 0)
+
+    def commit(self, path: list[int], out: list[int]) -> None:
+        """Keep the accepted path's KV (nodes path[1:] move behind the prefix) and append the committed tokens
+        ``out`` (the emitted tokens, possibly cut at EOS / the limit). The cache may hold more than is committed."""
+        n = self.n
+        commit_target(self.cache, path, n)
+        self.seq.extend(out)
+        self.t_len = min(n + len(path), len(self.seq) - 1)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_generator(samp: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    """The generation's random stream (None when greedy); the seed keys the tree walk's uniforms."""
+    if samp.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(samp.seed if samp.seed is not None else int(torch.randint(0, 2**62, (1,))))
+    return gen
+
+
+def decode(state: TargetState, proposer: Proposer, policy: BudgetPolicy, samp: SamplingConfig, max_new: int,
+           eos: set[int] | frozenset[int], stats: Stats, verify_chunk: int = 4096,
+           draft_logprobs: Callable | None = None) -> Generator[list[int], None, None]:
+    """Decode up to ``max_new`` tokens after ``state.seq`` (already adopted); yields each step's committed tokens.
+
+    The generator may be closed after any yield (a cancel): the caches and ``state.seq`` are consistent there.
+    ``stats`` is filled as the loop runs and finalised when it ends (also on close).
+    """
+    dev = state.model.device
+    gen = make_generator(samp, dev)
+    t0 = time.perf_counter()
+    proposer.begin(state.seq)
+    stats.prefill_tokens = state.prefill()
+    sync(dev)
+    stats.prefill_s = time.perf_counter() - t0
+    logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
+    chosen: Counter[int] = Counter()
+    hist: Counter[int] = Counter()
+    tree_total = 0
+    produced = 0
+    stats.finish_reason = "length"
+    try:
+        while produced < max_new:
+            n = state.n
+            td = time.perf_counter()
+            budget = policy.choose()
+            chosen[budget] += 1
+            ctx = StepContext(samp=samp, gen=gen, budget=budget, cost=policy.grow_cost(budget), logprobs=logprobs)
+            prop = proposer.propose(state.seq, ctx)
+            sync(dev)
+            tt = time.perf_counter()
+            logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
+            path, emitted = accept(prop, logits, samp, gen, n)
+            out: list[int] = []  # commit: cut at EOS / the token limit
+            for t in emitted[: max_new - produced]:
+                out.append(t)
+                if t in eos:
+                    break
+            state.commit(path, out)
+            proposer.commit(prop, path, state.seq)
+            sync(dev)
+            te = time.perf_counter()
+            stats.draft_s += tt - td
+            stats.target_s += te - tt
+            stats.steps += 1
+            stats.draft_passes += prop.passes
+            stats.early_stops += prop.stopped_early
+            if prop.beams:
+                stats.tree_shapes.append(prop.beams)
+            policy.update(StepRecord(budget=budget, tree_logp=prop.tree.n_logp[1:].tolist(), emitted=len(emitted),
+                                     draft_s=tt - td, target_s=te - tt, passes=prop.passes))
+            tree_total += prop.size
+            hist[len(out)] += 1
+            produced += len(out)
+            stats.new_tokens = produced
+            yield out
+            if out and out[-1] in eos:
+                stats.finish_reason = "stop"
+                break
+    finally:
+        stats.new_tokens = produced
+        stats.wall_s = time.perf_counter() - t0
+        stats.tokens_per_step = produced / max(stats.steps, 1)
+        decode_s = stats.wall_s - stats.prefill_s
+        stats.tokens_per_s = produced / decode_s if decode_s > 0 else 0.0
+        stats.mean_tree_size = tree_total / max(stats.steps, 1)
+        stats.accepted_hist = dict(hist)
+        if chosen:
+            stats.budget = chosen.most_common(1)[0][0]
+            stats.budgets = dict(chosen)
+
+
+def pass_timer(model: Transformer, cache: KVCache) -> Callable[[int, int], float]:
+    """``time(size, reps)``: the best of a few timed forwards of ``size`` random tokens (uses the cache as scratch)."""
+    dev = model.device
+
+    def timed(size: int, reps: int) -> float:
+        pos = torch.arange(size, device=dev)
+        toks = torch.randint(0, model.cfg.vocab_size, (size,), device=dev)
+        mask = pos[None, :] <= pos[:, None]
+        best, spent, i = float("inf"), 0.0, 0
+        while i < reps or (spent < 0.2 and i < 5):  # fast passes: repeat, keep the best (least noisy)
+            sync(dev)
+            t = time.perf_counter()
+            model.forward(toks, pos, pos, mask, cache)
+            sync(dev)
+            dt = time.perf_counter() - t
+            best, spent, i = min(best, dt), spent + dt, i + 1
+        return best
+
+    return timed

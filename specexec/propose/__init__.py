@@ -1,0 +1,46 @@
+"""The proposer seam: where a decode step's candidate tokens come from.
+
+Decoding is one loop (:mod:`specexec.decode`): propose → verify (ONE target pass over the proposal's tree) →
+accept → commit → emit. Only the proposer varies. A proposer returns a :class:`Proposal`: a tree rooted at the
+pending token (flat tensors, :class:`specexec.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact
+tree walk, right for any tree; ``"chain"``: speculative sampling along a chain with the draft distributions q it
+was sampled from), and what it spent (draft passes, tokens per pass). After acceptance the loop calls the
+proposer's ``commit`` with the accepted path and the committed sequence; the proposer updates its own state
+(its draft KV cache, its n-gram index). Nothing outside a proposer writes its fields.
+
+Implementations:
+
+- :class:`NoDraft` -- the root alone: plain autoregressive decoding.
+- :class:`ChainDraft` -- gamma draft tokens one at a time (Leviathan et al. 2023; Chen et al. 2023).
+- :class:`TreeDraft` -- SpecExec's best-first tree of ``budget`` draft tokens (arXiv 2406.02532), optionally
+  with n-gram branches merged in.
+- :class:`NGramDraft` -- draft-free prompt lookup: continuations of earlier occurrences of the last few tokens
+  (in the prompt and the text generated so far), merged into one trie. No model, so a step costs only the
+  target's pass.
+
+How the coming proposers plug in:
+
+- *Draft-free* (n-gram lookup, Token Recycling): keep an index of the committed tokens, build a tree in
+  ``propose`` without any model, update the index in ``commit``. :class:`NGramDraft` is the example.
+- *Needing the target's hidden states* (Medusa heads, EAGLE): the loop owns the target pass, so it is the one
+  place that would also return the last layer's hidden states and pass them to ``commit`` (an extra argument);
+  such a proposer keeps the hidden state of the last accepted node and builds the next tree from it. Its own
+  state (e.g. EAGLE's KV cache) is committed like a draft model's.
+- *Working while the target verifies* (an overlapped GPU draft): ``propose`` may return a tree whose growth
+  continues on a side CUDA stream during the target's streamed pass; ``commit`` re-roots the subtree under the
+  accepted path (at the bonus token when it matches a grown child) so the next ``propose`` starts from it. The loop
+  only needs the tree to be final when verification starts, which the proposer guarantees by waiting on its own
+  event.
+
+Every proposal is verified exactly, so a proposer can only change speed, never the output.
+"""
+
+from specexec.propose.base import Proposal, Proposer, StepContext
+from specexec.propose.chain import ChainDraft
+from specexec.propose.draft_model import DraftModel
+from specexec.propose.ngram import NGramConfig, NGramDraft
+from specexec.propose.nodraft import NoDraft
+from specexec.propose.tree import GrowCost, TreeDraft
+
+__all__ = ["ChainDraft", "DraftModel", "GrowCost", "NGramConfig", "NGramDraft", "NoDraft", "Proposal", "Proposer",
+           "StepContext", "TreeDraft"]

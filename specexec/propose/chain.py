@@ -1,0 +1,72 @@
+"""Chain speculative decoding's proposer (Leviathan et al. 2023; Chen et al. 2023): gamma draft tokens, one at a
+time. Greedy: the draft's argmax, verified by the exact tree walk. Sampling: x_i ~ q_i, verified by speculative
+sampling with those q (the ``"chain"`` acceptance rule)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specexec import sampling
+from specexec.config import SamplingConfig
+from specexec.propose.base import Proposal, StepContext
+from specexec.propose.draft_model import DraftModel
+from specexec.tree import Tree
+
+
+class ChainDraft:
+    """``ctx.budget`` (gamma) draft tokens per step."""
+
+    name = "chain"
+
+    def __init__(self, draft: DraftModel, gamma: int) -> None:
+        self.draft, self.gamma = draft, gamma
+
+    def max_nodes(self) -> int:
+        return self.gamma
+
+    def begin(self, seq: list[int]) -> None:
+        self.draft.prefill(seq)
+
+    def reset(self) -> None:
+        self.draft.reset()
+
+    def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
+        d = self.draft
+        dev = d.device
+        gamma = ctx.budget
+        n = len(seq) - 1
+        tree = Tree(seq[-1], gamma + 1, dev)
+        beams = [len(seq) - d.length]
+        logits = d.catch_up(seq)
+        tree.draft_slot[0] = n
+        qs: list[Tensor | None] = []
+        passes = 1
+        for i in range(gamma):
+            tok, q = draft_choice(logits, ctx.samp, ctx.gen)
+            qs.append(q)
+            tree.add(torch.tensor([i], device=dev), tok, torch.zeros(1, device=dev))
+            if i == gamma - 1:
+                break
+            slot = n + 1 + i
+            tree.draft_slot[i + 1] = slot
+            pos = torch.tensor([slot], device=dev)
+            mask = torch.ones(1, slot + 1, dtype=torch.bool, device=dev)
+            logits = d.forward(tok.view(1), pos, pos, mask)
+            passes += 1
+            beams.append(1)
+        q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
+        return Proposal(tree, rule="chain" if q_all is not None else "tree", q=q_all, passes=passes, beams=beams,
+                        budget=gamma, source=self.name)
+
+    def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
+        slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()
+        self.draft.commit(slots, seq)
+
+
+def draft_choice(logits: Tensor, samp: SamplingConfig, gen: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """The draft's token and the distribution q it came from (None when greedy): argmax, or x ~ q."""
+    if samp.greedy:
+        return logits.argmax(-1), None
+    q = sampling.probs(logits, samp)
+    return sampling.choose(q, False, gen), q

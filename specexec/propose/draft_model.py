@@ -1,0 +1,123 @@
+"""A draft model and its KV cache, shared by the draft proposers (chain and tree) of one engine.
+
+Cache slots: the committed sequence occupies slots [0, n); the root (pending token) sits at slot n; the nodes a
+proposer expands get slots n+1, n+2, ... (pruned nodes leave unused slots behind, harmless: no mask row points at
+them). ``tokens`` are the committed tokens whose keys/values are in the cache (a prefix of the sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specexec.graphs import StaticPasses
+from specexec.kv_cache import KVCache
+from specexec.model import Transformer
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class DraftModel:
+    """Owns the draft model's KV cache.
+
+    ``static``: run passes of up to ``static_rows`` tokens with padded static shapes (CUDA graphs on a GPU; see
+    :mod:`specexec.graphs`); None = only on CUDA. The cache's last slot is reserved as the padding scratch slot.
+    """
+
+    def __init__(self, model: Transformer, capacity: int, static: bool | None = None, static_rows: int = 128,
+                 ) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_cache(capacity + 1)
+        self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
+        self._tokens: list[int] = []
+        use = model.device.type == "cuda" if static is None else static
+        self.static = StaticPasses(model, self.cache, static_rows) if use else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def length(self) -> int:
+        """Committed tokens in the cache."""
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    def forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
+        """One draft pass (static/graphed when it fits a bucket, else eager). Returns logits (T, V) fp32."""
+        tokens = self._in_vocab(tokens)
+        if self.static is not None and tokens.shape[0] <= self.static.max_rows:
+            out = self.static.forward(tokens, pos, slots, mask)
+            return out[-1:] if last_only else out
+        return self.model.forward(tokens, pos, slots, mask, self.cache,
+                                  logits_rows=slice(-1, None) if last_only else None)
+
+    def _in_vocab(self, tokens: Tensor) -> Tensor:
+        """Target tokens the draft's vocabulary lacks (e.g. a 72B target's padding rows) become token 0.
+
+        The draft only proposes; what it is fed changes its guesses, never the output.
+        """
+        V = self.model.cfg.vocab_size
+        return torch.where(tokens < V, tokens, torch.zeros_like(tokens))
+
+    # -- the committed prefix -------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._tokens = []
+
+    def keep_prefix(self, seq: list[int]) -> None:
+        """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
+        del self._tokens[_lcp(self._tokens, seq[:-1]):]
+
+    def prefill(self, seq: list[int]) -> None:
+        """Process every committed token except the pending last one."""
+        self.keep_prefix(seq)
+        m, n = self.length, len(seq) - 1
+        if m >= n:
+            return
+        dev = self.device
+        pos = torch.arange(m, n, device=dev)
+        mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
+        self.model.forward(self._in_vocab(torch.tensor(seq[m:n], device=dev)), pos, pos, mask, self.cache,
+                           logits_rows=slice(-1, None))
+        self._tokens = list(seq[:n])
+
+    def catch_up(self, seq: list[int]) -> Tensor:
+        """One pass over the committed tokens the cache lacks plus the root (at slot n); the root's logits (1, V).
+
+        Afterwards seq[:n] is committed in the cache and the root's keys/values sit at slot n (uncommitted).
+        """
+        self.keep_prefix(seq)
+        m, n = self.length, len(seq) - 1
+        dev = self.device
+        toks = torch.tensor(seq[m:], dtype=torch.long, device=dev)
+        pos = torch.arange(m, n + 1, device=dev)
+        mask = torch.arange(n + 1, device=dev)[None, :] <= pos[:, None]
+        logits = self.forward(toks, pos, pos, mask, last_only=True)
+        self._tokens = list(seq[:n])
+        return logits
+
+    def commit(self, slots: list[int], seq: list[int]) -> None:
+        """After acceptance: ``slots`` are the draft slots of the accepted path's nodes, root first (-1 where a node
+        was never run through the draft). The root is at slot n = len(prefix) already; the run of accepted nodes
+        that were run moves to slots n+1, n+2, ...; ``seq`` is the committed sequence now."""
+        n = self.length
+        kept: list[int] = []
+        for s in slots:
+            if s < 0:
+                break
+            kept.append(s)
+        if not kept:
+            return
+        self.cache.compact(torch.tensor(kept[1:], dtype=torch.long), n + 1)
+        new_len = min(n + len(kept), len(seq) - 1)
+        self._tokens = list(seq[:new_len])

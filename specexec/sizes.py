@@ -1,0 +1,294 @@
+"""Bytes, from a model's config alone: weights, KV caches and the buffers one decoding step allocates.
+
+The one place where memory arithmetic lives. The load checks (:mod:`specexec.memory`, :func:`specexec.api.load`),
+``specexec doctor`` and the offload planner (:mod:`offload.plan`) all call these functions; none re-derives a size.
+
+- **weights**: parameter counts of the Llama-family layout used by :mod:`specexec.model` (fused q/k/v [+ bias],
+  gated MLP, two norms a layer; embedding, final norm and lm_head once when tied), and what a checkpoint stores
+  (:func:`stored_weights` reads the safetensors headers: element counts and stored dtypes, no weight is read).
+- **KV caches**: ``2 x layers x kv_heads x slots x head_dim`` elements each, sized exactly as the engine sizes
+  them (:func:`target_cache_slots`, :func:`draft_cache_slots`).
+- **tree-sized buffers** (:class:`StepBuffers`): everything whose size grows with the tree budget N -- the KV room
+  for the tree in both caches, the ancestry mask (N x N bool), the verification mask, the target's logits
+  (N x V fp32, and one same-sized working copy: the probabilities when sampling, the concatenation when
+  verification is chunked), the activations of the largest target pass, and the draft's per-pass buffers
+  (logits and log-probabilities of ``max_beams`` rows, the candidate arrays, the tree arrays).
+
+GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexec.config import ChainConfig, TreeConfig
+from specexec.errors import SpecexecError
+from specexec.model import ModelConfig
+
+GB = 1e9
+NF4_BYTES_PER_PARAM = 0.5 + 4 / 64  # 4-bit codes + one fp32 absmax per 64-element block (bitsandbytes)
+
+# safetensors dtype names -> bytes per element
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+# names of storage dtypes (config.json ``torch_dtype``, models.toml ``dtype``) -> bytes per element
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer: attention (q, k, v, o [+ qkv bias]), gated MLP, two norms."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    mlp = 3 * d * cfg.intermediate_size
+    return attn + mlp + 2 * d
+
+
+def global_params(cfg: ModelConfig) -> int:
+    """Embedding, final norm and lm_head (not counted twice when tied)."""
+    mats = 1 if cfg.tie_word_embeddings else 2
+    return mats * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """All parameters of the model."""
+    return cfg.num_layers * layer_params(cfg) + global_params(cfg)
+
+
+def globals_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Embedding + final norm + lm_head (unless tied) at ``itemsize`` bytes an element."""
+    return global_params(cfg) * itemsize
+
+
+def layer_bytes(cfg: ModelConfig, kind: str) -> int:
+    """Bytes of one decoder layer stored as ``bf16``/``fp16`` (2 bytes a parameter), ``fp32`` or ``nf4`` (linear
+    weights 4-bit with an fp32 absmax per 64 values; norms and biases stay 16-bit). The offload store's packed
+    buffers add alignment padding to this (:func:`offload.layout.layer_layout` gives their exact size)."""
+    n = layer_params(cfg)
+    if kind in ("bf16", "fp16"):
+        return 2 * n
+    if kind == "fp32":
+        return 4 * n
+    if kind != "nf4":
+        raise ValueError(f"unknown weight format {kind!r}")
+    d, hd = cfg.hidden_size, cfg.head_dim
+    small = 2 * d + (((cfg.num_heads + 2 * cfg.num_kv_heads) * hd) if cfg.qkv_bias else 0)
+    return int((n - small) * NF4_BYTES_PER_PARAM) + 2 * small
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """What a safetensors checkpoint holds, from its headers: elements and bytes per stored dtype."""
+
+    numel: dict[str, int] = field(default_factory=dict)  # safetensors dtype name -> elements
+    largest: int = 0  # elements of the largest single tensor (the transient copy when casting on load)
+
+    @property
+    def params(self) -> int:
+        return sum(self.numel.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n * SAFETENSORS_DTYPE_BYTES.get(k, 4) for k, n in self.numel.items())
+
+    @property
+    def dtype(self) -> str:
+        """The dtype most elements are stored in (``F32``, ``BF16``, ``F16``...)."""
+        return max(self.numel, key=lambda k: self.numel[k]) if self.numel else "?"
+
+    def resident_bytes(self, itemsize: int, cfg: ModelConfig | None = None) -> int:
+        """Bytes the weights take once loaded at ``itemsize`` bytes an element (whatever they are stored in),
+        plus one transient tensor copy while casting. With ``cfg`` the count is the model's own parameters (a
+        checkpoint of tied embeddings may also store the lm_head copy, which the loader does not keep)."""
+        params = min(self.params, param_count(cfg)) if cfg is not None else self.params
+        return params * itemsize + self.largest * itemsize
+
+
+def stored_weights(path: Path) -> StoredWeights:
+    """Read the headers of every ``*.safetensors`` file in ``path`` (a few KB each; no weight is read)."""
+    numel: dict[str, int] = {}
+    largest = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if n <= 0 or n > f.stat().st_size - 8:
+                    raise ValueError("header length out of range")
+                header = json.loads(fh.read(n))
+        except (ValueError, OSError) as e:
+            raise SpecexecError(f"corrupt safetensors file {f}: {e}") from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            count = math.prod(info["shape"])
+            numel[info["dtype"]] = numel.get(info["dtype"], 0) + count
+            largest = max(largest, count)
+    return StoredWeights(numel=numel, largest=largest)
+
+
+# ---------------------------------------------------------------------------------------------- KV caches
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """KV-cache bytes one token costs across all layers (keys and values)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
+    """Bytes of a :class:`~specexec.kv_cache.KVCache` with ``slots`` slots."""
+    return kv_bytes_per_token(cfg, itemsize) * slots
+
+
+def step_room(tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
+    """Cache slots one step needs after the committed context: the largest tree (with ``ngram_nodes`` of prompt
+    lookup merged in; 0 without an n-gram config) or chain, + root + bonus (``Engine._ensure_room``)."""
+    return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma) + 2
+
+
+def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                       ngram_nodes: int = 0) -> int:
+    """Slots of the target's KV cache (what ``Engine._ensure_room`` allocates)."""
+    return context + step_room(tree, chain, ngram_nodes)
+
+
+def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                      ngram_nodes: int = 0) -> int:
+    """Slots of the draft's KV cache: the target's room + every expanded node of a tree + one scratch slot."""
+    return context + step_room(tree, chain, ngram_nodes) + tree.largest + tree.max_beams + 1
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def pass_activation_bytes(cfg: ModelConfig, tokens: int, itemsize: int, context: int = 0) -> int:
+    """Activations of one forward over ``tokens`` rows attending to ``context`` + ``tokens`` slots: the fused
+    q/k/v and MLP outputs, a few hidden-size temporaries and, with GQA, the keys/values expanded to every head
+    (the logits are counted separately)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+    per_row = 3 * cfg.intermediate_size + qkv + 4 * d  # w13 output (2I) + silu*up (I) + qkv + temporaries
+    act = tokens * per_row * itemsize
+    if cfg.num_heads != cfg.num_kv_heads:
+        act += 2 * cfg.num_heads * (context + tokens) * hd * itemsize
+    return act
+
+
+def logits_bytes(cfg: ModelConfig, rows: int, itemsize: int = 4) -> int:
+    """Logits of ``rows`` rows: the lm_head output at ``itemsize`` plus its fp32 copy when that is not fp32."""
+    return rows * cfg.vocab_size * (4 + (itemsize if itemsize != 4 else 0))
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """Bytes of every buffer whose size grows with the tree (one decoding step at the largest tree)."""
+
+    target_kv_room: int  # target KV slots for the tree (beyond the context)
+    draft_kv_room: int  # draft KV slots for the tree, the expanded nodes and the scratch slot
+    ancestry: int  # N x N bool ancestry mask
+    verify_mask: int  # rows x (context + N) bool mask of one verification chunk
+    logits: int  # N x V fp32 target logits + one same-sized working copy
+    target_activations: int  # one target pass over a verification chunk
+    draft_work: int  # one draft pass over max_beams rows: logits, log-probs, masks, candidates, tree arrays
+
+    @property
+    def total(self) -> int:
+        return (self.target_kv_room + self.draft_kv_room + self.ancestry + self.verify_mask + self.logits
+                + self.target_activations + self.draft_work)
+
+    def largest(self) -> tuple[str, int]:
+        """(name, bytes) of the biggest item, for messages."""
+        items = {k: getattr(self, k) for k in ("target_kv_room", "draft_kv_room", "ancestry", "verify_mask",
+                                                "logits", "target_activations", "draft_work")}
+        name = max(items, key=lambda k: items[k])
+        return name.replace("_", " "), items[name]
+
+
+def step_buffers(target: ModelConfig, draft: ModelConfig | None, context: int, tree: TreeConfig,
+                 chain: ChainConfig | None = None, target_itemsize: int = 4, draft_itemsize: int = 4,
+                 ngram_nodes: int = 0) -> StepBuffers:
+    """The tree-sized buffers of one step (see :class:`StepBuffers`) for ``tree.largest`` draft tokens (plus
+    ``ngram_nodes`` merged prompt-lookup nodes)."""
+    room = step_room(tree, chain, ngram_nodes)
+    n = room - 1  # tree nodes with the root
+    rows = min(n, tree.verify_chunk)
+    t_act = pass_activation_bytes(target, rows, target_itemsize, context)
+    if target_itemsize != 4:
+        t_act += rows * target.vocab_size * target_itemsize  # the lm_head output before its fp32 cast
+    d_kv = d_work = 0
+    if draft is not None:
+        slots = draft_cache_slots(context, tree, chain, ngram_nodes)
+        d_kv = kv_bytes(draft, slots - context, draft_itemsize)
+        k = min(tree.max_beams, n)
+        branch = min(tree.max_branch, draft.vocab_size)
+        d_work = (logits_bytes(draft, k, draft_itemsize) + k * draft.vocab_size * 4  # logits + log-probs
+                  + k * slots  # the tree mask over the draft cache (bool)
+                  + pass_activation_bytes(draft, k, draft_itemsize, slots)
+                  + 2 * k * branch * (4 + 8 + 8)  # top-k values/tokens/parents and their filtered copies
+                  + (2 * tree.largest + 1) * (8 + 8 + 8 + 4 + 8))  # tree arrays: token, parent, depth, logp, slot
+    return StepBuffers(
+        target_kv_room=kv_bytes(target, room, target_itemsize),
+        draft_kv_room=d_kv,
+        ancestry=n * n,
+        verify_mask=rows * (context + n),
+        logits=2 * n * target.vocab_size * 4,
+        target_activations=t_act,
+        draft_work=d_work,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- everything
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What an :class:`~specexec.engine.Engine` allocates, in bytes."""
+
+    weights: int  # target + draft weights (0 for the target when it is offloaded)
+    kv_context: int  # both KV caches' slots for the committed context (the tree room is in ``step``)
+    step: StepBuffers  # every tree-sized buffer
+
+    @property
+    def kv(self) -> int:
+        """Both KV caches as allocated (context + tree room)."""
+        return self.kv_context + self.step.target_kv_room + self.step.draft_kv_room
+
+    @property
+    def workspace(self) -> int:
+        """Tree-sized buffers other than KV room (masks, logits, activations, draft work)."""
+        return self.total - self.weights - self.kv
+
+    @property
+    def fixed(self) -> int:
+        """Bytes that do not depend on the tree budget (weights, KV over the context)."""
+        return self.weights + self.kv_context
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_context + self.step.total
+
+
+def engine_memory(target: ModelConfig, draft: ModelConfig | None, context: int, target_itemsize: int,
+                  draft_itemsize: int, tree: TreeConfig, chain: ChainConfig | None = None,
+                  target_weights: int | None = None, draft_weights: int | None = None) -> EngineMemory:
+    """Bytes an engine allocates with these configs. ``context`` is clamped to the target's
+    ``max_position_embeddings`` (as :func:`specexec.api.load` does).
+
+    ``target_weights``/``draft_weights``: resident weight bytes when known better than the config's parameter
+    count at the itemsize (e.g. from :func:`stored_weights`); pass ``target_weights=0`` for an offloaded target.
+    """
+    context = min(context, target.max_position_embeddings)
+    weights = param_count(target) * target_itemsize if target_weights is None else target_weights
+    kv = kv_bytes(target, context, target_itemsize)
+    if draft is not None:
+        weights += param_count(draft) * draft_itemsize if draft_weights is None else draft_weights
+        kv += kv_bytes(draft, context, draft_itemsize)
+    step = step_buffers(target, draft, context, tree, chain, target_itemsize, draft_itemsize)
+    return EngineMemory(weights=weights, kv_context=kv, step=step)

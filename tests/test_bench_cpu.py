@@ -1,0 +1,97 @@
+"""scripts/bench_cpu.py end to end on the tiny pair (--smoke): the JSON's shape and the exactness bookkeeping.
+
+Measures nothing: it checks that every configuration runs on every prompt of every set, interleaved, and that the
+summary, goals and markdown are built from those runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "scripts" / "bench_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cpu"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prompt_sets_are_built_locally(bench):
+    prompts = bench.build_prompts(bench.SETS, 20)
+    assert {s: len(p) for s, p in prompts.items()} == {"code": 20, "prose": 20, "grounded": 20}
+    for s, ps in prompts.items():
+        assert len({p.name for p in ps}) == 20, s  # no duplicates
+    for p in prompts["code"]:  # a header and its whole docstring, no body
+        quote = '"""' if '"""' in p.text else "'''"
+        assert not p.chat and p.text.lstrip().startswith("def ") and p.text.count(quote) in (1, 2), p.name
+        assert p.text.rstrip().endswith(quote), p.name
+    g = prompts["grounded"]
+    assert all(p.chat for p in g)
+    kinds = {p.name.split(":")[0] for p in g}
+    assert kinds == {"hints", "rename", "docstring", "translate", "summarize"}
+    code_names = {p.name for p in prompts["code"]}
+    assert not any(p.name.split(":", 1)[1] in code_names for p in g)
+    assert all("```python\ndef " in p.text for p in g if not p.name.startswith("summarize"))
+
+
+def test_method_parsing(bench):
+    names = [c.name for c in bench.our_configs("specexec:16, chain:2,ngram,specexec:16")]
+    assert names == ["ours-ar", "ours-default", "ours-specexec-16", "ours-chain-2", "ours-ngram"]
+    for bad in ("specexec", "chain:x", "ar:3", "chain:auto"):
+        with pytest.raises(SystemExit):
+            bench.our_configs(bad)
+
+
+def test_smoke_run_json_shape(bench, tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    rc = bench.main(["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--methods",
+                     "specexec:8,chain:2", "--out", str(out), "--md", str(md)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    configs = ["ours-ar", "ours-default", "ours-specexec-8", "ours-chain-2", *bench.HF_CONFIGS]
+    assert [c["name"] for c in rep["meta"]["configs"]] == configs
+    assert rep["meta"]["smoke"] and rep["meta"]["max_new_tokens"] == 8 and rep["meta"]["prompts_per_set"] == 1
+    assert set(rep["sets"]) == set(bench.SETS)
+    runs = rep["runs"]
+    assert len(runs) == 3 * len(configs)
+    for r in runs:
+        assert 1 <= r["tokens"] <= 8 and r["seconds"] > 0 and r["tok_s"] > 0 and r["tokens_per_step"] > 0
+        if r["config"] != "ours-ar":
+            assert isinstance(r["match_ar"], bool)
+    # interleaved and rotated: each prompt saw every config once, and the first config differs between prompts
+    firsts = {r["set"]: r["config"] for r in runs if r["order"] == 0}
+    assert len(set(firsts.values())) == 3
+    # our methods are exact (greedy): the same tokens as our AR on every prompt
+    assert all(r["match_ar"] for r in runs if r["config"].startswith("ours-") and r["config"] != "ours-ar")
+    for set_name, d in rep["sets"].items():
+        assert set(d["configs"]) == set(configs)
+        s = d["configs"]["ours-default"]
+        assert s["vs_our_ar"] > 0 and s["vs_best_hf_speculative"] > 0 and s["mismatches"] == 0
+        assert d["configs"]["ours-ar"]["vs_our_ar"] == pytest.approx(1.0)
+        assert d["best_hf_speculative"] in bench.HF_SPECULATIVE
+        assert set(rep["goals"][set_name]) == {"vs_our_ar", "vs_best_hf_speculative", "min_prompt_vs_our_ar"}
+    text = md.read_text()
+    assert "SMOKE RUN" in text and text.count("| ours-default |") == 3 and "hf-assisted-bf16" in text
+
+
+def test_smoke_run_sampling(bench, tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--sets", "grounded",
+                     "--temperature", "0.7", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["meta"]["temperature"] == 0.7 and list(rep["sets"]) == ["grounded"]
+    assert len(rep["runs"]) == 2 + len(bench.HF_CONFIGS)
+    assert not any("match_ar" in r for r in rep["runs"])  # sampling: tok/s only
+    assert "mismatches" not in rep["sets"]["grounded"]["configs"]["ours-default"]

