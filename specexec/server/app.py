@@ -1,0 +1,378 @@
+"""The HTTP layer: a FastAPI app with OpenAI's endpoints, the web page, auth, a body limit and SSE streaming.
+
+``create_app(config, engine=...)`` serves a loaded engine; ``create_app(config, loader=...)`` answers ``/health``
+with 503 while ``loader()`` runs in a thread, then serves what it returned. All engine work happens in the one
+:class:`~specexec.server.worker.Worker` thread; handlers only parse, enqueue and relay events, so ``/health`` and
+``/v1/models`` answer while a generation runs. Tokenizing a prompt runs in a thread too (``asyncio.to_thread``).
+
+Errors: :class:`~specexec.server.protocol.ApiError` (4xx), unknown routes (404/405), a body over the limit (413)
+and anything unexpected (500) all answer with OpenAI's envelope ``{"error": {"message", "type", "param",
+"code"}}``. A generation that fails after a stream has started sends one ``data: {"error": ...}`` event, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specexec.config import ChainConfig, TreeConfig
+from specexec.errors import SpecexecError, render
+from specexec.server import protocol as p
+from specexec.server.worker import Job, Outcome, Worker, encode
+
+log = logging.getLogger(__name__)
+
+# library setting names (specexec.errors.setting) -> the request field a client sets
+API_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "SamplingConfig.temperature": "temperature",
+    "SamplingConfig.top_p": "top_p",
+    "SamplingConfig.top_k": "top_k",
+    "SamplingConfig.min_p": "min_p",
+    "SamplingConfig.seed": "seed",
+    "context": "the server's context",
+    "prompt": "prompt",
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server behaves (the model and decoding settings live in the engine / ``defaults``)."""
+
+    model_name: str = "specexec"
+    api_key: str | None = None
+    queue: int = 8  # requests that may wait while one generates; more get 429
+    max_body_bytes: int = 4 * 1024 * 1024
+    defaults: p.Defaults = field(default_factory=p.Defaults)
+    method: str | None = None  # None: specexec with a draft, else ar
+    tree: TreeConfig | None = None
+    chain: ChainConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.queue < 0:
+            raise ValueError(f"queue must be >= 0, got {self.queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.model_name.strip():
+            raise ValueError("served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api-key must not be empty")
+
+
+class _State:
+    """What the handlers share: the worker once the engine is loaded, or the loading error."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self.engine: Any = None
+        self.error: str | None = None
+        self.created = int(time.time())
+
+
+def page_html() -> str:
+    """The web chat page shipped in the package (static/index.html)."""
+    return resources.files("specexec.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], Any] | None = None,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app. Give ``engine`` (ready at once) or ``loader`` (called in a thread at start-up)."""
+    if (engine is None) == (loader is None):
+        raise ValueError("give exactly one of engine and loader")
+    state = _State()
+    html = page_html()
+
+    def ready(eng: Any) -> None:
+        state.worker = Worker(eng, config.queue, method=config.method, tree=config.tree, chain=config.chain)
+        state.engine = eng
+        log.info("ready: serving %r (context %d tokens) ", config.model_name, eng.context)
+
+    def load_in_thread() -> None:
+        t0 = time.perf_counter()
+        log.info("loading the model...")
+        try:
+            eng = loader()
+        except BaseException as e:  # noqa: BLE001 - reported through /health and on_load_error
+            state.error = str(e) if isinstance(e, SpecexecError) else f"{type(e).__name__}: {e}"
+            log.error("loading failed: %s", state.error)
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        log.info("loaded in %.1f s", time.perf_counter() - t0)
+        ready(eng)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if engine is not None:
+            ready(engine)
+        else:
+            threading.Thread(target=load_in_thread, name="specexec-loader", daemon=True).start()
+        yield
+        if state.worker is not None:
+            await asyncio.to_thread(state.worker.stop)
+
+    app = FastAPI(title="specexec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.state.config = config
+
+    # -- errors -------------------------------------------------------------------------------------------------
+    @app.exception_handler(p.ApiError)
+    async def _api_error(_req: Request, e: p.ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(p.error_body(str(e.detail), p._default_type(e.status_code), None, code),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(p.error_body(f"internal server error: {type(e).__name__}", "server_error"),
+                            status_code=500)
+
+    # -- pages and status ---------------------------------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(html, headers={"Cache-Control": "no-cache",
+                                           "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline';"
+                                           " script-src 'unsafe-inline'; img-src 'self' data:"})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.error is not None:
+            return JSONResponse({"status": "error", "message": state.error}, status_code=503)
+        if state.worker is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
+        w = state.worker
+        return JSONResponse({"status": "ok", "model": config.model_name, "busy": w.busy, "waiting": w.waiting,
+                             "queue": config.queue, "context": state.engine.context})
+
+    def model_card() -> dict[str, Any]:
+        return {"id": config.model_name, "object": "model", "created": state.created, "owned_by": "specexec"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != config.model_name:
+            raise p.ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                                  f"{config.model_name!r}", "model", "model_not_found")
+        return model_card()
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion")
+
+    async def _generate(request: Request, kind: str) -> Response:
+        body = await _json_body(request)
+        parse = p.parse_chat if kind == "chat" else p.parse_completion
+        try:
+            req = parse(body, config.defaults)
+        except p.ApiError:
+            raise
+        except ValueError as e:  # a config dataclass refused a value (e.g. NaN)
+            raise p.ApiError(400, _api_message(e), getattr(e, "key", None) and API_NAMES.get(e.key),
+                             "invalid_value") from None
+        w = state.worker
+        if w is None:
+            raise p.ApiError(503, "the model is still loading" if state.error is None else
+                             f"the model failed to load: {state.error}", None, "model_not_ready",
+                             headers={"Retry-After": "5"})
+        w.check_room()  # refuse early, before tokenizing, when the queue is already full
+        eng = state.engine
+        ids = await asyncio.to_thread(_encode, eng, req)
+        max_new = p.resolve_max_tokens(req, len(ids), eng.context, config.defaults.max_new_tokens)
+        job = Job(ids, max_new, req.sampling, req.stops)
+        w.submit(job)  # raises 429 when the queue is full
+        rid = p.new_id(kind)
+        if req.stream:
+            return _SSEResponse(job, _sse_events(job, p.Chunks(kind, rid, config.model_name, req.include_usage)))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        try:
+            text, outcome = await _collect(job)
+        finally:
+            watcher.cancel()
+            job.cancel()  # a no-op once done
+        use = _usage(outcome)
+        return JSONResponse(p.response(kind, rid, config.model_name, text, outcome.finish_reason, use, outcome.ext))
+
+    app.add_middleware(_auth, api_key=config.api_key)
+    app.add_middleware(_body_limit, max_bytes=config.max_body_bytes)  # added last: the outermost
+    return app
+
+
+def _encode(engine: Any, req: p.GenRequest) -> list[int]:
+    try:
+        return encode(engine, req)
+    except p.ApiError:
+        raise
+    except SpecexecError as e:
+        raise p.ApiError(400, _api_message(e), None, "invalid_value") from None
+
+
+def _api_message(e: Exception) -> str:
+    return e.render(API_NAMES) if isinstance(e, SpecexecError) else render(str(e), API_NAMES)
+
+
+async def _json_body(request: Request) -> Any:
+    """The body parsed as JSON, whatever its Content-Type says (curl -d sends form encoding)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise p.ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _usage(o: Outcome) -> dict[str, Any]:
+    use: dict[str, Any] = p.usage(o.prompt_tokens, o.completion_tokens)
+    use["prompt_tokens_details"] = {"cached_tokens": o.cached_tokens}
+    return use
+
+
+def _engine_error(e: BaseException) -> p.ApiError:
+    if isinstance(e, (SpecexecError, ValueError)):
+        return p.ApiError(400, _api_message(e), None, "invalid_value")
+    return p.ApiError(500, f"the generation failed: {type(e).__name__}: {e}", None, "generation_failed")
+
+
+async def _collect(job: Job) -> tuple[str, Outcome]:
+    """Wait for a non-streamed job: its whole text and outcome (raises ApiError on failure)."""
+    parts: list[str] = []
+    while True:
+        kind, value = await job.events.get()
+        if kind == "text":
+            parts.append(value)
+        elif kind == "done":
+            return "".join(parts), value
+        elif kind == "error":
+            raise _engine_error(value)
+        else:  # cancelled: the client is gone; this answer is never read
+            raise p.ApiError(499, "the client closed the request", None, "client_closed")
+
+
+async def _cancel_on_disconnect(receive: Callable[[], Any], job: Job) -> None:
+    """Cancel ``job`` when the client disconnects (after its body was read, receive() waits for that)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _sse_events(job: Job, chunks: p.Chunks) -> AsyncIterator[str]:
+    """The server-sent events of one streamed answer: role, text deltas, the last chunk, usage, [DONE]."""
+    first = chunks.first()
+    if first is not None:
+        yield _data(first)
+    while True:
+        kind, value = await job.events.get()
+        if kind == "text":
+            yield _data(chunks.text(value))
+        elif kind == "done":
+            yield _data(chunks.last(value.finish_reason, value.ext))
+            if chunks.include_usage:
+                yield _data(chunks.usage(_usage(value)))
+            break
+        elif kind == "error":
+            yield _data(_engine_error(value).body())
+            break
+        else:  # cancelled: the client is gone
+            return
+    yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A text/event-stream response that cancels its job the moment the client disconnects.
+
+    Starlette's StreamingResponse notices a disconnect only when a send fails (ASGI 2.4 servers) — too late for a
+    job still waiting in the queue. This one watches ``receive`` for ``http.disconnect`` the whole time.
+    """
+
+    def __init__(self, job: Job, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.events = job, events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, self.job))
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            watcher.cancel()
+            self.job.cancel()  # a no-op once done
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+def _body_limit(app: Any, max_bytes: int) -> Any:
+    """ASGI middleware: 413 (OpenAI envelope) for a request body over ``max_bytes``, declared or streamed."""
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        too_big = p.ApiError(413, f"the request body is larger than {max_bytes} bytes", None, "body_too_large")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            return await JSONResponse(too_big.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def counted_receive() -> Any:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > max_bytes:
+                    raise too_big  # inside the handler's body read: the ApiError handler answers 413
+            return msg
+
+        return await app(scope, counted_receive, send)
+
+    return middleware
+
+
+def _auth(app: Any, api_key: str | None) -> Any:
+    """ASGI middleware: with an API key, ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise)."""
+    want = (api_key or "").encode("utf-8")
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        if want and scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), want):
+                err = p.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", None,
+                                 "invalid_api_key")
+                resp = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        return await app(scope, receive, send)
+
+    return middleware
