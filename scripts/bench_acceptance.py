@@ -476,7 +476,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-# -- main ---------------------------------------------------------------------------------------------------------------
+# -- main --------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
