@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and implementation")
+    p.add_argument("--context", type=int, default=4096, help="our engine's context (prompt + answer)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--separate-weights", action="store_true",
                    help="load our model with our own loader (2x the RAM) instead of sharing transformers' tensors")
@@ -117,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     hf_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     if args.separate_weights:
-        engine = api.load(str(path), None, device="cpu", dtype="fp32", progress=False)
+        engine = api.load(str(path), None, device="cpu", dtype="fp32", context=args.context, progress=False)
     else:
-        engine = Engine(shared_transformer(hf, path), load_tokenizer(path))
+        engine = Engine(shared_transformer(hf, path), load_tokenizer(path), context=args.context)
     ours_load = time.perf_counter() - t0
     tok = engine.tokenizer.tokenizer
     hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -201,7 +201,7 @@ def record(name: str, method: str, samples: list[tuple[int, ...]], P) -> float:
 
 # -- the fast path over the production pieces --------------------------------------------------------------------------
 class TreeSampler:
-    """AR (budget 0) or SpecExec samples of NEW tokens; one tree per committed prefix, grown by ``Drafter.grow``."""
+    """AR (budget 0) or SpecExec samples of NEW tokens; one tree per committed prefix, grown by ``TreeDraft.grow``."""
 
     def __init__(self, draft_model, target: Table, samp: SamplingConfig, budget: int,
                  verifier: Table | None = None) -> None:

@@ -1,0 +1,183 @@
+"""Smoke tests of the benchmark scripts on tiny random models: each script's ``main`` runs end to end with the
+smallest settings and writes the JSON its docs rely on; composed estimates are labelled as projections."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_COSTS = ROOT / "docs" / "bench_e2e_h100.json"
+SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py"))
+
+
+def script(name: str) -> Any:
+    return importlib.import_module(f"scripts.{name}")
+
+
+def keys(obj: Any) -> Iterator[str]:
+    """Every dict key anywhere in a JSON value."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k
+            yield from keys(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from keys(v)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_imports_and_uses_no_old_modules(name):
+    script(name)
+    text = (ROOT / "scripts" / f"{name}.py").read_text()
+    old = ["specexec" + r"\.draft\b", r"\bDraft" + r"er\b", r"\._draft" + "er", "_t_" + "cache"]  # the pre-seam names
+    assert not re.search("|".join(old), text)
+
+
+def fake_prompts(vocab: int):
+    """Prompts of varied in-vocabulary ids (the tiny word-level tokenizer maps stdlib text to one unknown id)."""
+    def make(tok, n_code, n_prose, min_tok, max_tok):
+        ba = script("bench_acceptance")
+        rng = random.Random(0)
+        return [ba.Prompt(kind, "test", (0, 1), "", [rng.randrange(3, vocab) for _ in range(12)])
+                for kind in ["code"] * n_code + ["prose"] * n_prose]
+    return make
+
+
+def test_make_prompts_are_deterministic_and_split_by_kind(tiny_pair):
+    from specexec.loading import load_tokenizer
+
+    ba = script("bench_acceptance")
+    tok = load_tokenizer(tiny_pair[0]).tokenizer
+    a = ba.make_prompts(tok, 2, 1, 20, 60)
+    b = ba.make_prompts(tok, 2, 1, 20, 60)
+    assert [p.kind for p in a] == ["code", "code", "prose"]
+    assert [(p.source, p.lines, p.ids) for p in a] == [(p.source, p.lines, p.ids) for p in b]
+    assert all(20 <= len(p.ids) <= 60 for p in a)
+
+
+def run_acceptance(tiny_pair, tmp_path, monkeypatch, *extra: str) -> tuple[int, dict[str, Any], Path]:
+    ba = script("bench_acceptance")
+    monkeypatch.setattr(ba, "make_prompts", fake_prompts(96))
+    out, md = tmp_path / "acc.json", tmp_path / "acc.md"
+    rc = ba.main(["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--prompts", "2", "--new-tokens", "6",
+                  "--budgets", "4,8", "--gammas", "1,2", "--budget-prompts", "8:1", "--sampling-prompts", "1",
+                  "--sampling-budgets", "4", "--sampling-gamma", "2", "--context", "128", "--out", str(out),
+                  "--md", str(md), "--png", str(tmp_path / "acc.png"), *extra])
+    return rc, json.loads(out.read_text()), md
+
+
+def test_bench_acceptance_records_real_runs_and_labels_the_projection(tiny_pair, tmp_path, monkeypatch):
+    rc, rep, md = run_acceptance(tiny_pair, tmp_path, monkeypatch, "--grow-cost", str(GPU_COSTS))
+    assert rc == 0 and rep["checks"]["greedy_differs_from_ar"] == []
+    runs = rep["runs"]
+    # every prompt x config ran (budget 8 on one prompt only), each with the engine's whole Stats
+    assert sorted((r["prompt"], r["config"]) for r in runs) == sorted(
+        [(i, c) for i in (0, 1) for c in ("ar", "chain:1", "chain:2", "specexec:4")] + [(0, "specexec:8")])
+    for r in runs:
+        st = r["stats"]
+        assert r["tokens_equal_ar"] and st["new_tokens"] == 6 and st["method"] == r["method"]
+        assert sum(int(k) * v for k, v in st["accepted_hist"].items()) == 6
+        assert len(st["tree_shapes"]) == (0 if r["method"] == "ar" else st["steps"])
+        assert st["draft_passes"] == sum(len(s) for s in st["tree_shapes"])
+        if r["method"] == "chain":
+            assert all(s[0] >= 1 and len(s) == r["param"] for s in st["tree_shapes"])
+    for kind in ("code", "prose", "all"):
+        assert {"ar", "chain:1", "chain:2", "specexec:4"} <= set(rep["greedy"][kind])
+    assert rep["tree_shapes"]["all"]["4"]["steps"] == sum(r["stats"]["steps"] for r in runs
+                                                           if r["config"] == "specexec:4")
+    assert set(rep["sampling"]["configs"]) == {"chain:2", "specexec:4"}
+    # the projection: present (implied by the GPU costs), labelled, and never a plain tok/s field
+    proj = rep["projection"]
+    assert "projection" in proj["what"] and "not measured" in proj["what"]
+    assert str(GPU_COSTS) in proj["costs"] and str(GPU_COSTS) in rep["grow_cost"]
+    all_keys = set(keys(rep))
+    assert "projected_tok_s_gpu" in all_keys and not any("composed" in k for k in all_keys)
+    assert all(r["projected_tok_s_gpu"] > 0 for r in runs)
+    assert "projection, not measured" in md.read_text()
+    # --report-only re-renders from the JSON alone
+    md.unlink()
+    ba = script("bench_acceptance")
+    assert ba.main(["--report-only", "--out", str(tmp_path / "acc.json"), "--md", str(md),
+                    "--png", str(tmp_path / "acc2.png")]) == 0
+    assert "projection, not measured" in md.read_text()
+
+
+def test_bench_acceptance_without_projection_has_no_projected_fields(tiny_pair, tmp_path, monkeypatch):
+    rc, rep, md = run_acceptance(tiny_pair, tmp_path, monkeypatch, "--grow-cost", "off", "--sampling-prompts", "0")
+    assert rc == 0
+    assert "projection" not in rep and not any("projected" in k for k in keys(rep))
+    assert rep["grow_cost"].startswith("off")
+    assert all(r["stats"]["early_stops"] == 0 for r in rep["runs"])
+    assert "projected" not in md.read_text()
+
+
+def test_bench_auto(tiny_pair, tmp_path):
+    out = tmp_path / "auto.json"
+    rc = script("bench_auto").main(["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--budgets", "4,8",
+                                    "--new-tokens", "4", "--prompts", "2", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rc == 0 and [r["config"] for r in rep["rows"]] == ["budget 4", "budget 8", "auto"]
+    assert all(r["same_tokens"] and r["tokens"] == 8 for r in rep["rows"])
+    assert rep["best_fixed"] in ("budget 4", "budget 8") and rep["auto_over_best"] > 0
+
+
+def test_bench_ar(tiny_pair, tmp_path):
+    out = tmp_path / "ar.json"
+    rc = script("bench_ar").main(["--target", str(tiny_pair[0]), "--new-tokens", "4", "--prompts", "2",
+                                  "--context", "256", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rc == 0 and rep["summary"]["all_identical"] and len(rep["rows"]) == 2
+
+
+def test_bench_e2e_smoke_and_recompute_label_projections(tmp_path, tiny_pair, monkeypatch):
+    e2e = script("bench_e2e")
+    for name, shape in (("LLAMA2_70B", e2e.LLAMA2_70B), ("LLAMA2_7B", e2e.LLAMA2_7B)):
+        monkeypatch.setattr(e2e, name, dict(shape))  # --smoke shrinks them in place; keep other tests' shapes
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--smoke", "--budgets", "4,8", "--formats", "nf4", "--repeats", "1", "--context", "32",
+                     "--acceptance", str(tmp_path / "none.json"), "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert "not measured" in rep["projection"] and set(rep["draft_pass_s_graphed"]) and rep["runs"]
+    for r in rep["runs"]:
+        assert {"projected_tok_s", "projected_speedup_vs_ar", "verify_s", "ar_step_s", "draft_s"} <= set(r)
+        assert not set(e2e.LEGACY_COMPOSED) & set(r)
+    # recompute: measured GPU times x a bench_acceptance JSON's real-run tokens/step and tree shapes
+    _, acc, _ = run_acceptance(tiny_pair, tmp_path, monkeypatch, "--sampling-prompts", "0")
+    out2 = tmp_path / "re.json"
+    assert e2e.main(["--recompute", str(GPU_COSTS), "--acceptance", str(tmp_path / "acc.json"), "--budgets", "64",
+                     "--out", str(out2)]) == 0
+    re_ = json.loads(out2.read_text())
+    assert "not measured" in re_["projection"] and all("projected_tok_s" in r for r in re_["runs"])
+    assert not any(set(e2e.LEGACY_COMPOSED) & set(r) for r in re_["runs"])
+    loaded, _ = e2e.load_acceptance(tmp_path / "acc.json", "code", [4])
+    assert loaded[4]["tokens_per_step"] == acc["greedy"]["code"]["specexec:4"]["tokens_per_step"]
+    assert loaded[4]["beams_per_pass"] == acc["tree_shapes"]["code"]["4"]["beams_per_pass"]
+
+
+def test_profile_draft(monkeypatch, capsys):
+    e2e = script("bench_e2e")
+    for name, shape in (("LLAMA2_70B", e2e.LLAMA2_70B), ("LLAMA2_7B", e2e.LLAMA2_7B)):
+        monkeypatch.setattr(e2e, name, dict(shape))
+    pd = script("profile_draft")
+    if not torch.cuda.is_available():
+        assert pd.main([]) == 1
+        assert "error: profile_draft needs a CUDA GPU" in capsys.readouterr().err
+    assert pd.main(["--smoke", "--tokens", "4", "--context", "32", "--capacity", "128", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "static=False" in out and "static=True" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_draft_cuda(capsys):
+    assert script("profile_draft").main(["--tokens", "4", "--context", "64", "--capacity", "512",
+                                         "--repeats", "1"]) == 0
+    assert "static=True" in capsys.readouterr().out
