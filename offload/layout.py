@@ -13,8 +13,9 @@ scale per ``blocksize`` values) and the norms/biases in the compute dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -138,7 +139,7 @@ class LayerLayout:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "LayerLayout":
+    def from_json(cls, d: Mapping[str, Any]) -> LayerLayout:
         f = d["format"]
         return cls(
             fmt=LayerFormat(f["kind"], dtype_from_name(f["dtype"]), int(f["blocksize"])),

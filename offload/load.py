@@ -8,8 +8,6 @@ reads the packed files and never quantizes again.
 
 from __future__ import annotations
 
-from specexec.errors import SpecexecError
-
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +20,7 @@ from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
 from offload.quant import quantize_layer
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
-from specexec.errors import ConfigError, setting
+from specexec.errors import ConfigError, SpecexecError, setting
 from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig, Transformer
 
@@ -34,9 +32,13 @@ def target_compute_dtype(dtype_str: str, offload: OffloadConfig, device: torch.d
     if offload.target_dtype in ("bf16", "fp16"):
         want = {"bf16": torch.bfloat16, "fp16": torch.float16}[offload.target_dtype]
         if dtype_str != "auto" and parse_dtype(dtype_str, device) != want:
-            raise ConfigError("dtype", dtype_str, "contradicts the target dtype",
-                              f"{setting('dtype', dtype_str)} contradicts "
-                              f"{setting('OffloadConfig.target_dtype', offload.target_dtype)}")
+            raise ConfigError(
+                "dtype",
+                dtype_str,
+                "contradicts the target dtype",
+                f"{setting('dtype', dtype_str)} contradicts "
+                f"{setting('OffloadConfig.target_dtype', offload.target_dtype)}",
+            )
         return want
     return parse_dtype(dtype_str, device)
 
@@ -63,28 +65,39 @@ def load_offloaded(
     path = model_dir(Path(path))
     cfg = read_config(path)
     if plan is None:
-        plan = plan_offload(path, device, dtype_str, offload, draft_bytes, kv_bytes, max_tokens=max_tokens,
-                            h2d_gbps=h2d_gbps)
+        plan = plan_offload(
+            path, device, dtype_str, offload, draft_bytes, kv_bytes, max_tokens=max_tokens, h2d_gbps=h2d_gbps
+        )
     log.info("%s", plan.describe())
     layers = build_layers(path, cfg, plan, device, chunk_bytes=chunk_bytes)
     return load_model(path, device, plan.fmt.dtype, layers=layers)
 
 
-def plan_offload(path: Path, device: torch.device, dtype_str: str = "auto", offload: OffloadConfig = OffloadConfig(),
-                 draft_bytes: int = 0, kv_bytes: int = 0, *, max_tokens: int = 2048,
-                 h2d_gbps: float | None = None) -> Plan:
+def plan_offload(
+    path: Path,
+    device: torch.device,
+    dtype_str: str = "auto",
+    offload: OffloadConfig = OffloadConfig(),
+    draft_bytes: int = 0,
+    kv_bytes: int = 0,
+    *,
+    max_tokens: int = 2048,
+    h2d_gbps: float | None = None,
+) -> Plan:
     """:func:`~offload.plan.make_plan` for the checkpoint at ``path`` on this machine (nothing is allocated)."""
     path = model_dir(Path(path))
     cfg = read_config(path)
     dtype = target_compute_dtype(dtype_str, offload, device)
     root = offload.offload_root
-    model = PlanModel.from_checkpoint(cfg, dtype, path, root, draft_bytes=draft_bytes, kv_bytes=kv_bytes,
-                                      max_tokens=max_tokens)
+    model = PlanModel.from_checkpoint(
+        cfg, dtype, path, root, draft_bytes=draft_bytes, kv_bytes=kv_bytes, max_tokens=max_tokens
+    )
     return make_plan(Resources.probe(device, root, h2d_gbps), model, offload)
 
 
-def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
-                 chunk_bytes: int = CHUNK_BYTES) -> StreamedLayers:
+def build_layers(
+    path: Path, cfg: ModelConfig, plan: Plan, device: torch.device, chunk_bytes: int = CHUNK_BYTES
+) -> StreamedLayers:
     """Pack every layer into its home as ``plan`` says and return the streamer over them."""
     layout = layer_layout(cfg, plan.fmt)
     builder = _Builder(layout, plan, device)
@@ -93,9 +106,15 @@ def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
         store = SsdStore.open(plan.cache_dir, layout, cfg.num_layers)
         if store is None:
             what = "NF4 layer cache" if plan.fmt.kind == "nf4" else "SSD-tier layer cache"
-            log.warning("writing the %s of %s: %d layers, %.1f GB, into %s (once; later starts reuse it; "
-                        "`specexec cache rm` removes it)", what, path.name, cfg.num_layers,
-                        cfg.num_layers * layout.nbytes / 1e9, plan.cache_dir)
+            log.warning(
+                "writing the %s of %s: %d layers, %.1f GB, into %s (once; later starts reuse it; "
+                "`specexec cache rm` removes it)",
+                what,
+                path.name,
+                cfg.num_layers,
+                cfg.num_layers * layout.nbytes / 1e9,
+                plan.cache_dir,
+            )
             writable_dir(plan.cache_dir, what)
             try:
                 store = builder.write_cache(path, cfg, plan.cache_dir, chunk_bytes)
@@ -111,8 +130,14 @@ def build_layers(path: Path, cfg: ModelConfig, plan: Plan, device: torch.device,
         builder.from_checkpoint(path, cfg)
     host = RamStore(layout, builder.host, device.type == "cuda", chunk_bytes) if plan.mode == "ram" else store
     return StreamedLayers(
-        layout, cfg.num_layers, device, builder.resident, host if plan.streamed else None,
-        lookahead=plan.lookahead, ring_size=plan.ring_size, plan=plan,
+        layout,
+        cfg.num_layers,
+        device,
+        builder.resident,
+        host if plan.streamed else None,
+        lookahead=plan.lookahead,
+        ring_size=plan.ring_size,
+        plan=plan,
     )
 
 
@@ -133,8 +158,11 @@ class _Builder:
             hb = HostBuffer(self.layout.nbytes, pin=self._pin)
             if self._pin and not hb.pinned:
                 self._pin = False
-                log.warning("could not pin host memory (the driver refused; WSL caps pinned memory): the RAM-tier "
-                            "layers from layer %d on are staged through small pinned buffers, which is slower", i)
+                log.warning(
+                    "could not pin host memory (the driver refused; WSL caps pinned memory): the RAM-tier "
+                    "layers from layer %d on are staged through small pinned buffers, which is slower",
+                    i,
+                )
             self.host[i] = hb
             return hb.tensor
         if self._tmp is None:

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 import torch
 
-from offload.layout import LayerFormat, layer_layout, layer_shapes
+from offload.layout import LayerFormat, layer_layout
 from offload.quant import max_linear_numel
 from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
 from specexec import sizes
-from specexec.errors import ConfigError, OutOfMemory, SpecexecError, check_finite, setting
+from specexec.errors import ConfigError, OutOfMemory, check_finite, setting
 from specexec.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -65,16 +66,20 @@ class OffloadConfig:
         if self.mode not in MODES:
             raise ConfigError("OffloadConfig.mode", self.mode, f"must be one of {', '.join(MODES)}")
         if self.target_dtype not in TARGET_DTYPES:
-            raise ConfigError("OffloadConfig.target_dtype", self.target_dtype,
-                              f"must be one of {', '.join(TARGET_DTYPES)}")
+            raise ConfigError(
+                "OffloadConfig.target_dtype", self.target_dtype, f"must be one of {', '.join(TARGET_DTYPES)}"
+            )
         check_finite("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb)
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ConfigError("OffloadConfig.gpu_memory_gb", self.gpu_memory_gb, "must be > 0")
         if self.lookahead < 1:
             raise ConfigError("OffloadConfig.lookahead", self.lookahead, "must be >= 1")
         if self.ring_size is not None and self.ring_size < max(2, self.lookahead + 1):
-            raise ConfigError("OffloadConfig.ring_size", self.ring_size,
-                              f"must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}")
+            raise ConfigError(
+                "OffloadConfig.ring_size",
+                self.ring_size,
+                f"must be >= max(2, lookahead + 1) = {max(2, self.lookahead + 1)}",
+            )
         if self.resident_layers is not None and self.resident_layers < 0:
             raise ConfigError("OffloadConfig.resident_layers", self.resident_layers, "must be >= 0")
         if self.cache_dir is not None and not isinstance(self.cache_dir, Path):
@@ -128,14 +133,19 @@ class Resources:
     h2d_gbps: float | None = None  # measured pinned host->device bandwidth (None: assume DEFAULT_H2D_GBPS)
 
     @classmethod
-    def probe(cls, device: torch.device, cache_root: Path | None = None, h2d_gbps: float | None = None
-              ) -> "Resources":
+    def probe(cls, device: torch.device, cache_root: Path | None = None, h2d_gbps: float | None = None) -> Resources:
         """This machine now: torch.cuda.mem_get_info, psutil, shutil.disk_usage of ``cache_root``."""
         vram = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
         vm = psutil.virtual_memory()
         disk = _free_disk(cache_root) if cache_root is not None else None
-        return cls(device=device.type, vram_free=vram, ram_total=int(vm.total), ram_available=int(vm.available),
-                   disk_free=disk, h2d_gbps=h2d_gbps)
+        return cls(
+            device=device.type,
+            vram_free=vram,
+            ram_total=int(vm.total),
+            ram_available=int(vm.available),
+            disk_free=disk,
+            h2d_gbps=h2d_gbps,
+        )
 
 
 @dataclass(frozen=True)
@@ -151,13 +161,18 @@ class PlanModel:
     cached: frozenset[str] = frozenset()  # format names whose cache is complete on disk
 
     @classmethod
-    def from_checkpoint(cls, cfg: ModelConfig, dtype: torch.dtype, path: Path | None, cache_root: Path,
-                        **kw: Any) -> "PlanModel":
+    def from_checkpoint(
+        cls, cfg: ModelConfig, dtype: torch.dtype, path: Path | None, cache_root: Path, **kw: Any
+    ) -> PlanModel:
         """With the cache directories (and which are complete) of the checkpoint at ``path`` under ``cache_root``."""
         dirs: dict[str, Path] = {}
         done: set[str] = set()
-        for fmt in (LayerFormat("dense", dtype), LayerFormat("nf4", dtype),
-                    LayerFormat("dense", torch.bfloat16), LayerFormat("dense", torch.float16)):
+        for fmt in (
+            LayerFormat("dense", dtype),
+            LayerFormat("nf4", dtype),
+            LayerFormat("dense", torch.bfloat16),
+            LayerFormat("dense", torch.float16),
+        ):
             if path is None:
                 dirs[fmt.name] = cache_root
                 continue
@@ -258,14 +273,18 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
     if cuda:
         budget: int | None = max(0, (resources.vram_free or 0) - VRAM_HEADROOM)
         if offload.gpu_memory_gb is not None:
-            budget = min(budget, int(offload.gpu_memory_gb * GB))
+            budget = min(budget, int(offload.gpu_memory_gb * GB))  # type: ignore[type-var]
     else:
         budget = int(offload.gpu_memory_gb * GB) if offload.gpu_memory_gb is not None else None
     device = torch.device(resources.device)
 
     def fixed(fmt: LayerFormat) -> int:
-        return (globals_bytes(cfg, dtype) + model.draft_bytes + model.kv_bytes
-                + workspace_bytes(cfg, fmt, device, model.max_tokens))
+        return (
+            globals_bytes(cfg, dtype)
+            + model.draft_bytes
+            + model.kv_bytes
+            + workspace_bytes(cfg, fmt, device, model.max_tokens)
+        )
 
     def fits_all(fmt: LayerFormat) -> bool:
         return budget is None or fixed(fmt) + n * layer_layout(cfg, fmt).nbytes <= budget
@@ -290,7 +309,10 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
                 f"({fmt.name}), but the budget is {(budget or 0) / GB:.1f} GB: use {setting('OffloadConfig.mode')} "
                 "auto, ram or ssd"
                 + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
-                "GPU memory", fixed_bytes + n * lb, budget)
+                "GPU memory",
+                fixed_bytes + n * lb,
+                budget,
+            )
         k = n
     else:
         k = _resident_count(offload, n, lb, R, fixed_bytes, budget, fmt)
@@ -309,12 +331,19 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
             f"streamed {fmt.name} layers, but only {max(ram_room, 0) / GB:.1f} GB is available after a safety margin "
             f"({ram_avail / GB:.1f} GB free): use {setting('OffloadConfig.mode', 'ssd')}"
             + ("" if fmt.kind == "nf4" else f", {setting('OffloadConfig.target_dtype', 'nf4')}")
-            + ", or free some memory", "RAM", host_bytes, max(ram_room, 0))
+            + ", or free some memory",
+            "RAM",
+            host_bytes,
+            max(ram_room, 0),
+        )
     ram_need = host_bytes if mode == "ram" else (staging if streamed else 0)
     if mode == "ssd" and ram_need > ram_room:
         raise OutOfMemory(
             f"not enough RAM for {ram_need / GB:.2f} GB of staging buffers ({ram_avail / GB:.1f} GB free)",
-            "RAM", ram_need, max(ram_room, 0))
+            "RAM",
+            ram_need,
+            max(ram_room, 0),
+        )
 
     cache_dir: Path | None = None
     disk_free: int | None = None
@@ -328,13 +357,31 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
             raise OutOfMemory(
                 f"{why} needs {disk_need / GB:.1f} GB of disk in {cache_dir}, but only {disk_free / GB:.1f} GB "
                 f"is free: point the cache ({setting('OffloadConfig.cache_dir')}, or the SPECEXEC_HOME environment "
-                "variable) at a disk with more space", "disk", disk_need, disk_free)
+                "variable) at a disk with more space",
+                "disk",
+                disk_need,
+                disk_free,
+            )
     h2d = resources.h2d_gbps
     return Plan(
-        mode=mode, fmt=fmt, num_layers=n, layer_bytes=lb, resident=resident, streamed=streamed, ring_size=R,
-        lookahead=offload.lookahead, device=resources.device, vram_budget=budget, vram_need=vram_need,
-        ram_available=ram_avail, ram_need=ram_need, disk_free=disk_free, disk_need=disk_need, cache_dir=cache_dir,
-        h2d_gbps=h2d or DEFAULT_H2D_GBPS, h2d_measured=h2d is not None,
+        mode=mode,
+        fmt=fmt,
+        num_layers=n,
+        layer_bytes=lb,
+        resident=resident,
+        streamed=streamed,
+        ring_size=R,
+        lookahead=offload.lookahead,
+        device=resources.device,
+        vram_budget=budget,
+        vram_need=vram_need,
+        ram_available=ram_avail,
+        ram_need=ram_need,
+        disk_free=disk_free,
+        disk_need=disk_need,
+        cache_dir=cache_dir,
+        h2d_gbps=h2d or DEFAULT_H2D_GBPS,
+        h2d_measured=h2d is not None,
     )
 
 
@@ -349,7 +396,10 @@ def _resident_count(
             raise OutOfMemory(
                 f"{k} resident layers + a ring of {R} need {need / GB:.1f} GB of VRAM, "
                 f"the budget is {budget / GB:.1f} GB: ask for fewer {setting('OffloadConfig.resident_layers')}",
-                "GPU memory", need, budget)
+                "GPU memory",
+                need,
+                budget,
+            )
         return k
     if budget is None or fixed + n * lb <= budget:
         return n
@@ -360,7 +410,10 @@ def _resident_count(
             f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
             f"{budget / GB:.1f} GB: lower {setting('context')}, use a smaller draft"
             + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),
-            "GPU memory", fixed + R * lb, budget)
+            "GPU memory",
+            fixed + R * lb,
+            budget,
+        )
     return int(min(k, n))
 
 

@@ -18,7 +18,8 @@ call dequantizes with bitsandbytes (0.50 has CPU quantize/dequantize kernels, no
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +147,13 @@ def layer_weights(layout: LayerLayout, buf: Tensor, scratch: DequantScratch | No
     for name, shape in layout.weight_shapes:
         if name in LINEARS:
             out[name] = NF4Linear(
-                views[f"{name}.nf4"], views[f"{name}.absmax"], shape, layout.fmt.dtype, layout.fmt.blocksize,
-                code, scratch,
+                views[f"{name}.nf4"],
+                views[f"{name}.absmax"],
+                shape,
+                layout.fmt.dtype,
+                layout.fmt.blocksize,
+                code,
+                scratch,
             )
         else:
             out[name] = views[name]

@@ -114,8 +114,9 @@ class RamStore:
     ring; the others are staged chunk by chunk through pinned buffers.
     """
 
-    def __init__(self, layout: LayerLayout, buffers: dict[int, HostBuffer], cuda: bool,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, layout: LayerLayout, buffers: dict[int, HostBuffer], cuda: bool, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         self.layout = layout
         self.buffers = buffers
         self.cuda = cuda
@@ -161,7 +162,7 @@ def _layer_file(i: int) -> str:
 
 def _np(t: Tensor) -> memoryview:
     """A writable byte view of a contiguous uint8 CPU tensor (shares memory)."""
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class SsdStore:
         self._verified: set[tuple[int, int]] = set()  # (layer, chunk) whose CRC this process has checked
 
     @classmethod
-    def open(cls, root: Path, layout: LayerLayout, num_layers: int) -> "SsdStore | None":
+    def open(cls, root: Path, layout: LayerLayout, num_layers: int) -> SsdStore | None:
         """Open the cache in ``root``; None if it was never completed. Checks format and every file's size."""
         mpath = root / MANIFEST
         if not mpath.is_file():
@@ -251,8 +252,9 @@ class SsdStore:
 class CacheWriter:
     """Writes a packed-layer cache one layer at a time; :meth:`finish` writes the manifest (completion mark)."""
 
-    def __init__(self, root: Path, layout: LayerLayout, num_layers: int, source: dict[str, Any],
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, root: Path, layout: LayerLayout, num_layers: int, source: dict[str, Any], chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         self.root, self.layout, self.num_layers = root, layout, num_layers
         self.source, self.chunk_bytes = source, chunk_bytes
         self.files: dict[int, LayerFile] = {}

@@ -28,9 +28,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -116,8 +117,10 @@ class StreamedLayers:
         """
         ring_size = lookahead + 1 if ring_size is None else ring_size
         if lookahead < 1 or ring_size < max(2, lookahead + 1):
-            raise ValueError(f"need lookahead >= 1 and ring_size >= max(2, lookahead + 1), "
-                             f"got lookahead={lookahead} ring_size={ring_size}")
+            raise ValueError(
+                f"need lookahead >= 1 and ring_size >= max(2, lookahead + 1), "
+                f"got lookahead={lookahead} ring_size={ring_size}"
+            )
         self.num_layers = num_layers
         self.layout = layout
         self.device = device
@@ -155,8 +158,9 @@ class StreamedLayers:
             self._stage_count = 0
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="offload-stager")
             self._readers = ThreadPoolExecutor(readers, thread_name_prefix="offload-reader")
-            log.info("%d streamed layers are staged through %d pinned %.0f MB buffers", len(staged),
-                     staging_buffers, n / 1e6)
+            log.info(
+                "%d streamed layers are staged through %d pinned %.0f MB buffers", len(staged), staging_buffers, n / 1e6
+            )
 
     # -- LayerProvider ---------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -214,7 +218,7 @@ class StreamedLayers:
     def _on_copy_stream(self) -> Iterator[None]:
         with torch.inference_mode():
             if self._cuda:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._copy):
+                with torch.cuda.device(self.device), torch.cuda.stream(self._copy):  # type: ignore[arg-type]
                     yield
             else:
                 yield
@@ -290,4 +294,3 @@ class StreamedLayers:
                 b.close()
         if self.store is not None:
             self.store.close()
-

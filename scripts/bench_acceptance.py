@@ -61,16 +61,40 @@ PROJECTION = "projection from replayed step costs, not measured"
 
 # (stdlib file, where the chunk starts as a fraction of its lines). Deterministic; missing files are skipped.
 CODE_SOURCES = (
-    ("textwrap.py", 0.30), ("json/decoder.py", 0.40), ("json/encoder.py", 0.55), ("heapq.py", 0.50),
-    ("functools.py", 0.35), ("dataclasses.py", 0.60), ("argparse.py", 0.45), ("difflib.py", 0.20),
-    ("shlex.py", 0.50), ("fractions.py", 0.40), ("csv.py", 0.35), ("string.py", 0.55),
-    ("configparser.py", 0.65), ("statistics.py", 0.45), ("tokenize.py", 0.50), ("pprint.py", 0.40),
+    ("textwrap.py", 0.30),
+    ("json/decoder.py", 0.40),
+    ("json/encoder.py", 0.55),
+    ("heapq.py", 0.50),
+    ("functools.py", 0.35),
+    ("dataclasses.py", 0.60),
+    ("argparse.py", 0.45),
+    ("difflib.py", 0.20),
+    ("shlex.py", 0.50),
+    ("fractions.py", 0.40),
+    ("csv.py", 0.35),
+    ("string.py", 0.55),
+    ("configparser.py", 0.65),
+    ("statistics.py", 0.45),
+    ("tokenize.py", 0.50),
+    ("pprint.py", 0.40),
 )
 # (pydoc topic, start fraction): prose of the language reference.
 PROSE_SOURCES = (
-    ("naming", 0.05), ("execmodel", 0.30), ("exceptions", 0.10), ("import", 0.25), ("assignment", 0.05),
-    ("function", 0.40), ("class", 0.20), ("try", 0.30), ("with", 0.15), ("customization", 0.10),
-    ("calls", 0.50), ("types", 0.30), ("compound", 0.60), ("formatstrings", 0.05), ("specialnames", 0.40),
+    ("naming", 0.05),
+    ("execmodel", 0.30),
+    ("exceptions", 0.10),
+    ("import", 0.25),
+    ("assignment", 0.05),
+    ("function", 0.40),
+    ("class", 0.20),
+    ("try", 0.30),
+    ("with", 0.15),
+    ("customization", 0.10),
+    ("calls", 0.50),
+    ("types", 0.30),
+    ("compound", 0.60),
+    ("formatstrings", 0.05),
+    ("specialnames", 0.40),
     ("typesseq", 0.10),
 )
 
@@ -96,6 +120,7 @@ def key(method: str, v: int) -> str:
 def _chunk(lines: list[str], start: int, tok: Any, min_tok: int, max_tok: int, prose: bool) -> tuple[int, int, str]:
     """Lines [s, e) from about ``start``: begin at a non-blank line (a paragraph start for prose), stop once the
     text has >= min_tok tokens (and never add a line that passes max_tok). Falls back to earlier starts."""
+
     def n_tok(text: str) -> int:
         return len(tok(text.rstrip())["input_ids"])
 
@@ -162,11 +187,17 @@ class GpuCosts:
     ar_s: float  # the target's streamed 1-token step
 
     @classmethod
-    def load(cls, path: str | Path) -> "GpuCosts":
+    def load(cls, path: str | Path) -> GpuCosts:
         e = json.loads(Path(path).read_text())
         nf4 = [r for r in e["runs"] if r["format"] == "nf4"]
-        return cls(str(path), e.get("device", "GPU"), {int(k): v for k, v in e["draft_pass_s_graphed"].items()},
-                   e["bookkeeping_s_per_level"], {r["budget"]: r["verify_s"] for r in nf4}, nf4[0]["ar_step_s"])
+        return cls(
+            str(path),
+            e.get("device", "GPU"),
+            {int(k): v for k, v in e["draft_pass_s_graphed"].items()},
+            e["bookkeeping_s_per_level"],
+            {r["budget"]: r["verify_s"] for r in nf4},
+            nf4[0]["ar_step_s"],
+        )
 
     def pass_seconds(self, tokens: int) -> float:
         """A static-shape pass costs its bucket's time (the smallest measured size >= tokens)."""
@@ -180,10 +211,12 @@ class GpuCosts:
         return draft + (interp(self.verify_s, verify_budget) if verify_budget else self.ar_s)
 
     def describe(self) -> str:
-        return (f"{self.device} costs from {self.source}: graphed draft pass {self.pass_s[min(self.pass_s)] * 1e3:.1f}"
-                f"-{self.pass_s[max(self.pass_s)] * 1e3:.1f} ms + {self.per_level * 1e3:.1f} ms bookkeeping per level, "
-                f"NF4 70B-shaped verify s by budget { {b: round(t, 3) for b, t in sorted(self.verify_s.items())} }, "
-                f"AR step {self.ar_s:.3f} s")
+        return (
+            f"{self.device} costs from {self.source}: graphed draft pass {self.pass_s[min(self.pass_s)] * 1e3:.1f}"
+            f"-{self.pass_s[max(self.pass_s)] * 1e3:.1f} ms + {self.per_level * 1e3:.1f} ms bookkeeping per level, "
+            f"NF4 70B-shaped verify s by budget { {b: round(t, 3) for b, t in sorted(self.verify_s.items())} }, "
+            f"AR step {self.ar_s:.3f} s"
+        )
 
 
 @dataclass
@@ -206,8 +239,11 @@ class GpuCostBudget:
         from specexec.budget import interp
         from specexec.propose import GrowCost
 
-        return GrowCost(pass_s=self.costs.pass_s[max(self.costs.pass_s)] + self.costs.per_level,
-                        target_s=interp(self.costs.verify_s, budget), acc_scale=self.acc_scale)
+        return GrowCost(
+            pass_s=self.costs.pass_s[max(self.costs.pass_s)] + self.costs.per_level,
+            target_s=interp(self.costs.verify_s, budget),
+            acc_scale=self.acc_scale,
+        )
 
     def update(self, step: Any) -> None:
         if step.tree_logp:
@@ -216,8 +252,9 @@ class GpuCostBudget:
 
 
 # -- runs -----------------------------------------------------------------------------------------------------------
-def generate(engine: Any, ids: list[int], n: int, method: str, v: int, args: argparse.Namespace,
-             samp: Any = None) -> Any:
+def generate(
+    engine: Any, ids: list[int], n: int, method: str, v: int, args: argparse.Namespace, samp: Any = None
+) -> Any:
     """One real generation through the engine (the library's decode loop)."""
     from specexec.config import ChainConfig, TreeConfig
 
@@ -231,16 +268,24 @@ def generate(engine: Any, ids: list[int], n: int, method: str, v: int, args: arg
     return engine.generate(ids, n, method=method, tree=tree, chain=chain, sampling_cfg=samp, policy=policy)
 
 
-def row_of(i: int, p: Prompt, method: str, v: int, r: Any, ar_tokens: list[int] | None,
-           gpu: GpuCosts | None) -> dict[str, Any]:
+def row_of(
+    i: int, p: Prompt, method: str, v: int, r: Any, ar_tokens: list[int] | None, gpu: GpuCosts | None
+) -> dict[str, Any]:
     st = r.stats
-    row: dict[str, Any] = {"prompt": i, "kind": p.kind, "config": key(method, v), "method": method, "param": v,
-                           "stats": st.to_json(shapes=True)}
+    row: dict[str, Any] = {
+        "prompt": i,
+        "kind": p.kind,
+        "config": key(method, v),
+        "method": method,
+        "param": v,
+        "stats": st.to_json(shapes=True),
+    }
     if ar_tokens is not None:
         row["tokens_equal_ar"] = r.tokens == ar_tokens
         if r.tokens != ar_tokens:
-            row["first_difference"] = next((j for j, (a, b) in enumerate(zip(ar_tokens, r.tokens)) if a != b),
-                                           min(len(ar_tokens), len(r.tokens)))
+            row["first_difference"] = next(
+                (j for j, (a, b) in enumerate(zip(ar_tokens, r.tokens)) if a != b), min(len(ar_tokens), len(r.tokens))
+            )
     if gpu is not None:
         shapes = st.tree_shapes if method != "ar" else [[] for _ in range(st.steps)]
         row["projected_s_gpu"] = sum(gpu.step_seconds(v, b) for b in shapes)
@@ -256,14 +301,20 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     hist: Counter[int] = Counter()
     for s in st:
         hist.update({int(k): v for k, v in s["accepted_hist"].items()})
-    out = {"prompts": len(rows), "tokens": tokens, "steps": steps, "tokens_per_step": tokens / max(steps, 1),
-           "tokens_per_s": tokens / decode if decode > 0 else 0.0, "decode_s": decode,
-           "draft_s_per_step": sum(s["draft_s"] for s in st) / max(steps, 1),
-           "target_s_per_step": sum(s["target_s"] for s in st) / max(steps, 1),
-           "draft_passes_per_step": sum(s["draft_passes"] for s in st) / max(steps, 1),
-           "mean_tree_size": sum(s["mean_tree_size"] * s["steps"] for s in st) / max(steps, 1),
-           "early_stop_share": sum(s["early_stops"] for s in st) / max(steps, 1),
-           "accepted_hist": {str(k): hist[k] for k in sorted(hist)}}
+    out = {
+        "prompts": len(rows),
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_per_step": tokens / max(steps, 1),
+        "tokens_per_s": tokens / decode if decode > 0 else 0.0,
+        "decode_s": decode,
+        "draft_s_per_step": sum(s["draft_s"] for s in st) / max(steps, 1),
+        "target_s_per_step": sum(s["target_s"] for s in st) / max(steps, 1),
+        "draft_passes_per_step": sum(s["draft_passes"] for s in st) / max(steps, 1),
+        "mean_tree_size": sum(s["mean_tree_size"] * s["steps"] for s in st) / max(steps, 1),
+        "early_stop_share": sum(s["early_stops"] for s in st) / max(steps, 1),
+        "accepted_hist": {str(k): hist[k] for k in sorted(hist)},
+    }
     if all("projected_s_gpu" in r for r in rows):
         out["projected_tok_s_gpu"] = tokens / sum(r["projected_s_gpu"] for r in rows)
     return out
@@ -274,10 +325,13 @@ def shape_summary(shapes: list[list[int]]) -> dict[str, Any]:
     if not shapes:
         return {"steps": 0}
     per = [[s[i] for s in shapes if len(s) > i] for i in range(max(len(s) for s in shapes))]
-    return {"steps": len(shapes), "passes": statistics.fmean(len(s) for s in shapes),
-            "beams_per_pass": [round(statistics.fmean(p), 2) for p in per],
-            "reach": [round(len(p) / len(shapes), 3) for p in per],
-            "draft_tokens_per_step": statistics.fmean(sum(s) for s in shapes)}
+    return {
+        "steps": len(shapes),
+        "passes": statistics.fmean(len(s) for s in shapes),
+        "beams_per_pass": [round(statistics.fmean(p), 2) for p in per],
+        "reach": [round(len(p) / len(shapes), 3) for p in per],
+        "draft_tokens_per_step": statistics.fmean(sum(s) for s in shapes),
+    }
 
 
 def summarise(rows: list[dict[str, Any]], prompts: list[Prompt]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -295,11 +349,17 @@ def summarise(rows: list[dict[str, Any]], prompts: list[Prompt]) -> tuple[dict[s
             if len(idx) < len({r["prompt"] for r in sel}):  # big budgets on fewer prompts: chain's best there too
                 chains = {c for c in configs if c.startswith("chain:")}
                 greedy[kind][k]["chain_best_same_prompts"] = max(
-                    (aggregate([r for r in sel if r["config"] == c and r["prompt"] in idx])["tokens_per_step"]
-                     for c in chains), default=None)
-        shapes[kind] = {k.split(":")[1]: shape_summary([s for r in sel if r["config"] == k
-                                                         for s in r["stats"]["tree_shapes"]])
-                        for k in configs if k.startswith("specexec:")}
+                    (
+                        aggregate([r for r in sel if r["config"] == c and r["prompt"] in idx])["tokens_per_step"]
+                        for c in chains
+                    ),
+                    default=None,
+                )
+        shapes[kind] = {
+            k.split(":")[1]: shape_summary([s for r in sel if r["config"] == k for s in r["stats"]["tree_shapes"]])
+            for k in configs
+            if k.startswith("specexec:")
+        }
     return greedy, shapes
 
 
@@ -320,24 +380,35 @@ def goals(greedy: dict[str, Any]) -> dict[str, Any]:
     for kind, start in (("code", 64), ("prose", 256)):
         sec = greedy.get(kind) or {}
         ck, cb = _chain_best(sec)
-        ratios = {str(b): round(sec[k]["tokens_per_step"] / (sec[k].get("chain_best_same_prompts") or cb), 2)
-                  for b, k in _spec_keys(sec) if b >= start}
+        ratios = {
+            str(b): round(sec[k]["tokens_per_step"] / (sec[k].get("chain_best_same_prompts") or cb), 2)
+            for b, k in _spec_keys(sec)
+            if b >= start
+        }
         g[f"{kind}: specexec tokens/step vs chain's best"] = {
-            "goal": f">= 2x from budget {start} on", "chain_best": f"{ck} = {cb:.2f} tokens/step",
-            "ratio_by_budget": ratios, "met": all(v >= 2.0 for v in ratios.values()) if ratios else None}
+            "goal": f">= 2x from budget {start} on",
+            "chain_best": f"{ck} = {cb:.2f} tokens/step",
+            "ratio_by_budget": ratios,
+            "met": all(v >= 2.0 for v in ratios.values()) if ratios else None,
+        }
     for kind in KINDS + ("all",):
         sec = greedy.get(kind) or {}
         if "ar" not in sec or not _spec_keys(sec):
             continue
         bk = max((k for _, k in _spec_keys(sec)), key=lambda k: sec[k]["tokens_per_s"])
         ratio = sec[bk]["tokens_per_s"] / sec["ar"]["tokens_per_s"]
-        g[f"{kind}: best specexec tok/s vs AR"] = {"goal": ">= 1.5x (measured, this machine)", "best": bk,
-                                                  "ratio": round(ratio, 2), "met": ratio >= 1.5}
+        g[f"{kind}: best specexec tok/s vs AR"] = {
+            "goal": ">= 1.5x (measured, this machine)",
+            "best": bk,
+            "ratio": round(ratio, 2),
+            "met": ratio >= 1.5,
+        }
     return g
 
 
-def run_sampling(engine: Any, prompts: list[Prompt], idx: list[int], greedy_rows: list[dict[str, Any]],
-                 args: argparse.Namespace) -> dict[str, Any]:
+def run_sampling(
+    engine: Any, prompts: list[Prompt], idx: list[int], greedy_rows: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
     """The real engine at temperature/top-p on a few prompts: tokens/step next to greedy's on the same prompts."""
     from specexec.config import SamplingConfig
 
@@ -349,16 +420,27 @@ def run_sampling(engine: Any, prompts: list[Prompt], idx: list[int], greedy_rows
             samp = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed + 1000 * j + v)
             r = generate(engine, prompts[i].ids, args.new_tokens, m, v, args, samp)
             rows.append(row_of(i, prompts[i], m, v, r, None, None))
-        log(f"sampling {j + 1}/{len(idx)}: tokens/step " + " ".join(
-            f"{r['config']}={r['stats']['tokens_per_step']:.1f}" for r in rows if r["prompt"] == i))
-    out: dict[str, Any] = {"temperature": args.temperature, "top_p": args.top_p, "tokens": args.new_tokens,
-                           "prompts": idx, "configs": {}, "runs": rows}
+        log(
+            f"sampling {j + 1}/{len(idx)}: tokens/step "
+            + " ".join(f"{r['config']}={r['stats']['tokens_per_step']:.1f}" for r in rows if r["prompt"] == i)
+        )
+    out: dict[str, Any] = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "tokens": args.new_tokens,
+        "prompts": idx,
+        "configs": {},
+        "runs": rows,
+    }
     for m, v in cfgs:
         k = key(m, v)
         g = [r for r in greedy_rows if r["config"] == k and r["prompt"] in idx]
         s = aggregate([r for r in rows if r["config"] == k])
-        out["configs"][k] = {"sampled_tokens_per_step": s["tokens_per_step"], "sampled_tokens_per_s": s["tokens_per_s"],
-                             "greedy_tokens_per_step": aggregate(g)["tokens_per_step"] if g else None}
+        out["configs"][k] = {
+            "sampled_tokens_per_step": s["tokens_per_step"],
+            "sampled_tokens_per_s": s["tokens_per_s"],
+            "greedy_tokens_per_step": aggregate(g)["tokens_per_step"] if g else None,
+        }
     return out
 
 
@@ -366,15 +448,19 @@ def run_sampling(engine: Any, prompts: list[Prompt], idx: list[int], greedy_rows
 def write_markdown(report: dict[str, Any], path: Path) -> str:
     L: list[str] = []
     proj = report.get("projection")
-    L.append(f"# Acceptance on the real pair ({report['device']}): {report['target']} verifies, "
-             f"{report['draft']} drafts\n")
+    L.append(
+        f"# Acceptance on the real pair ({report['device']}): {report['target']} verifies, {report['draft']} drafts\n"
+    )
     L.append(f"{report['what']}\n")
     L.append(f"Early stop of the trees' growth: {report['grow_cost']}.\n")
     nk = {k: sum(p["kind"] == k for p in report["prompts"]) for k in KINDS}
     fewer = "; ".join(f"budget {b} on prompts {v} only" for b, v in report["budget_prompts"].items())
-    L.append(f"{nk['code']} code prompts (CPython stdlib sources) and {nk['prose']} prose prompts "
-             f"(pydoc_data/topics.py), {report['new_tokens']} greedy tokens each"
-             + (f"; {fewer} (their ratio to chain's best uses chain on the same prompts)" if fewer else "") + ".\n")
+    L.append(
+        f"{nk['code']} code prompts (CPython stdlib sources) and {nk['prose']} prose prompts "
+        f"(pydoc_data/topics.py), {report['new_tokens']} greedy tokens each"
+        + (f"; {fewer} (their ratio to chain's best uses chain on the same prompts)" if fewer else "")
+        + ".\n"
+    )
     if proj:
         L.append(f"**Projection, not measured**: the last columns are {proj['what']}: {proj['how']}\n")
     for kind in KINDS:
@@ -383,8 +469,10 @@ def write_markdown(report: dict[str, Any], path: Path) -> str:
             continue
         ar = sec["ar"]["tokens_per_s"]
         L.append(f"\n## {kind.capitalize()}\n")
-        head = ("| method | prompts | tokens/step | draft passes/step | draft s/step | target s/step "
-                "| tok/s (measured) | x AR |")
+        head = (
+            "| method | prompts | tokens/step | draft passes/step | draft s/step | target s/step "
+            "| tok/s (measured) | x AR |"
+        )
         if proj:
             head += " projected tok/s on GPU (projection, not measured) | projected x AR |"
         L.append(head)
@@ -393,23 +481,30 @@ def write_markdown(report: dict[str, Any], path: Path) -> str:
         rows += [(k, f"specexec {b}") for b, k in _spec_keys(sec)]
         for k, name in rows:
             s = sec[k]
-            line = (f"| {name} | {s['prompts']} | {s['tokens_per_step']:.2f} | {s['draft_passes_per_step']:.1f} | "
-                    f"{s['draft_s_per_step']:.3f} | {s['target_s_per_step']:.3f} | {s['tokens_per_s']:.2f} | "
-                    f"{s['tokens_per_s'] / ar:.2f} |")
+            line = (
+                f"| {name} | {s['prompts']} | {s['tokens_per_step']:.2f} | {s['draft_passes_per_step']:.1f} | "
+                f"{s['draft_s_per_step']:.3f} | {s['target_s_per_step']:.3f} | {s['tokens_per_s']:.2f} | "
+                f"{s['tokens_per_s'] / ar:.2f} |"
+            )
             if proj:
-                line += (f" {s['projected_tok_s_gpu']:.2f} | "
-                         f"{s['projected_tok_s_gpu'] / sec['ar']['projected_tok_s_gpu']:.2f} |")
+                line += (
+                    f" {s['projected_tok_s_gpu']:.2f} | "
+                    f"{s['projected_tok_s_gpu'] / sec['ar']['projected_tok_s_gpu']:.2f} |"
+                )
             L.append(line)
         ck, cb = _chain_best(sec)
         L.append(f"\nChain's best: {ck.replace('chain:', 'γ=')} at {cb:.2f} tokens/step.")
     L.append("\n## Tree shapes (specexec, greedy, every step of every prompt)\n")
-    L.append("| budget | steps | draft passes/step | draft tokens/step "
-             "| tokens per pass (mean over the steps reaching it) |")
+    L.append(
+        "| budget | steps | draft passes/step | draft tokens/step | tokens per pass (mean over the steps reaching it) |"
+    )
     L.append("|---:|---:|---:|---:|---|")
     for b, s in sorted(report["tree_shapes"]["all"].items(), key=lambda kv: int(kv[0])):
         if s["steps"]:
-            L.append(f"| {b} | {s['steps']} | {s['passes']:.1f} | {s['draft_tokens_per_step']:.0f} | "
-                     f"{' '.join(str(round(x)) for x in s['beams_per_pass'])} |")
+            L.append(
+                f"| {b} | {s['steps']} | {s['passes']:.1f} | {s['draft_tokens_per_step']:.0f} | "
+                f"{' '.join(str(round(x)) for x in s['beams_per_pass'])} |"
+            )
     L.append("\nPass 0 is the catch-up pass (the tokens the draft cache lacks, the root included).\n")
     smp = report.get("sampling") or {}
     if smp:
@@ -478,8 +573,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 # -- main --------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default=TARGET)
     p.add_argument("--draft", default=DRAFT)
     p.add_argument("--device", default="cpu")
@@ -489,23 +585,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt and config")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="specexec tree budgets")
     p.add_argument("--gammas", default=",".join(map(str, GAMMAS)), help="chain draft lengths")
-    p.add_argument("--budget-prompts", default="512:4,1024:4",
-                   help="budget:prompts pairs: run those budgets on fewer prompts (the first, half code half prose)")
+    p.add_argument(
+        "--budget-prompts",
+        default="512:4,1024:4",
+        help="budget:prompts pairs: run those budgets on fewer prompts (the first, half code half prose)",
+    )
     p.add_argument("--min-prompt-tokens", type=int, default=100)
     p.add_argument("--max-prompt-tokens", type=int, default=200)
-    p.add_argument("--grow-cost", default="engine",
-                   help="the trees' early stop: 'engine' (the engine's own policy; 'cpu' is an alias), 'off' (full "
-                        "growth to max_depth), or a bench_e2e JSON (weigh that GPU's measured costs)")
-    p.add_argument("--project-gpu", default=None,
-                   help=f"a bench_e2e JSON: add projected_tok_s_gpu ({PROJECTION}) from the runs' recorded steps")
+    p.add_argument(
+        "--grow-cost",
+        default="engine",
+        help="the trees' early stop: 'engine' (the engine's own policy; 'cpu' is an alias), 'off' (full "
+        "growth to max_depth), or a bench_e2e JSON (weigh that GPU's measured costs)",
+    )
+    p.add_argument(
+        "--project-gpu",
+        default=None,
+        help=f"a bench_e2e JSON: add projected_tok_s_gpu ({PROJECTION}) from the runs' recorded steps",
+    )
     p.add_argument("--sampling-prompts", type=int, default=4, help="prompts for the sampled runs (0: skip)")
     p.add_argument("--sampling-budgets", default="16,64")
     p.add_argument("--sampling-gamma", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs")
-    p.add_argument("--quick", action="store_true",
-                   help="4 prompts, 16 tokens, budgets 8,32,128, gammas 1..4; 2 sampled prompts")
+    p.add_argument(
+        "--quick", action="store_true", help="4 prompts, 16 tokens, budgets 8,32,128, gammas 1..4; 2 sampled prompts"
+    )
     p.add_argument("--out", default="docs/bench_acceptance.json")
     p.add_argument("--md", default="docs/bench_acceptance.md")
     p.add_argument("--png", default="docs/bench_acceptance.png")
@@ -537,23 +643,31 @@ def main(argv: list[str] | None = None) -> int:
 
     wall0 = time.perf_counter()
     gpu = GpuCosts.load(args.project_gpu) if args.project_gpu else None
-    engine = api.load(args.target, args.draft, device=args.device, dtype=args.dtype, context=args.context,
-                      progress=False)
+    engine = api.load(
+        args.target, args.draft, device=args.device, dtype=args.dtype, context=args.context, progress=False
+    )
     n_code = (args.prompts + 1) // 2
-    prompts = make_prompts(engine.tokenizer.tokenizer, n_code, args.prompts - n_code, args.min_prompt_tokens,
-                           args.max_prompt_tokens)
-    log(f"loaded in {time.perf_counter() - wall0:.0f} s; {len(prompts)} prompts "
-        f"({', '.join(str(len(p.ids)) for p in prompts)} tokens)")
+    prompts = make_prompts(
+        engine.tokenizer.tokenizer, n_code, args.prompts - n_code, args.min_prompt_tokens, args.max_prompt_tokens
+    )
+    log(
+        f"loaded in {time.perf_counter() - wall0:.0f} s; {len(prompts)} prompts "
+        f"({', '.join(str(len(p.ids)) for p in prompts)} tokens)"
+    )
     by_kind = {k: [i for i, p in enumerate(prompts) if p.kind == k] for k in KINDS}
 
     def subset(n: int) -> list[int]:
         return by_kind["code"][: (n + 1) // 2] + by_kind["prose"][: n // 2]
 
-    budget_set = {b: set(subset(args.budget_prompts[b])) if b in args.budget_prompts else set(range(len(prompts)))
-                  for b in args.budgets}
+    budget_set = {
+        b: set(subset(args.budget_prompts[b])) if b in args.budget_prompts else set(range(len(prompts)))
+        for b in args.budgets
+    }
     configs = [("ar", 0)] + [("chain", g) for g in args.gammas] + [("specexec", b) for b in args.budgets]
-    grow_desc = {"engine": "the engine's own fixed-budget policy (on a CPU: early stop, costs measured as it runs)",
-                 "off": "off: every tree grows up to max_depth levels"}.get(args.grow_cost)
+    grow_desc = {
+        "engine": "the engine's own fixed-budget policy (on a CPU: early stop, costs measured as it runs)",
+        "off": "off: every tree grows up to max_depth levels",
+    }.get(args.grow_cost)
     grow_desc = grow_desc or f"weighs {args.grow_costs.describe()}"
     log(f"early stop: {grow_desc}")
 
@@ -572,13 +686,21 @@ def main(argv: list[str] | None = None) -> int:
             if m == "ar":
                 ar_tokens = r.tokens
             rows.append(row_of(i, p, m, v, r, ar_tokens, gpu))
-        tps = " ".join(f"{r['config'].replace('specexec:', 's').replace('chain:', 'c')}="
-                       f"{r['stats']['tokens_per_step']:.1f}" for r in rows if r["prompt"] == i and r["method"] != "ar")
-        log(f"prompt {i + 1}/{len(prompts)} {p.kind} {p.source} ({len(p.ids)} tok): "
-            f"{time.perf_counter() - t0:.0f} s; tokens/step {tps}")
+        tps = " ".join(
+            f"{r['config'].replace('specexec:', 's').replace('chain:', 'c')}={r['stats']['tokens_per_step']:.1f}"
+            for r in rows
+            if r["prompt"] == i and r["method"] != "ar"
+        )
+        log(
+            f"prompt {i + 1}/{len(prompts)} {p.kind} {p.source} ({len(p.ids)} tok): "
+            f"{time.perf_counter() - t0:.0f} s; tokens/step {tps}"
+        )
     greedy, shapes = summarise(rows, prompts)
-    mismatch = [f"prompt {r['prompt']} {r['config']}: first difference at token {r['first_difference']}"
-                for r in rows if not r["tokens_equal_ar"]]
+    mismatch = [
+        f"prompt {r['prompt']} {r['config']}: first difference at token {r['first_difference']}"
+        for r in rows
+        if not r["tokens_equal_ar"]
+    ]
 
     sampling_res: dict[str, Any] = {}
     if args.sampling_prompts:
@@ -591,26 +713,50 @@ def main(argv: list[str] | None = None) -> int:
     tc = TreeConfig()
     report: dict[str, Any] = {
         "what": "real engine runs (Engine.generate, the library's decode loop), greedy unless stated; tokens/step "
-                "and tok/s are measured (tok/s: new tokens / decode seconds, prefill excluded).",
-        "target": args.target, "draft": args.draft, "device": str(engine.target.device),
-        "new_tokens": args.new_tokens, "tree": asdict(tc), "grow_cost": grow_desc,
+        "and tok/s are measured (tok/s: new tokens / decode seconds, prefill excluded).",
+        "target": args.target,
+        "draft": args.draft,
+        "device": str(engine.target.device),
+        "new_tokens": args.new_tokens,
+        "tree": asdict(tc),
+        "grow_cost": grow_desc,
         "cap": f"max_depth {tc.max_depth} caps a step at {tc.max_depth + 1} tokens",
         "budget_prompts": {str(b): sorted(budget_set[b]) for b in args.budgets if len(budget_set[b]) < len(prompts)},
-        "env": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "machine": platform.machine(), "cpus": os.cpu_count(), "nice": os.nice(0),
-                "loadavg_end": os.getloadavg()},
-        "prompts": [{"kind": p.kind, "source": p.source, "lines": list(p.lines), "prompt_tokens": len(p.ids),
-                     "text_head": p.text[:60]} for p in prompts],
-        "greedy": greedy, "tree_shapes": shapes, "runs": rows, "sampling": sampling_res,
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "nice": os.nice(0),
+            "loadavg_end": os.getloadavg(),
+        },
+        "prompts": [
+            {
+                "kind": p.kind,
+                "source": p.source,
+                "lines": list(p.lines),
+                "prompt_tokens": len(p.ids),
+                "text_head": p.text[:60],
+            }
+            for p in prompts
+        ],
+        "greedy": greedy,
+        "tree_shapes": shapes,
+        "runs": rows,
+        "sampling": sampling_res,
         "checks": {"greedy_differs_from_ar": mismatch},
         "goals": goals(greedy),
     }
     if gpu is not None:
         report["projection"] = {
-            "what": PROJECTION, "fields": ["projected_tok_s_gpu", "projected_s_gpu"], "costs": gpu.describe(),
+            "what": PROJECTION,
+            "fields": ["projected_tok_s_gpu", "projected_s_gpu"],
+            "costs": gpu.describe(),
             "how": "tokens / sum over the same real runs' recorded steps of the GPU's cost of that step (graphed "
-                   "draft pass per recorded pass + bookkeeping per level + NF4 70B-shaped verify for the tree size; "
-                   "AR: its streamed 1-token step). The acceptance is this pair's; the seconds are that GPU's."}
+            "draft pass per recorded pass + bookkeeping per level + NF4 70B-shaped verify for the tree size; "
+            "AR: its streamed 1-token step). The acceptance is this pair's; the seconds are that GPU's.",
+        }
     report["wall_s"] = time.perf_counter() - wall0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,23 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 PROMPTS = (
     "def quicksort(arr):",
-    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n",
+    'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and return a dict."""\n',
     "The history of the printing press begins in",
     "class LRUCache:\n    def __init__(self, capacity: int):\n",
 )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="model alias, HF dir or HF id")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and implementation")
     p.add_argument("--context", type=int, default=4096, help="our engine's context (prompt + answer)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    p.add_argument("--separate-weights", action="store_true",
-                   help="load our model with our own loader (2x the RAM) instead of sharing transformers' tensors")
+    p.add_argument(
+        "--separate-weights",
+        action="store_true",
+        help="load our model with our own loader (2x the RAM) instead of sharing transformers' tensors",
+    )
     p.add_argument("--out", default="docs/bench_ar.json", help="JSON output path")
     return p.parse_args(argv)
 
@@ -70,7 +74,7 @@ def shared_transformer(hf: Any, path: Path) -> Any:
         start = 0
         for m in mods:
             rows = getattr(m, attr).shape[0]
-            setattr(m, attr, torch.nn.Parameter(fused[start:start + rows], requires_grad=False))
+            setattr(m, attr, torch.nn.Parameter(fused[start : start + rows], requires_grad=False))
             start += rows
         return fused
 
@@ -93,8 +97,9 @@ def shared_transformer(hf: Any, path: Path) -> Any:
     embed = hf.model.embed_tokens.weight.detach()
     lm = hf.lm_head.weight.detach()
     glob = Globals(embed=embed, norm=hf.model.norm.weight.detach(), lm_head=embed if cfg.tie_word_embeddings else lm)
-    return Transformer(cfg=cfg, globals=glob, layers=ResidentLayers(layers), device=torch.device("cpu"),
-                       dtype=torch.float32)
+    return Transformer(
+        cfg=cfg, globals=glob, layers=ResidentLayers(layers), device=torch.device("cpu"), dtype=torch.float32
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     def run_hf(ids: list[int], n: int) -> tuple[list[int], float]:
         x = torch.tensor([ids])
         t = time.perf_counter()
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                          use_cache=True, eos_token_id=eos, temperature=None, top_p=None, top_k=None)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t
+        out = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            eos_token_id=eos,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        return out[0, len(ids) :].tolist(), time.perf_counter() - t
 
     warm = engine.encode("def f(x):")
     run_ours(warm, 4)
@@ -160,36 +174,54 @@ def main(argv: list[str] | None = None) -> int:
                     hf_s.append(s)
         n = len(o_tok)
         row = {
-            "prompt": prompt, "prompt_tokens": len(ids), "new_tokens": n, "hf_new_tokens": len(h_tok),
+            "prompt": prompt,
+            "prompt_tokens": len(ids),
+            "new_tokens": n,
+            "hf_new_tokens": len(h_tok),
             "identical": o_tok == h_tok,
-            "ours_s": statistics.median(ours_s), "hf_s": statistics.median(hf_s),
-            "ours_tok_s": n / statistics.median(ours_s), "hf_tok_s": len(h_tok) / statistics.median(hf_s),
+            "ours_s": statistics.median(ours_s),
+            "hf_s": statistics.median(hf_s),
+            "ours_tok_s": n / statistics.median(ours_s),
+            "hf_tok_s": len(h_tok) / statistics.median(hf_s),
             "ours_decode_tok_s": statistics.median(ours_dec),
         }
         if not row["identical"]:
             k = next((j for j, (a, b) in enumerate(zip(o_tok, h_tok)) if a != b), min(len(o_tok), len(h_tok)))
             row["first_difference"] = k
         rows.append(row)
-        print(f"[{i + 1}/{args.prompts}] ours {row['ours_tok_s']:.2f} tok/s, transformers {row['hf_tok_s']:.2f} "
-              f"tok/s, identical={row['identical']}", flush=True)
+        print(
+            f"[{i + 1}/{args.prompts}] ours {row['ours_tok_s']:.2f} tok/s, transformers {row['hf_tok_s']:.2f} "
+            f"tok/s, identical={row['identical']}",
+            flush=True,
+        )
 
     ours_total = sum(r["new_tokens"] for r in rows) / sum(r["ours_s"] for r in rows)
     hf_total = sum(r["hf_new_tokens"] for r in rows) / sum(r["hf_s"] for r in rows)
     summary = {
-        "ours_tok_s": ours_total, "hf_tok_s": hf_total, "ratio": ours_total / hf_total,
-        "all_identical": all(r["identical"] for r in rows), "goal": "ours >= 1.0x transformers",
+        "ours_tok_s": ours_total,
+        "hf_tok_s": hf_total,
+        "ratio": ours_total / hf_total,
+        "all_identical": all(r["identical"] for r in rows),
+        "goal": "ours >= 1.0x transformers",
         "goal_met": ours_total / hf_total >= 1.0,
     }
     report: dict[str, Any] = {
         "what": "greedy AR decoding, ours (Engine method=ar) vs transformers generate(use_cache=True), fp32, CPU; "
-                "tokens/s over the whole call (prefill included); median of --repeats runs",
-        "target": args.target, "path": str(path), "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "tokens/s over the whole call (prefill included); median of --repeats runs",
+        "target": args.target,
+        "path": str(path),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
         "load_s": {"ours": ours_load, "transformers": hf_load},
         "weights": "ours loaded separately" if args.separate_weights else "ours shares transformers' tensors",
-        "rows": rows, "summary": summary,
-        "loadavg_start_end": [load_start, os.getloadavg()], "wall_s": time.perf_counter() - wall0,
+        "rows": rows,
+        "summary": summary,
+        "loadavg_start_end": [load_start, os.getloadavg()],
+        "wall_s": time.perf_counter() - wall0,
     }
 
     print()
@@ -197,12 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         name = r["prompt"].splitlines()[0][:32].replace("|", "\\|")
-        print(f"| `{name}` | {r['prompt_tokens']} | {r['new_tokens']} | {r['ours_tok_s']:.2f} | {r['hf_tok_s']:.2f} "
-              f"| {r['ours_tok_s'] / r['hf_tok_s']:.2f}x | {'yes' if r['identical'] else 'NO'} |")
-    print(f"| **all** | | {sum(r['new_tokens'] for r in rows)} | **{ours_total:.2f}** | **{hf_total:.2f}** "
-          f"| **{summary['ratio']:.2f}x** | {'yes' if summary['all_identical'] else 'NO'} |")
-    print(f"\ngoal ours >= 1.0x transformers: {'met' if summary['goal_met'] else 'NOT met'} "
-          f"({summary['ratio']:.2f}x); token ids identical: {summary['all_identical']}")
+        print(
+            f"| `{name}` | {r['prompt_tokens']} | {r['new_tokens']} | {r['ours_tok_s']:.2f} | {r['hf_tok_s']:.2f} "
+            f"| {r['ours_tok_s'] / r['hf_tok_s']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
+        )
+    print(
+        f"| **all** | | {sum(r['new_tokens'] for r in rows)} | **{ours_total:.2f}** | **{hf_total:.2f}** "
+        f"| **{summary['ratio']:.2f}x** | {'yes' if summary['all_identical'] else 'NO'} |"
+    )
+    print(
+        f"\ngoal ours >= 1.0x transformers: {'met' if summary['goal_met'] else 'NOT met'} "
+        f"({summary['ratio']:.2f}x); token ids identical: {summary['all_identical']}"
+    )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPTS = [
     "def quicksort(arr):",
-    "import os\n\ndef walk_files(root):\n    \"\"\"Yield every file path under root.\"\"\"\n",
+    'import os\n\ndef walk_files(root):\n    """Yield every file path under root."""\n',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
     "The French Revolution began in 1789 when",
     "A binary search tree is a data structure in which",
@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     import specexec
     from specexec.config import TreeConfig
 
-    engine = specexec.load(a.target, a.draft, device=a.device, context=2048, progress=False,
-                           tree=TreeConfig(budget=64, auto=True, max_budget=1024))
+    engine = specexec.load(
+        a.target,
+        a.draft,
+        device=a.device,
+        context=2048,
+        progress=False,
+        tree=TreeConfig(budget=64, auto=True, max_budget=1024),
+    )
     prompts = PROMPTS[: a.prompts]
     configs = [("fixed", int(b)) for b in a.budgets.split(",")] + [("auto", None)]
     engine.generate(prompts[0], 4, tree=TreeConfig(budget=8))  # warm-up
@@ -65,12 +71,22 @@ def main(argv: list[str] | None = None) -> int:
                 same &= ref[pr] == r.tokens
             else:
                 ref[pr] = r.tokens
-        row = {"config": kind if b is None else f"budget {b}", "tokens": toks, "decode_s": secs,
-               "tokens_per_s": toks / secs, "tokens_per_step": toks / steps, "calibration_s": calib,
-               "budgets_chosen": chosen if kind == "auto" else None, "same_tokens": same}
+        row = {
+            "config": kind if b is None else f"budget {b}",
+            "tokens": toks,
+            "decode_s": secs,
+            "tokens_per_s": toks / secs,
+            "tokens_per_step": toks / steps,
+            "calibration_s": calib,
+            "budgets_chosen": chosen if kind == "auto" else None,
+            "same_tokens": same,
+        }
         rows.append(row)
-        print(f"{row['config']:>12}: {row['tokens_per_s']:.2f} tok/s, {row['tokens_per_step']:.2f} tok/step"
-              + (f", chose {chosen}, calibration {calib:.1f}s" if kind == "auto" else ""), flush=True)
+        print(
+            f"{row['config']:>12}: {row['tokens_per_s']:.2f} tok/s, {row['tokens_per_step']:.2f} tok/step"
+            + (f", chose {chosen}, calibration {calib:.1f}s" if kind == "auto" else ""),
+            flush=True,
+        )
     best = max((r for r in rows if r["config"] != "auto"), key=lambda r: r["tokens_per_s"])
     auto = rows[-1]
     ratio = auto["tokens_per_s"] / best["tokens_per_s"]
@@ -79,9 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['tokens_per_step']:.2f} | {r['same_tokens']} |")
     print(f"\nauto / best fixed ({best['config']}): {ratio:.2f} (goal >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"rows": rows, "best_fixed": best["config"], "auto_over_best": ratio,
-                                 "prompts": len(prompts), "new_tokens": a.new_tokens, "device": a.device,
-                                 "time": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    a.out.write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "best_fixed": best["config"],
+                "auto_over_best": ratio,
+                "prompts": len(prompts),
+                "new_tokens": a.new_tokens,
+                "device": a.device,
+                "time": time.strftime("%Y-%m-%d %H:%M"),
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {a.out}")
     return 0
 

@@ -41,9 +41,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -57,15 +58,54 @@ GOAL_VS_HF = 1.3
 GOAL_FLOOR = 0.95
 
 # Pure-Python stdlib modules whose public functions have docstrings (missing ones are skipped).
-CODE_MODULES = ("textwrap", "fnmatch", "statistics", "heapq", "shlex", "string", "json", "base64", "calendar",
-                "difflib", "glob", "posixpath", "colorsys", "html", "ipaddress", "linecache", "mimetypes", "pprint",
-                "quopri", "shutil", "tempfile", "tokenize", "urllib.parse", "uuid", "gettext", "copy", "inspect",
-                "secrets", "dataclasses", "functools", "keyword", "bisect", "random", "csv", "zipfile", "locale",
-                "ntpath", "platform", "sysconfig", "warnings")
+CODE_MODULES = (
+    "textwrap",
+    "fnmatch",
+    "statistics",
+    "heapq",
+    "shlex",
+    "string",
+    "json",
+    "base64",
+    "calendar",
+    "difflib",
+    "glob",
+    "posixpath",
+    "colorsys",
+    "html",
+    "ipaddress",
+    "linecache",
+    "mimetypes",
+    "pprint",
+    "quopri",
+    "shutil",
+    "tempfile",
+    "tokenize",
+    "urllib.parse",
+    "uuid",
+    "gettext",
+    "copy",
+    "inspect",
+    "secrets",
+    "dataclasses",
+    "functools",
+    "keyword",
+    "bisect",
+    "random",
+    "csv",
+    "zipfile",
+    "locale",
+    "ntpath",
+    "platform",
+    "sysconfig",
+    "warnings",
+)
 GROUNDED_TASKS = (
     ("hints", "Add type hints to this function. Reply with the complete function.\n\n```python\n{code}\n```"),
-    ("rename", "Rewrite this code with clearer variable names, keeping its behaviour the same.\n\n"
-               "```python\n{code}\n```"),
+    (
+        "rename",
+        "Rewrite this code with clearer variable names, keeping its behaviour the same.\n\n```python\n{code}\n```",
+    ),
     ("docstring", "Write a docstring for this function and show the function with it.\n\n```python\n{code}\n```"),
     ("translate", "Translate this Python function to JavaScript.\n\n```python\n{code}\n```"),
     ("summarize", "Summarize the following text in a short paragraph.\n\n{text}"),
@@ -129,7 +169,7 @@ def _without_docstring(src: str) -> str:
     node = ast.parse(src).body[0]
     first = node.body[0]
     lines = src.splitlines()
-    return "\n".join(lines[: first.lineno - 1] + lines[first.end_lineno:])
+    return "\n".join(lines[: first.lineno - 1] + lines[first.end_lineno :])
 
 
 def _pydoc_texts(chars: int) -> list[tuple[str, str]]:
@@ -167,10 +207,16 @@ def build_prompts(sets: tuple[str, ...], n: int) -> dict[str, list[Prompt]]:
     if "grounded" in sets:
         # whole functions of moderate size (at least 5 lines of code besides the docstring), not in the code set
         used = {p.name for p in code}  # the same choice whichever sets run
-        bodies = [(q, s) for q, _, s in funcs if q not in used and len(s) <= 2000 and _header_and_docstring(s)
-                  and _without_docstring(s).strip().count("\n") >= 5]
+        bodies = [
+            (q, s)
+            for q, _, s in funcs
+            if q not in used
+            and len(s) <= 2000
+            and _header_and_docstring(s)
+            and _without_docstring(s).strip().count("\n") >= 5
+        ]
         texts = _pydoc_texts(1500)
-        texts = texts[len(texts) // 2:] + texts[: len(texts) // 2]  # not the same openings as the prose set
+        texts = texts[len(texts) // 2 :] + texts[: len(texts) // 2]  # not the same openings as the prose set
         grounded, bi, ti = [], 0, 0
         for i in range(n):
             kind, template = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
@@ -254,8 +300,15 @@ class Runner:
         self.tree_default = default_tree()
         # load with room for the largest tree any configuration grows, so no run reallocates (and recalibrates)
         load_tree = default_tree(max([2048] + fixed))
-        self.engine = api.load(args.target, args.draft, device="cpu", dtype=args.dtype, context=args.context,
-                               tree=load_tree, progress=False)
+        self.engine = api.load(
+            args.target,
+            args.draft,
+            device="cpu",
+            dtype=args.dtype,
+            context=args.context,
+            tree=load_tree,
+            progress=False,
+        )
         self.tok = self.engine.tokenizer.tokenizer
         self.eos = sorted(self.engine.tokenizer.eos_ids)
         self.samp = SamplingConfig(temperature=args.temperature, seed=args.seed)
@@ -296,19 +349,28 @@ class Runner:
 
         tree, chain = self.tree_default, ChainConfig()
         if c.method == "specexec" and c.param:
-            tree = self.tree_default if c.param == "auto" else replace(self.tree_default, budget=int(c.param),
-                                                                      auto=False)
+            tree = (
+                self.tree_default if c.param == "auto" else replace(self.tree_default, budget=int(c.param), auto=False)
+            )
         elif c.method == "chain" and c.param:
             chain = ChainConfig(gamma=int(c.param))
         self.engine.reset()  # cold cache: every configuration prefills the prompt
         t = time.perf_counter()
-        r = self.engine.generate(ids, max_new, method=c.method, sampling_cfg=replace(self.samp, seed=seed),
-                                 tree=tree, chain=chain)
+        r = self.engine.generate(
+            ids, max_new, method=c.method, sampling_cfg=replace(self.samp, seed=seed), tree=tree, chain=chain
+        )
         dt = time.perf_counter() - t
         s = r.stats
-        rec = {"tokens": len(r.tokens), "seconds": dt, "tok_s": len(r.tokens) / dt if dt > 0 else 0.0,
-               "steps": s.steps, "tokens_per_step": s.tokens_per_step, "decode_tok_s": s.tokens_per_s,
-               "prefill_s": s.prefill_s, "ids": list(r.tokens)}
+        rec = {
+            "tokens": len(r.tokens),
+            "seconds": dt,
+            "tok_s": len(r.tokens) / dt if dt > 0 else 0.0,
+            "steps": s.steps,
+            "tokens_per_step": s.tokens_per_step,
+            "decode_tok_s": s.tokens_per_s,
+            "prefill_s": s.prefill_s,
+            "ids": list(r.tokens),
+        }
         if s.budgets:
             rec["budgets"] = {str(k): v for k, v in sorted(s.budgets.items())}
         if s.calibration_s:
@@ -335,8 +397,14 @@ class Runner:
                 pass
 
         greedy = self.args.temperature == 0
-        gen = dict(max_new_tokens=max_new, do_sample=not greedy, num_beams=1, repetition_penalty=1.0,
-                   eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None)
+        gen = dict(
+            max_new_tokens=max_new,
+            do_sample=not greedy,
+            num_beams=1,
+            repetition_penalty=1.0,
+            eos_token_id=self.eos,
+            pad_token_id=self.eos[0] if self.eos else None,
+        )
         if not greedy:
             gen.update(temperature=self.args.temperature, top_k=0, top_p=1.0)
         kw: dict[str, Any] = {}
@@ -353,14 +421,21 @@ class Runner:
             torch.manual_seed(seed)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(**gen),
-                                 streamer=steps, **kw)
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(**gen), streamer=steps, **kw
+            )
         dt = time.perf_counter() - t
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         n_steps = max(steps.puts - 1, 1)
-        return {"tokens": len(new), "seconds": dt, "tok_s": len(new) / dt if dt > 0 else 0.0, "steps": n_steps,
-                "tokens_per_step": len(new) / n_steps,
-                "ttft_s": (steps.first - t) if steps.first is not None else None, "ids": new}
+        return {
+            "tokens": len(new),
+            "seconds": dt,
+            "tok_s": len(new) / dt if dt > 0 else 0.0,
+            "steps": n_steps,
+            "tokens_per_step": len(new) / n_steps,
+            "ttft_s": (steps.first - t) if steps.first is not None else None,
+            "ids": new,
+        }
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -370,8 +445,9 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_all(runner: Runner, prompts: dict[str, list[Prompt]], configs: list[Config], max_new: int,
-            log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_all(
+    runner: Runner, prompts: dict[str, list[Prompt]], configs: list[Config], max_new: int, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """Every configuration on each prompt, back to back; the order rotates by one per prompt."""
     greedy = runner.args.temperature == 0
     records = []
@@ -379,20 +455,28 @@ def run_all(runner: Runner, prompts: dict[str, list[Prompt]], configs: list[Conf
     for set_name, plist in prompts.items():
         for pi, p in enumerate(plist):
             ids = runner.encode(p)
-            order = configs[k % len(configs):] + configs[: k % len(configs)]
+            order = configs[k % len(configs) :] + configs[: k % len(configs)]
             k += 1
             seed = None if greedy else runner.args.seed + k
             got = {}
             for c in order:
                 rec = runner.run(c, ids, max_new, seed)
                 got[c.name] = rec
-                log(f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
-                    f"{rec['tok_s']:7.2f} tok/s {rec['tokens_per_step']:5.2f} tok/step")
+                log(
+                    f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
+                    f"{rec['tok_s']:7.2f} tok/s {rec['tokens_per_step']:5.2f} tok/step"
+                )
             ref = got.get("ours-ar", {}).get("ids")
             for c in configs:
                 rec = got[c.name]
-                row = {"set": set_name, "prompt": p.name, "prompt_tokens": len(ids), "config": c.name,
-                       "order": order.index(c), **{k2: v for k2, v in rec.items() if k2 != "ids"}}
+                row = {
+                    "set": set_name,
+                    "prompt": p.name,
+                    "prompt_tokens": len(ids),
+                    "config": c.name,
+                    "order": order.index(c),
+                    **{k2: v for k2, v in rec.items() if k2 != "ids"},
+                }
                 if greedy and ref is not None and c.name != "ours-ar":
                     d = _first_diff(ref, rec["ids"])
                     row["match_ar"] = d is None
@@ -415,8 +499,14 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
             rs = by[c.name]
             tokens, secs = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
             steps = sum(r["steps"] for r in rs)
-            s = {"side": c.side, "prompts": len(rs), "tokens": tokens, "seconds": secs,
-                 "tok_s": tokens / secs if secs > 0 else 0.0, "tokens_per_step": tokens / max(steps, 1)}
+            s = {
+                "side": c.side,
+                "prompts": len(rs),
+                "tokens": tokens,
+                "seconds": secs,
+                "tok_s": tokens / secs if secs > 0 else 0.0,
+                "tokens_per_step": tokens / max(steps, 1),
+            }
             if c.side == "ours":
                 dec = [r["tokens"] / r["decode_tok_s"] for r in rs if r.get("decode_tok_s")]
                 s["decode_tok_s"] = tokens / sum(dec) if dec and sum(dec) > 0 else None
@@ -430,12 +520,18 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
             s = summ[c.name]
             s["vs_our_ar"] = s["tok_s"] / ar if ar else None
             s["vs_best_hf_speculative"] = s["tok_s"] / hf_best if hf_best else None
-            ratios = [r["tok_s"] / ar_by_prompt[r["prompt"]]["tok_s"] for r in by[c.name]
-                      if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]]["tok_s"] > 0]
+            ratios = [
+                r["tok_s"] / ar_by_prompt[r["prompt"]]["tok_s"]
+                for r in by[c.name]
+                if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]]["tok_s"] > 0
+            ]
             s["min_prompt_vs_our_ar"] = min(ratios) if ratios else None
             if c.side == "ours":
-                dec = [r["decode_tok_s"] / ar_by_prompt[r["prompt"]]["decode_tok_s"] for r in by[c.name]
-                       if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]].get("decode_tok_s")]
+                dec = [
+                    r["decode_tok_s"] / ar_by_prompt[r["prompt"]]["decode_tok_s"]
+                    for r in by[c.name]
+                    if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]].get("decode_tok_s")
+                ]
                 s["min_prompt_decode_vs_our_ar"] = min(dec) if dec else None
         best_hf_name = max((n for n in HF_SPECULATIVE if n in summ), key=lambda n: summ[n]["tok_s"], default=None)
         sets[set_name] = {"configs": summ, "best_hf_speculative": best_hf_name}
@@ -451,14 +547,23 @@ def goals(sets: dict[str, Any]) -> dict[str, Any]:
             continue
         g: dict[str, Any] = {}
         if set_name in GOAL_VS_AR and s["vs_our_ar"] is not None:
-            g["vs_our_ar"] = {"goal": GOAL_VS_AR[set_name], "got": s["vs_our_ar"],
-                              "met": s["vs_our_ar"] >= GOAL_VS_AR[set_name]}
+            g["vs_our_ar"] = {
+                "goal": GOAL_VS_AR[set_name],
+                "got": s["vs_our_ar"],
+                "met": s["vs_our_ar"] >= GOAL_VS_AR[set_name],
+            }
         if s["vs_best_hf_speculative"] is not None:
-            g["vs_best_hf_speculative"] = {"goal": GOAL_VS_HF, "got": s["vs_best_hf_speculative"],
-                                           "met": s["vs_best_hf_speculative"] >= GOAL_VS_HF}
+            g["vs_best_hf_speculative"] = {
+                "goal": GOAL_VS_HF,
+                "got": s["vs_best_hf_speculative"],
+                "met": s["vs_best_hf_speculative"] >= GOAL_VS_HF,
+            }
         if s["min_prompt_vs_our_ar"] is not None:
-            g["min_prompt_vs_our_ar"] = {"goal": GOAL_FLOOR, "got": s["min_prompt_vs_our_ar"],
-                                         "met": s["min_prompt_vs_our_ar"] >= GOAL_FLOOR}
+            g["min_prompt_vs_our_ar"] = {
+                "goal": GOAL_FLOOR,
+                "got": s["min_prompt_vs_our_ar"],
+                "met": s["min_prompt_vs_our_ar"] >= GOAL_FLOOR,
+            }
         out[set_name] = g
     return out
 
@@ -469,29 +574,47 @@ def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     m = report["meta"]
-    lines = [f"### CPU benchmark: {m['target']} + {m['draft']}, {m['date']}", "",
-             f"{m['machine']}; torch {m['torch']} ({m['threads']} threads), transformers {m['transformers']}; "
-             f"our dtype {m['dtype']}; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
-             f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
-             + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else ""), "",
-             "tok/s = new tokens / seconds of the whole call (prefill included, same clock for every row); "
-             "decode tok/s excludes our prefill. Ratios: against our AR and against the best of transformers' "
-             "speculative options (assisted fp32 / bf16, prompt lookup) in the same set; min/prompt = the lowest "
-             "per-prompt tok/s ratio to our AR.", ""]
+    lines = [
+        f"### CPU benchmark: {m['target']} + {m['draft']}, {m['date']}",
+        "",
+        f"{m['machine']}; torch {m['torch']} ({m['threads']} threads), transformers {m['transformers']}; "
+        f"our dtype {m['dtype']}; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
+        f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
+        + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else ""),
+        "",
+        "tok/s = new tokens / seconds of the whole call (prefill included, same clock for every row); "
+        "decode tok/s excludes our prefill. Ratios: against our AR and against the best of transformers' "
+        "speculative options (assisted fp32 / bf16, prompt lookup) in the same set; min/prompt = the lowest "
+        "per-prompt tok/s ratio to our AR.",
+        "",
+    ]
     greedy = m["temperature"] == 0
     for set_name, d in report["sets"].items():
-        lines += [f"**{set_name}** (best transformers speculative: {d['best_hf_speculative'] or '-'})", "",
-                  "| config | tok/s | × our AR | × best HF spec | min/prompt × our AR | decode tok/s | tokens/step |"
-                  + (" mismatches vs our AR |" if greedy else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|" if greedy else "")]
+        lines += [
+            f"**{set_name}** (best transformers speculative: {d['best_hf_speculative'] or '-'})",
+            "",
+            "| config | tok/s | × our AR | × best HF spec | min/prompt × our AR | decode tok/s | tokens/step |"
+            + (" mismatches vs our AR |" if greedy else ""),
+            "|---|---|---|---|---|---|---|" + ("---|" if greedy else ""),
+        ]
         for name, s in d["configs"].items():
             mm = s.get("mismatches")
             lines.append(
                 f"| {name} | {s['tok_s']:.2f} | {_f(s['vs_our_ar'], suffix='×')} | "
                 f"{_f(s['vs_best_hf_speculative'], suffix='×')} | {_f(s['min_prompt_vs_our_ar'], suffix='×')} | "
                 f"{_f(s.get('decode_tok_s'))} | {s['tokens_per_step']:.2f} |"
-                + ((" - |" if mm is None else f" {mm}/{s['prompts']}"
-                    + (" (HF: reported, not asserted)" if s["side"] == "hf" else "") + " |") if greedy else ""))
+                + (
+                    (
+                        " - |"
+                        if mm is None
+                        else f" {mm}/{s['prompts']}"
+                        + (" (HF: reported, not asserted)" if s["side"] == "hf" else "")
+                        + " |"
+                    )
+                    if greedy
+                    else ""
+                )
+            )
         lines.append("")
     if report.get("goals"):
         lines += ["Issue 13 goals for ours-default:", ""]
@@ -507,21 +630,41 @@ def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], promp
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or "?"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+                timeout=10,
+            ).stdout.strip()
+            or "?"
+        )
     except (OSError, subprocess.SubprocessError):
         commit = "?"
-    return {"target": args.target, "draft": args.draft, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.processor() or platform.machine()} {platform.system()}",
-            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(runner.engine.target.dtype).replace("torch.", ""),
-            "draft_dtype": str(runner.engine.draft.dtype).replace("torch.", "") if runner.engine.draft else None,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-            "prompts_per_set": args.prompts_per_set, "lookup_tokens": args.lookup_tokens, "commit": commit,
-            "smoke": args.smoke, "default_tree": asdict(runner.tree_default),
-            "configs": [asdict(c) for c in configs],
-            "prompts": {s: [{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in ps]
-                        for s, ps in prompts.items()}}
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()} {platform.system()}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(runner.engine.target.dtype).replace("torch.", ""),
+        "draft_dtype": str(runner.engine.draft.dtype).replace("torch.", "") if runner.engine.draft else None,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "prompts_per_set": args.prompts_per_set,
+        "lookup_tokens": args.lookup_tokens,
+        "commit": commit,
+        "smoke": args.smoke,
+        "default_tree": asdict(runner.tree_default),
+        "configs": [asdict(c) for c in configs],
+        "prompts": {
+            s: [{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in ps] for s, ps in prompts.items()
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -536,10 +679,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy, exactness checked) or e.g. 0.7")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt k uses seed + k (ours and transformers)")
     p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {', '.join(SETS)}")
-    p.add_argument("--methods", default="",
-                   help="our extra configurations: specexec:N, specexec:auto, chain:G, or a method name (ngram)")
-    p.add_argument("--hf", default=",".join(HF_CONFIGS),
-                   help=f"transformers configurations, from {', '.join(HF_CONFIGS)} ('' for none)")
+    p.add_argument(
+        "--methods",
+        default="",
+        help="our extra configurations: specexec:N, specexec:auto, chain:G, or a method name (ngram)",
+    )
+    p.add_argument(
+        "--hf",
+        default=",".join(HF_CONFIGS),
+        help=f"transformers configurations, from {', '.join(HF_CONFIGS)} ('' for none)",
+    )
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: what generate uses)")
     p.add_argument("--context", type=int, default=4096)
@@ -598,8 +747,9 @@ def main(argv: list[str] | None = None) -> int:
         with args.md.open("a", encoding="utf-8") as f:
             f.write(sep + md)
         log(f"appended the tables to {args.md}")
-    mismatches = sum(s.get("mismatches") or 0 for d in sets.values() for s in d["configs"].values()
-                     if s["side"] == "ours")
+    mismatches = sum(
+        s.get("mismatches") or 0 for d in sets.values() for s in d["configs"].values() if s["side"] == "ours"
+    )
     if greedy and mismatches:
         print(f"error: {mismatches} greedy runs of our methods differ from our AR (a bug)", file=sys.stderr)
         return 1

@@ -34,7 +34,8 @@ def best_ms(fn, reps: int) -> float:
 
 def target_passes(target: str) -> list[dict]:
     """Seconds of one target pass (after a 100-token prefix) by tokens: F.linear everywhere vs model.linear."""
-    from specexec import api, model as model_mod
+    from specexec import api
+    from specexec import model as model_mod
 
     engine = api.load(target, None, device="cpu", dtype="fp32", context=512, progress=False)
     m, n = engine.target, 100
@@ -60,8 +61,9 @@ def target_passes(target: str) -> list[dict]:
                 res[label] = best_ms(lambda: m.forward(t, p, p, mask, cache), 1) / 1e3
             finally:
                 model_mod.linear = ours
-        out.append({"tokens": k, "linear_s": res["linear"], "ours_s": res["ours"],
-                    "ratio": res["linear"] / res["ours"]})
+        out.append(
+            {"tokens": k, "linear_s": res["linear"], "ours_s": res["ours"], "ratio": res["linear"] / res["ours"]}
+        )
         print(f"| {k} | {res['linear']:.3f} | {res['ours']:.3f} | {res['linear'] / res['ours']:.2f} |", flush=True)
     return out
 
@@ -70,8 +72,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench_out/bench_cpu_matmul.json"))
     ap.add_argument("--skip-lm-head", action="store_true", help="leave out the 0.9 GB lm_head shape")
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b",
-                    help="also time whole target passes with both orientations ('none' to skip)")
+    ap.add_argument(
+        "--target",
+        default="qwen2.5-coder-1.5b",
+        help="also time whole target passes with both orientations ('none' to skip)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     rows_out = []
@@ -90,8 +95,12 @@ def main() -> int:
         del w
     passes = target_passes(args.target) if args.target != "none" else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                    "rows": rows_out, "target_passes": passes}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows_out, "target_passes": passes},
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -38,25 +38,47 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 GB = 1e9
-LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8,
-                  head_dim=128, num_layers=80)
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32,
-                 head_dim=128, num_layers=32)
+LLAMA2_70B = dict(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    num_layers=80,
+)
+LLAMA2_7B = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    num_layers=32,
+)
 BUDGETS = (64, 128, 256, 512, 1024, 2048)
 PCIE4_GBPS = 25.0
 # Fallback acceptance (real pair, code, greedy) if no bench_acceptance JSON is given: tokens/step and tree shape.
-PROJECTION_NOTE = ("projection from replayed step costs, not measured: projected_* = tokens/step from the acceptance "
-                   "source / (draft_s + verify_s); draft_s replays the recorded tree shape through draft passes "
-                   "timed here; verify_s and ar_step_s are measured here")
+PROJECTION_NOTE = (
+    "projection from replayed step costs, not measured: projected_* = tokens/step from the acceptance "
+    "source / (draft_s + verify_s); draft_s replays the recorded tree shape through draft passes "
+    "timed here; verify_s and ar_step_s are measured here"
+)
 LEGACY_COMPOSED = ("tokens_per_s", "speedup_vs_ar", "pcie4_tokens_per_s", "pcie4_ar_tokens_per_s")  # older JSONs
-FALLBACK = {b: {"tokens_per_step": t, "passes": p} for b, t, p in
-            ((64, 5.0, 12), (128, 5.8, 14), (256, 6.5, 16), (512, 7.0, 18), (1024, 7.5, 20), (2048, 7.9, 22))}
+FALLBACK = {
+    b: {"tokens_per_step": t, "passes": p}
+    for b, t, p in ((64, 5.0, 12), (128, 5.8, 14), (256, 6.5, 16), (512, 7.0, 18), (1024, 7.5, 20), (2048, 7.9, 22))
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--acceptance", type=Path, default=Path("docs/bench_acceptance.json"),
-                   help="bench_acceptance.py JSON (tokens/step and tree shapes per budget)")
+    p.add_argument(
+        "--acceptance",
+        type=Path,
+        default=Path("docs/bench_acceptance.json"),
+        help="bench_acceptance.py JSON (tokens/step and tree shapes per budget)",
+    )
     p.add_argument("--domain", default="code", help="which acceptance domain to use (code, prose)")
     p.add_argument("--formats", default="nf4,bf16")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
@@ -66,10 +88,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-graphs", action="store_true", help="eager draft passes (for the before/after)")
     p.add_argument("--out", type=Path, default=Path("bench_out/e2e.json"))
-    p.add_argument("--recompute", type=Path, default=None,
-                   help="no GPU: redo tokens/s from a previous run's JSON (its measured times) with --acceptance")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes on the CPU: checks the script's logic, measures nothing meaningful")
+    p.add_argument(
+        "--recompute",
+        type=Path,
+        default=None,
+        help="no GPU: redo tokens/s from a previous run's JSON (its measured times) with --acceptance",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on the CPU: checks the script's logic, measures nothing meaningful",
+    )
     return p.parse_args(argv)
 
 
@@ -85,9 +114,11 @@ def load_acceptance(path: Path, domain: str, budgets: list[int]) -> tuple[dict[i
     tps = {k.split(":")[1]: v["tokens_per_step"] for k, v in greedy.items() if k.startswith("specexec:")}
     for b in budgets:
         s = shapes.get(str(b)) or {}
-        out[b] = {"tokens_per_step": tps.get(str(b), FALLBACK.get(b, FALLBACK[2048])["tokens_per_step"]),
-                  "passes": s.get("passes", FALLBACK.get(b, FALLBACK[2048])["passes"]),
-                  "beams_per_pass": s.get("beams_per_pass")}
+        out[b] = {
+            "tokens_per_step": tps.get(str(b), FALLBACK.get(b, FALLBACK[2048])["tokens_per_step"]),
+            "passes": s.get("passes", FALLBACK.get(b, FALLBACK[2048])["passes"]),
+            "beams_per_pass": s.get("beams_per_pass"),
+        }
     return out, str(path)
 
 
@@ -131,16 +162,25 @@ def build_draft(dev) -> Any:
     def rnd(*s):
         return torch.randn(*s, generator=g, dtype=torch.bfloat16, device=dev) * 0.02
 
-    layers = [{"attn_norm": torch.ones(D, dtype=torch.bfloat16, device=dev), "wqkv": rnd(qkv, D),
-               "wo": rnd(D, cfg.num_heads * cfg.head_dim), "mlp_norm": torch.ones(D, dtype=torch.bfloat16, device=dev),
-               "w13": rnd(2 * I, D), "w2": rnd(D, I)} for _ in range(cfg.num_layers)]
+    layers = [
+        {
+            "attn_norm": torch.ones(D, dtype=torch.bfloat16, device=dev),
+            "wqkv": rnd(qkv, D),
+            "wo": rnd(D, cfg.num_heads * cfg.head_dim),
+            "mlp_norm": torch.ones(D, dtype=torch.bfloat16, device=dev),
+            "w13": rnd(2 * I, D),
+            "w2": rnd(D, I),
+        }
+        for _ in range(cfg.num_layers)
+    ]
     embed = rnd(cfg.vocab_size, D)
     glob = Globals(embed=embed, norm=torch.ones(D, dtype=torch.bfloat16, device=dev), lm_head=rnd(cfg.vocab_size, D))
     return Transformer(cfg=cfg, globals=glob, layers=ResidentLayers(layers), device=dev, dtype=torch.bfloat16)
 
 
-def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes: int, host_layers: int,
-                 max_tokens: int, h2d: float) -> tuple[Any, Any, dict[str, Any]]:
+def build_target(
+    fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes: int, host_layers: int, max_tokens: int, h2d: float
+) -> tuple[Any, Any, dict[str, Any]]:
     """A Llama-2-70B-shaped streamed target placed by the real memory plan under the VRAM cap."""
     import torch
 
@@ -159,8 +199,11 @@ def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes
     # not hold in bf16 (137 GB) — then compute the same resident count directly from the VRAM budget.
     try:
         off = OffloadConfig(mode="ram", gpu_memory_gb=gpu_memory_gb, target_dtype=fmt)
-        plan = make_plan(Resources.probe(dev, None, h2d), PlanModel(cfg, bf16, draft_bytes=draft_bytes,
-                         kv_bytes=kv_bytes, max_tokens=max_tokens), off)
+        plan = make_plan(
+            Resources.probe(dev, None, h2d),
+            PlanModel(cfg, bf16, draft_bytes=draft_bytes, kv_bytes=kv_bytes, max_tokens=max_tokens),
+            off,
+        )
         resident = len(plan.resident)
         plan_text = plan.describe()
     except Exception as e:  # noqa: BLE001 - report and fall back to the same arithmetic
@@ -170,9 +213,14 @@ def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes
         plan_text = f"plan refused ({e}); resident layers from the VRAM budget: {resident}"
     resident = min(resident, cfg.num_layers)
     g = torch.Generator(device=dev).manual_seed(1)
-    dense = {n: (torch.ones(s, dtype=bf16, device=dev) if n.endswith("norm")
-                 else torch.randn(s, generator=g, dtype=bf16, device=dev) * 0.02)
-             for n, s in layer_shapes(cfg).items()}
+    dense = {
+        n: (
+            torch.ones(s, dtype=bf16, device=dev)
+            if n.endswith("norm")
+            else torch.randn(s, generator=g, dtype=bf16, device=dev) * 0.02
+        )
+        for n, s in layer_shapes(cfg).items()
+    }
     tensors = quantize_layer(dense, layout, dev) if fmt == "nf4" else dense
     template = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
     layout.pack(tensors, template)
@@ -183,16 +231,22 @@ def build_target(fmt: str, dev, gpu_memory_gb: float, draft_bytes: int, kv_bytes
         hb = HostBuffer(layout.nbytes, pin=dev.type == "cuda")
         hb.tensor.copy_(template.cpu())
         host.append(hb)
-    store = RamStore(layout, {i: host[i % len(host)] for i in range(resident, cfg.num_layers)},
-                     cuda=dev.type == "cuda") \
-        if host else None
+    store = (
+        RamStore(layout, {i: host[i % len(host)] for i in range(resident, cfg.num_layers)}, cuda=dev.type == "cuda")
+        if host
+        else None
+    )
     streamer = StreamedLayers(layout, cfg.num_layers, dev, res, store, lookahead=1)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=bf16, device=dev) * 0.02
     glob = Globals(embed=embed, norm=torch.ones(cfg.hidden_size, dtype=bf16, device=dev), lm_head=embed.clone())
     model = Transformer(cfg=cfg, globals=glob, layers=streamer, device=dev, dtype=bf16)
-    info = {"resident_layers": resident, "streamed_layers": cfg.num_layers - resident,
-            "layer_gb": layout.nbytes / GB, "streamed_gb_per_pass": (cfg.num_layers - resident) * layout.nbytes / GB,
-            "plan": plan_text}
+    info = {
+        "resident_layers": resident,
+        "streamed_layers": cfg.num_layers - resident,
+        "layer_gb": layout.nbytes / GB,
+        "streamed_gb_per_pass": (cfg.num_layers - resident) * layout.nbytes / GB,
+        "plan": plan_text,
+    }
     return model, host, info
 
 
@@ -318,13 +372,20 @@ def main(argv: list[str] | None = None) -> int:
 
     acc, acc_src = load_acceptance(args.acceptance, args.domain, budgets)
     h2d = measure_h2d_bandwidth(dev) if dev.type == "cuda" else 25.0
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
-                              "h2d_pinned_gbps": h2d, "acceptance": acc_src, "projection": PROJECTION_NOTE,
-                              "gpu_memory_cap_gb": args.gpu_memory, "context": args.context, "runs": []}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
+        "h2d_pinned_gbps": h2d,
+        "acceptance": acc_src,
+        "projection": PROJECTION_NOTE,
+        "gpu_memory_cap_gb": args.gpu_memory,
+        "context": args.context,
+        "runs": [],
+    }
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s; acceptance from {acc_src}", flush=True)
     draft = build_draft(dev)
-    draft_bytes = sum(t.numel() * 2 for w in draft.layers.layers for t in w.values()) + \
-        2 * draft.globals.embed.numel() * 2
+    draft_bytes = (
+        sum(t.numel() * 2 for w in draft.layers.layers for t in w.values()) + 2 * draft.globals.embed.numel() * 2
+    )
     kv_slots = args.context + 2 * max(budgets) + 256
     t_cfg, d_cfg = _cfg(LLAMA2_70B), draft.cfg
     kv_t = 2 * t_cfg.num_layers * t_cfg.num_kv_heads * t_cfg.head_dim * kv_slots * 2
@@ -334,18 +395,28 @@ def main(argv: list[str] | None = None) -> int:
     pass_eager = time_draft_passes(draft, args.context, cap, args.repeats, graphs=False)
     per_level = time_bookkeeping(draft, 1024 if 1024 in budgets else max(budgets), args.context, 16)
     report.update(draft_pass_s_graphed=pass_graphed, draft_pass_s_eager=pass_eager, bookkeeping_s_per_level=per_level)
-    print(f"draft pass seconds by tokens: graphed {pass_graphed}\n  eager {pass_eager}\n"
-          f"  bookkeeping per level {per_level * 1e3:.2f} ms", flush=True)
+    print(
+        f"draft pass seconds by tokens: graphed {pass_graphed}\n  eager {pass_eager}\n"
+        f"  bookkeeping per level {per_level * 1e3:.2f} ms",
+        flush=True,
+    )
     draft_cost = {}
     for b in budgets:
         beams = shape_for(b, acc[b])
-        draft_cost[b] = {"draft_s": draft_seconds(beams, pass_graphed, per_level),
-                         "eager_draft_s": draft_seconds(beams, pass_eager, per_level), "passes": len(beams)}
+        draft_cost[b] = {
+            "draft_s": draft_seconds(beams, pass_graphed, per_level),
+            "eager_draft_s": draft_seconds(beams, pass_eager, per_level),
+            "passes": len(beams),
+        }
     for fmt in args.formats.split(","):
-        model, host, info = build_target(fmt, dev, args.gpu_memory, draft_bytes, kv_t + kv_d, args.host_layers,
-                                         max(budgets) + 1, h2d)
-        print(f"{fmt}: {info['resident_layers']} resident, {info['streamed_layers']} streamed "
-              f"({info['streamed_gb_per_pass']:.1f} GB/pass)\n{info['plan']}", flush=True)
+        model, host, info = build_target(
+            fmt, dev, args.gpu_memory, draft_bytes, kv_t + kv_d, args.host_layers, max(budgets) + 1, h2d
+        )
+        print(
+            f"{fmt}: {info['resident_layers']} resident, {info['streamed_layers']} streamed "
+            f"({info['streamed_gb_per_pass']:.1f} GB/pass)\n{info['plan']}",
+            flush=True,
+        )
         cache = model.new_cache(kv_slots)
         with torch.inference_mode():
             ar_s = _time(lambda: model.forward(*tree_inputs(1, args.context, dev), cache), args.repeats)
@@ -359,17 +430,31 @@ def main(argv: list[str] | None = None) -> int:
                 # PCIe4 projection: each pass streams the same bytes at 25 GB/s (compute overlaps the copy)
                 v4 = max(v, info["streamed_gb_per_pass"] / PCIE4_GBPS)
                 ar4 = max(ar_s, info["streamed_gb_per_pass"] / PCIE4_GBPS)
-                r = {"format": fmt, "budget": b, "tokens_per_step": tps, "draft_s": d, "verify_s": v, "ar_step_s": ar_s,
-                     "copy_floor_s": floor, "draft_over_target": d / v, "projected_tok_s": rate,
-                     "ar_tokens_per_s": 1 / ar_s, "projected_speedup_vs_ar": rate * ar_s,
-                     "projected_pcie4_tok_s": tps / (d + v4), "projected_pcie4_ar_tok_s": 1 / ar4,
-                     "eager_draft_s": draft_cost[b].get("eager_draft_s"), **{k: info[k] for k in
-                                                                             ("resident_layers", "streamed_gb_per_pass")}}
+                r = {
+                    "format": fmt,
+                    "budget": b,
+                    "tokens_per_step": tps,
+                    "draft_s": d,
+                    "verify_s": v,
+                    "ar_step_s": ar_s,
+                    "copy_floor_s": floor,
+                    "draft_over_target": d / v,
+                    "projected_tok_s": rate,
+                    "ar_tokens_per_s": 1 / ar_s,
+                    "projected_speedup_vs_ar": rate * ar_s,
+                    "projected_pcie4_tok_s": tps / (d + v4),
+                    "projected_pcie4_ar_tok_s": 1 / ar4,
+                    "eager_draft_s": draft_cost[b].get("eager_draft_s"),
+                    **{k: info[k] for k in ("resident_layers", "streamed_gb_per_pass")},
+                }
                 report["runs"].append(r)
-                print(f"  {fmt} budget {b:5d}: draft {d:.3f}s verify {v:.3f}s (floor {floor:.3f}) AR {ar_s:.3f}s | "
-                      f"{tps:.2f} tok/step -> projected {rate:.2f} tok/s, {r['projected_speedup_vs_ar']:.1f}x AR, "
-                      f"draft/target {r['draft_over_target']:.3f}; PCIe4 projected {r['projected_pcie4_tok_s']:.2f} "
-                      f"tok/s", flush=True)
+                print(
+                    f"  {fmt} budget {b:5d}: draft {d:.3f}s verify {v:.3f}s (floor {floor:.3f}) AR {ar_s:.3f}s | "
+                    f"{tps:.2f} tok/step -> projected {rate:.2f} tok/s, {r['projected_speedup_vs_ar']:.1f}x AR, "
+                    f"draft/target {r['draft_over_target']:.3f}; PCIe4 projected {r['projected_pcie4_tok_s']:.2f} "
+                    f"tok/s",
+                    flush=True,
+                )
         del model, cache
         for hb in host:
             hb.close()
@@ -400,13 +485,27 @@ def recompute(args: argparse.Namespace, budgets: list[int]) -> int:
         gbp = r["streamed_gb_per_pass"]
         v4, ar4 = max(v, gbp / PCIE4_GBPS), max(ar, gbp / PCIE4_GBPS)
         measured = {k: x for k, x in r.items() if k not in LEGACY_COMPOSED}
-        runs.append({**measured, "tokens_per_step": tps, "draft_s": d,
-                     "eager_draft_s": draft_seconds(beams, eager, per_level), "draft_over_target": d / v,
-                     "projected_tok_s": tps / (d + v), "projected_speedup_vs_ar": tps / (d + v) * ar,
-                     "projected_pcie4_tok_s": tps / (d + v4), "projected_pcie4_ar_tok_s": 1 / ar4,
-                     "passes": len(beams)})
-    report = {**old, "acceptance": src, "projection": PROJECTION_NOTE, "recomputed_from": str(args.recompute),
-              "runs": runs}
+        runs.append(
+            {
+                **measured,
+                "tokens_per_step": tps,
+                "draft_s": d,
+                "eager_draft_s": draft_seconds(beams, eager, per_level),
+                "draft_over_target": d / v,
+                "projected_tok_s": tps / (d + v),
+                "projected_speedup_vs_ar": tps / (d + v) * ar,
+                "projected_pcie4_tok_s": tps / (d + v4),
+                "projected_pcie4_ar_tok_s": 1 / ar4,
+                "passes": len(beams),
+            }
+        )
+    report = {
+        **old,
+        "acceptance": src,
+        "projection": PROJECTION_NOTE,
+        "recomputed_from": str(args.recompute),
+        "runs": runs,
+    }
     _print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
@@ -416,21 +515,28 @@ def recompute(args: argparse.Namespace, budgets: list[int]) -> int:
 
 def _shrink() -> None:
     """--smoke: tiny shapes so the whole flow runs on a CPU in seconds."""
-    LLAMA2_70B.update(vocab_size=512, hidden_size=64, intermediate_size=160, num_heads=4, num_kv_heads=2,
-                      head_dim=16, num_layers=6)
-    LLAMA2_7B.update(vocab_size=512, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2,
-                     head_dim=16, num_layers=2)
+    LLAMA2_70B.update(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=6
+    )
+    LLAMA2_7B.update(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=2, head_dim=16, num_layers=2
+    )
 
 
 def _print(report: dict[str, Any]) -> None:
     print(f"\nprojected: {PROJECTION_NOTE}")
-    print("| format | budget | tok/step | draft s | verify s | AR step s | draft/target | projected tok/s | "
-          "projected x AR | projected PCIe4 tok/s |")
+    print(
+        "| format | budget | tok/step | draft s | verify s | AR step s | draft/target | projected tok/s | "
+        "projected x AR | projected PCIe4 tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["runs"]:
-        print(f"| {r['format']} | {r['budget']} | {r['tokens_per_step']:.2f} | {r['draft_s']:.3f} | {r['verify_s']:.3f} | "
-              f"{r['ar_step_s']:.3f} | {r['draft_over_target']:.3f} | {r['projected_tok_s']:.2f} | "
-              f"{r['projected_speedup_vs_ar']:.1f} | {r['projected_pcie4_tok_s']:.2f} |")
+        print(
+            f"| {r['format']} | {r['budget']} | {r['tokens_per_step']:.2f} | {r['draft_s']:.3f} "
+            f"| {r['verify_s']:.3f} | "
+            f"{r['ar_step_s']:.3f} | {r['draft_over_target']:.3f} | {r['projected_tok_s']:.2f} | "
+            f"{r['projected_speedup_vs_ar']:.1f} | {r['projected_pcie4_tok_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 GB = 1e9
-LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8,
-                  head_dim=128)
+LLAMA2_70B = dict(
+    vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128
+)
 TOKENS = (1, 16, 128, 512, 1024, 2048)
 RAM_MARGIN = 10e9  # bytes of RAM left free (at least; 10% of what is available if more)
 
@@ -51,18 +52,27 @@ def layers_that_fit(layer_bytes: int, ram_available: int, want: int) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=None,
-                   help="70B-shaped layers to stream (default: as many of 80 as fit in RAM, per format)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="70B-shaped layers to stream (default: as many of 80 as fit in RAM, per format)",
+    )
     p.add_argument("--formats", default="bf16,nf4", help="comma list of bf16, nf4 (default: both)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of tokens per pass")
     p.add_argument("--repeats", type=int, default=3, help="timed back-to-back forwards per point (after 1 warm-up)")
     p.add_argument("--lookahead", type=int, default=1, help="streamed layers in flight while one computes")
     p.add_argument("--kv-slots", type=int, default=4096, help="KV cache capacity (slots)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens each pass attends to (besides its own)")
-    p.add_argument("--baseline-layers", type=int, default=10,
-                   help="70B-shaped bf16 layers for the accelerate CPU-offload baseline (0: skip it)")
+    p.add_argument(
+        "--baseline-layers",
+        type=int,
+        default=10,
+        help="70B-shaped bf16 layers for the accelerate CPU-offload baseline (0: skip it)",
+    )
     p.add_argument("--baseline-tokens", default="1,128", help="tokens per pass for the baseline comparison")
     p.add_argument("--out", type=Path, default=Path("bench_out/offload.json"), help="where to write the JSON")
     return p.parse_args(argv)
@@ -91,9 +101,15 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     h2d = measure_h2d_bandwidth(dev)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                              "python": platform.python_version(), "h2d_pinned_gbps": h2d,
-                              "settings": {k: str(v) for k, v in vars(args).items()}, "runs": [], "baseline": None}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "h2d_pinned_gbps": h2d,
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "runs": [],
+        "baseline": None,
+    }
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s", flush=True)
     if args.baseline_layers:
         report["baseline"] = {"accelerate": _accelerate(args.baseline_layers, _ints(args.baseline_tokens), dev)}
@@ -122,9 +138,14 @@ def _random_layer(cfg: Any, layout: Any, dev: Any) -> Any:
     from offload.quant import quantize_layer
 
     g = torch.Generator(device=dev).manual_seed(0)
-    dense = {n: (torch.ones(s, dtype=torch.bfloat16, device=dev) if n.endswith("norm")
-                 else torch.randn(s, generator=g, dtype=torch.bfloat16, device=dev) * 0.02)
-             for n, s in layer_shapes(cfg).items()}
+    dense = {
+        n: (
+            torch.ones(s, dtype=torch.bfloat16, device=dev)
+            if n.endswith("norm")
+            else torch.randn(s, generator=g, dtype=torch.bfloat16, device=dev) * 0.02
+        )
+        for n, s in layer_shapes(cfg).items()
+    }
     tensors = quantize_layer(dense, layout, dev) if layout.fmt.kind == "nf4" else dense
     buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
     layout.pack(tensors, buf)
@@ -169,8 +190,9 @@ def _time(fn: Any, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def _stream_runs(fmt: str, args: argparse.Namespace, tokens: list[int], h2d: float, dev: Any,
-                 report: dict[str, Any]) -> list[dict[str, Any]]:
+def _stream_runs(
+    fmt: str, args: argparse.Namespace, tokens: list[int], h2d: float, dev: Any, report: dict[str, Any]
+) -> list[dict[str, Any]]:
     import psutil
     import torch
 
@@ -202,8 +224,11 @@ def _stream_runs(fmt: str, args: argparse.Namespace, tokens: list[int], h2d: flo
     if not all(hb.pinned for hb in host.values()):
         raise SystemExit("could not pin the host buffers: the benchmark needs pinned RAM")
     setup = time.perf_counter() - t0
-    print(f"{fmt}: {n} of {want} layers of {layout.nbytes / GB:.3f} GB in pinned RAM "
-          f"({n * layout.nbytes / GB:.1f} GB, set up in {setup:.1f} s)", flush=True)
+    print(
+        f"{fmt}: {n} of {want} layers of {layout.nbytes / GB:.3f} GB in pinned RAM "
+        f"({n * layout.nbytes / GB:.1f} GB, set up in {setup:.1f} s)",
+        flush=True,
+    )
     g = torch.Generator(device=dev).manual_seed(1)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=bf16, device=dev) * 0.02
     glob = Globals(embed=embed, norm=torch.ones(cfg.hidden_size, dtype=bf16, device=dev), lm_head=embed)
@@ -217,8 +242,18 @@ def _stream_runs(fmt: str, args: argparse.Namespace, tokens: list[int], h2d: flo
     base = report.get("baseline")
     if fmt == "bf16" and base and base.get("accelerate"):
         b = base["accelerate"]["layers"]
-        sub = StreamedLayers(layout, b, dev, {}, RamStore(layout, {i: host[i] for i in range(min(b, n))}, cuda=True),
-                             lookahead=args.lookahead) if b <= n else None
+        sub = (
+            StreamedLayers(
+                layout,
+                b,
+                dev,
+                {},
+                RamStore(layout, {i: host[i] for i in range(min(b, n))}, cuda=True),
+                lookahead=args.lookahead,
+            )
+            if b <= n
+            else None
+        )
         if sub is not None:
             m = model_over(sub, b)
             cache = m.new_cache(args.kv_slots)
@@ -228,8 +263,7 @@ def _stream_runs(fmt: str, args: argparse.Namespace, tokens: list[int], h2d: flo
                 with torch.inference_mode():
                     ours[T] = _time(lambda: m.forward(*x, cache), args.repeats)
             acc = base["accelerate"]["forward_s"]
-            base["ours"] = {"layers": b, "forward_s": ours,
-                            "speedup": {T: acc[T] / ours[T] for T in ours}}
+            base["ours"] = {"layers": b, "forward_s": ours, "speedup": {T: acc[T] / ours[T] for T in ours}}
             del m, cache, sub  # not closed: it shares (and would unpin) the host buffers
     streamer = StreamedLayers(layout, n, dev, {}, RamStore(layout, host, cuda=True), lookahead=args.lookahead)
     streamed, compute_only = model_over(streamer, n), model_over(_OneLayer(one, n), n)
@@ -242,11 +276,23 @@ def _stream_runs(fmt: str, args: argparse.Namespace, tokens: list[int], h2d: flo
             c = _time(lambda: compute_only.forward(*x, cache), args.repeats)
         nbytes = streamer.stats.bytes_last_forward
         floor = nbytes / (h2d * GB)
-        r = dict(format=fmt, layers=n, tokens=T, forward_s=s, compute_only_s=c, streamed_gb=nbytes / GB,
-                 copy_floor_s=floor, efficiency=efficiency(nbytes, h2d, s), bound_efficiency=max(floor, c) / s)
+        r = dict(
+            format=fmt,
+            layers=n,
+            tokens=T,
+            forward_s=s,
+            compute_only_s=c,
+            streamed_gb=nbytes / GB,
+            copy_floor_s=floor,
+            efficiency=efficiency(nbytes, h2d, s),
+            bound_efficiency=max(floor, c) / s,
+        )
         runs.append(r)
-        print(f"  {fmt} T={T:5d}: {s:.3f} s/forward, copy floor {floor:.3f} s, compute {c:.3f} s, "
-              f"efficiency {r['efficiency']:.3f}", flush=True)
+        print(
+            f"  {fmt} T={T:5d}: {s:.3f} s/forward, copy floor {floor:.3f} s, compute {c:.3f} s, "
+            f"efficiency {r['efficiency']:.3f}",
+            flush=True,
+        )
     del streamed, compute_only, cache, streamer
     for hb in host.values():
         hb.close()
@@ -266,9 +312,16 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     t0 = time.perf_counter()
-    config = LlamaConfig(vocab_size=LLAMA2_70B["vocab_size"], hidden_size=8192, intermediate_size=28672,
-                         num_hidden_layers=n_layers, num_attention_heads=64, num_key_value_heads=8,
-                         max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=LLAMA2_70B["vocab_size"],
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=n_layers,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.to_empty(device="cpu")
@@ -283,13 +336,26 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
             flat[: k * B].view(k, B).copy_(block.expand(k, B))
             flat[k * B :].copy_(block[: flat.numel() - k * B])
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0,
-                  **{f"model.layers.{i}": "cpu" for i in range(n_layers)}}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.norm": 0,
+        "lm_head": 0,
+        **{f"model.layers.{i}": "cpu" for i in range(n_layers)},
+    }
     model = dispatch_model(model, device_map=device_map, main_device=0).eval()
-    print(f"accelerate baseline: {n_layers} 70B-shaped bf16 layers on the CPU (set up in "
-          f"{time.perf_counter() - t0:.1f} s)", flush=True)
-    out: dict[str, Any] = {"layers": n_layers, "tokens": tokens, "forward_s": {},
-                           "accelerate": accelerate.__version__, "transformers": transformers.__version__}
+    print(
+        f"accelerate baseline: {n_layers} 70B-shaped bf16 layers on the CPU (set up in "
+        f"{time.perf_counter() - t0:.1f} s)",
+        flush=True,
+    )
+    out: dict[str, Any] = {
+        "layers": n_layers,
+        "tokens": tokens,
+        "forward_s": {},
+        "accelerate": accelerate.__version__,
+        "transformers": transformers.__version__,
+    }
     for T in tokens:
         ids = torch.randint(3, LLAMA2_70B["vocab_size"], (1, T), device=dev)
         with torch.inference_mode():
@@ -303,21 +369,29 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"\n{report['device']}, torch {report['torch']}: pinned H2D {report['h2d_pinned_gbps']:.1f} GB/s "
-          f"(at the end: {report['h2d_pinned_gbps_end']:.1f})")
-    hdr = f"{'format':>6} {'layers':>6} {'tokens':>6} {'fwd s':>8} {'GB':>7} {'floor s':>8} {'comp s':>8} " \
-          f"{'eff':>6} {'bound':>6}"
+    print(
+        f"\n{report['device']}, torch {report['torch']}: pinned H2D {report['h2d_pinned_gbps']:.1f} GB/s "
+        f"(at the end: {report['h2d_pinned_gbps_end']:.1f})"
+    )
+    hdr = (
+        f"{'format':>6} {'layers':>6} {'tokens':>6} {'fwd s':>8} {'GB':>7} {'floor s':>8} {'comp s':>8} "
+        f"{'eff':>6} {'bound':>6}"
+    )
     print(hdr)
     for r in report["runs"]:
-        print(f"{r['format']:>6} {r['layers']:>6} {r['tokens']:>6} {r['forward_s']:>8.3f} {r['streamed_gb']:>7.1f} "
-              f"{r['copy_floor_s']:>8.3f} {r['compute_only_s']:>8.3f} {r['efficiency']:>6.3f} "
-              f"{r['bound_efficiency']:>6.3f}")
+        print(
+            f"{r['format']:>6} {r['layers']:>6} {r['tokens']:>6} {r['forward_s']:>8.3f} {r['streamed_gb']:>7.1f} "
+            f"{r['copy_floor_s']:>8.3f} {r['compute_only_s']:>8.3f} {r['efficiency']:>6.3f} "
+            f"{r['bound_efficiency']:>6.3f}"
+        )
     base = report.get("baseline")
     if base and base.get("ours"):
         acc, ours = base["accelerate"], base["ours"]
         for T, sp in ours["speedup"].items():
-            print(f"baseline, {acc['layers']} bf16 layers, T={T}: accelerate {acc['forward_s'][T]:.3f} s, "
-                  f"ours {ours['forward_s'][T]:.3f} s: speedup {sp:.1f}x")
+            print(
+                f"baseline, {acc['layers']} bf16 layers, T={T}: accelerate {acc['forward_s'][T]:.3f} s, "
+                f"ours {ours['forward_s'][T]:.3f} s: speedup {sp:.1f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ from specexec.tree import Tree
 from specexec.verify import walk
 
 
-def accept(proposal: Proposal, logits: Tensor, samp: SamplingConfig, gen: torch.Generator | None,
-           n: int) -> tuple[list[int], list[int]]:
+def accept(
+    proposal: Proposal, logits: Tensor, samp: SamplingConfig, gen: torch.Generator | None, n: int
+) -> tuple[list[int], list[int]]:
     """One step's acceptance by the rule the proposal names. Returns (accepted path: tree nodes root first,
     emitted tokens).
 

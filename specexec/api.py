@@ -23,8 +23,8 @@ from specexec.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     check_tokenizers_match,
-    load_model,
     draft_vocab_ids,
+    load_model,
     load_tokenizer,
     model_dir,
     parse_device,
@@ -89,22 +89,30 @@ def load(
         from offload.load import plan_offload, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
-        est = sizes.engine_memory(t_cfg, d_cfg, context, t_isz, d_isz, tree, target_weights=0,
-                                  draft_weights=d_weights)
+        est = sizes.engine_memory(t_cfg, d_cfg, context, t_isz, d_isz, tree, target_weights=0, draft_weights=d_weights)
         others = est.total - est.weights - est.step.logits - est.step.target_activations
-        plan = plan_offload(t_path, dev, dtype, offload, draft_bytes=est.weights, kv_bytes=others,
-                            max_tokens=min(sizes.step_room(tree) - 1, tree.verify_chunk))
+        plan = plan_offload(
+            t_path,
+            dev,
+            dtype,
+            offload,
+            draft_bytes=est.weights,
+            kv_bytes=others,
+            max_tokens=min(sizes.step_room(tree) - 1, tree.verify_chunk),
+        )
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
         t_weights = sizes.globals_bytes(t_cfg, t_isz)
         if dev.type == "cpu":
             t_weights += len(plan.resident) * plan.layer_bytes + plan.ram_need
-        memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
-                            draft_weights=d_weights)
+        memory.check_engine(
+            t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
+        )
     else:
         t_isz = resolve_dtype(dtype, dev, t_cfg).itemsize
         t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz, t_cfg)
-        memory.check_engine(t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights,
-                            draft_weights=d_weights)
+        memory.check_engine(
+            t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
+        )
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = None
     if d_path is not None and d_cfg is not None and d_dt is not None:
@@ -116,8 +124,9 @@ def load(
         t_model = load_offloaded(t_path, dev, dtype, offload, plan=plan)
     else:
         t_model = _load(t_path, dev, resolve_dtype(dtype, dev, t_cfg))
-    return Engine(t_model, t_tok, d_model, context=context, tree=tree,
-                  calibration_dir=hub.cache_home(cache_dir) / "calibration")
+    return Engine(
+        t_model, t_tok, d_model, context=context, tree=tree, calibration_dir=hub.cache_home(cache_dir) / "calibration"
+    )
 
 
 def _offloaded(offload: Any, dev: torch.device) -> bool:
@@ -135,4 +144,6 @@ def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(
             f"not enough GPU memory to load {path} resident; use {setting('OffloadConfig.mode', 'auto')} or a "
-            f"smaller {setting('dtype')}", "GPU memory") from None
+            f"smaller {setting('dtype')}",
+            "GPU memory",
+        ) from None

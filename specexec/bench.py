@@ -15,22 +15,29 @@ import importlib
 import inspect
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
+from specexec.engine import Engine, Result
+from specexec.errors import ConfigError, SpecexecError, setting
 
 # ``default``: what ``generate`` / ``chat`` do with no tuning flags (specexec with --budget auto, or n-grams without
 # a draft); ``ngram``: draft-free prompt lookup with its measured (auto) size choice
 BENCH_METHODS = (*METHODS, "default")
-from specexec.engine import Engine, Result
-from specexec.errors import ConfigError, SpecexecError, setting
 
 log = logging.getLogger(__name__)
 
-CODE_SOURCES = ("textwrap.dedent", "fnmatch.translate", "statistics.median", "heapq.nsmallest", "shlex.quote",
-                "string.capwords")
+CODE_SOURCES = (
+    "textwrap.dedent",
+    "fnmatch.translate",
+    "statistics.median",
+    "heapq.nsmallest",
+    "shlex.quote",
+    "string.capwords",
+)
 PROSE_TOPICS = ("for", "with", "while", "try", "lambda", "assert")
 
 
@@ -55,7 +62,7 @@ def _code_prompt(qualname: str) -> Prompt | None:
         return None
     node = ast.parse(src).body[0]
     lines = src.splitlines()
-    first = node.body[0]
+    first = node.body[0]  # type: ignore[attr-defined]
     end = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else node.lineno
     return Prompt(name=qualname, text="\n".join(lines[:end]) + "\n")
 
@@ -81,10 +88,11 @@ def builtin_prompts(n: int = 8) -> list[Prompt]:
         raise ConfigError("num_prompts", n, "must be >= 1")
     code = [p for p in map(_code_prompt, CODE_SOURCES) if p]
     prose = [p for p in map(_prose_prompt, PROSE_TOPICS) if p]
-    mixed = [p for pair in zip(code, prose) for p in pair] + code[len(prose):] + prose[len(code):]
+    mixed = [p for pair in zip(code, prose) for p in pair] + code[len(prose) :] + prose[len(code) :]
     if not mixed:
         raise SpecexecError(
-            f"no built-in prompts: this Python lacks stdlib sources; pass {setting('prompts')} FILE.jsonl")
+            f"no built-in prompts: this Python lacks stdlib sources; pass {setting('prompts')} FILE.jsonl"
+        )
     return mixed[:n]
 
 
@@ -140,9 +148,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in BENCH_METHODS]
         if unknown:
-            raise ConfigError("methods", ",".join(unknown), f"must be among {', '.join(BENCH_METHODS)}",
-                              f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
-                              f"choose from {', '.join(BENCH_METHODS)}")
+            raise ConfigError(
+                "methods",
+                ",".join(unknown),
+                f"must be among {', '.join(BENCH_METHODS)}",
+                f"unknown method(s) {', '.join(unknown)} in {setting('methods')}; "
+                f"choose from {', '.join(BENCH_METHODS)}",
+            )
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         for b in self.budgets:
@@ -205,34 +217,58 @@ class BenchReport:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def _one(engine: Engine, prompt: Prompt, method: str, param: int | None, cfg: BenchConfig,
-         max_new: int | None = None) -> Result:
+def _one(
+    engine: Engine, prompt: Prompt, method: str, param: int | None, cfg: BenchConfig, max_new: int | None = None
+) -> Result:
     """One prompt, cold cache."""
     engine.reset()
     tree = replace(cfg.tree, budget=param, auto=False) if method == "specexec" and param else cfg.tree
     if method in ("ngram", "default"):  # their measured choice of size, as generate/chat run them
         tree = replace(cfg.tree, auto=True)
     chain = ChainConfig(gamma=param) if method == "chain" and param else ChainConfig()
-    return engine.generate(prompt.text, max_new or cfg.max_new_tokens, method=None if method == "default" else method,
-                           sampling_cfg=cfg.sampling, tree=tree, chain=chain, chat=prompt.chat)
+    return engine.generate(
+        prompt.text,
+        max_new or cfg.max_new_tokens,
+        method=None if method == "default" else method,
+        sampling_cfg=cfg.sampling,
+        tree=tree,
+        chain=chain,
+        chat=prompt.chat,
+    )
 
 
 def _row(method: str, param: int | None, results: list[Result]) -> Row:
     st = [r.stats for r in results]
     new, steps = sum(s.new_tokens for s in st), sum(s.steps for s in st)
     decode = sum(s.wall_s - s.prefill_s for s in st)
-    return Row(method=method, param=param, prompts=len(results), new_tokens=new, steps=steps,
-               tokens_per_step=new / max(steps, 1), tokens_per_s=new / decode if decode > 0 else 0.0,
-               draft_s=sum(s.draft_s for s in st), target_s=sum(s.target_s for s in st), decode_s=decode)
+    return Row(
+        method=method,
+        param=param,
+        prompts=len(results),
+        new_tokens=new,
+        steps=steps,
+        tokens_per_step=new / max(steps, 1),
+        tokens_per_s=new / decode if decode > 0 else 0.0,
+        draft_s=sum(s.draft_s for s in st),
+        target_s=sum(s.target_s for s in st),
+        decode_s=decode,
+    )
 
 
-def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: str = "", draft: str | None = None,
-              on_run: Callable[[str], None] | None = None) -> BenchReport:
+def run_bench(
+    engine: Engine,
+    prompts: list[Prompt],
+    cfg: BenchConfig,
+    target: str = "",
+    draft: str | None = None,
+    on_run: Callable[[str], None] | None = None,
+) -> BenchReport:
     """Run every (method, param) over every prompt; ``on_run(label)`` is called after each (method, param, prompt)."""
     runs = cfg.runs()
     if engine.draft is None and any(m in ("chain", "specexec") for m, _ in runs):
-        raise SpecexecError(f"bench: chain and specexec need a draft model ({setting('draft')}), "
-                            f"or use {setting('methods', 'ar')}")
+        raise SpecexecError(
+            f"bench: chain and specexec need a draft model ({setting('draft')}), or use {setting('methods', 'ar')}"
+        )
     for method in dict.fromkeys(m for m, _ in runs):  # warm-up: allocations, kernels, lazy imports
         _one(engine, prompts[0], method, max(cfg.budgets) if method == "specexec" else None, cfg, max_new=4)
     rows, per_prompt, ref = [], [], None
@@ -241,11 +277,20 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: s
         for p in prompts:
             r = _one(engine, p, method, param, cfg)
             results.append(r)
-            per_prompt.append({"prompt": p.name, "method": method, "param": param, "new_tokens": len(r.tokens),
-                               "steps": r.stats.steps, "tokens_per_s": r.stats.tokens_per_s,
-                               "tokens_per_step": r.stats.tokens_per_step,
-                               "match_ar": None if ref is None or not cfg.sampling.greedy
-                               else r.tokens == ref[len(results) - 1].tokens})
+            per_prompt.append(
+                {
+                    "prompt": p.name,
+                    "method": method,
+                    "param": param,
+                    "new_tokens": len(r.tokens),
+                    "steps": r.stats.steps,
+                    "tokens_per_s": r.stats.tokens_per_s,
+                    "tokens_per_step": r.stats.tokens_per_step,
+                    "match_ar": None
+                    if ref is None or not cfg.sampling.greedy
+                    else r.tokens == ref[len(results) - 1].tokens,
+                }
+            )
             if on_run:
                 on_run(f"{method} {param or ''}".strip())
         row = _row(method, param, results)
@@ -255,12 +300,24 @@ def run_bench(engine: Engine, prompts: list[Prompt], cfg: BenchConfig, target: s
         if cfg.sampling.greedy:
             row.mismatches = sum(a.tokens != b.tokens for a, b in zip(results, ref))
         rows.append(row)
-    config = {"methods": list(cfg.methods), "budgets": list(cfg.budgets), "gammas": list(cfg.gammas),
-              "max_new_tokens": cfg.max_new_tokens, "sampling": asdict(cfg.sampling), "tree": asdict(cfg.tree),
-              "context": engine.context}
-    return BenchReport(target=target, draft=draft, device=str(engine.target.device), config=config,
-                       prompts=[{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in prompts],
-                       rows=rows, per_prompt=per_prompt)
+    config = {
+        "methods": list(cfg.methods),
+        "budgets": list(cfg.budgets),
+        "gammas": list(cfg.gammas),
+        "max_new_tokens": cfg.max_new_tokens,
+        "sampling": asdict(cfg.sampling),
+        "tree": asdict(cfg.tree),
+        "context": engine.context,
+    }
+    return BenchReport(
+        target=target,
+        draft=draft,
+        device=str(engine.target.device),
+        config=config,
+        prompts=[{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in prompts],
+        rows=rows,
+        per_prompt=per_prompt,
+    )
 
 
 def total_runs(cfg: BenchConfig, prompts: list[Prompt]) -> int:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
-
 from typing import Protocol
 
 from specexec.propose.tree import GrowCost
@@ -74,7 +73,7 @@ class FixedBudget:
     """Always ``budget``; measures the step costs so the tree's early stop can weigh a draft pass."""
 
     budget: int
-    costs: "StepCosts" = field(default_factory=lambda: StepCosts())
+    costs: StepCosts = field(default_factory=lambda: StepCosts())
     max_depth: int = 32
 
     def choose(self) -> int:
@@ -141,8 +140,11 @@ class AutoBudget:
 
     def grow_cost(self, b: int) -> GrowCost:
         """Costs of a budget-b step for the draft's early stop (calibrated, corrected online)."""
-        return GrowCost(pass_s=interp(self.draft_pass_s, min(b, self.max_beams)) * self._draft_scale,
-                        target_s=interp(self.target_s, b + 1) * self._target_scale, acc_scale=self._acc_scale)
+        return GrowCost(
+            pass_s=interp(self.draft_pass_s, min(b, self.max_beams)) * self._draft_scale,
+            target_s=interp(self.target_s, b + 1) * self._target_scale,
+            acc_scale=self._acc_scale,
+        )
 
     def rate(self, b: int) -> float:
         return self.expected_emitted(b) / self.step_seconds(b)
@@ -168,7 +170,7 @@ class AutoBudget:
             curve.append(acc)
         if curve:
             # a bigger tree's curve is more informative; a smaller one replaces it only at the head
-            self._curve = curve + self._curve[len(curve):] if len(curve) < len(self._curve) else curve
+            self._curve = curve + self._curve[len(curve) :] if len(curve) < len(self._curve) else curve
             predicted = min(curve[-1], self.max_depth + 1.0)
             self._acc_scale = _ema(self._acc_scale, emitted / max(predicted, 1.0), 0.2)
             # keep the correction within reason: one lucky step should not explode the budget
@@ -194,8 +196,9 @@ class StepCosts:
         t = self.target_s.get(budget)
         return None if self.pass_s is None or t is None else GrowCost(self.pass_s, t, self.acc_scale)
 
-    def update(self, budget: int, draft_s: float, passes: int, target_s: float, predicted: float = 0.0,
-               emitted: int = 0) -> None:
+    def update(
+        self, budget: int, draft_s: float, passes: int, target_s: float, predicted: float = 0.0, emitted: int = 0
+    ) -> None:
         if predicted > 0:
             self.acc_scale = min(max(_ema(self.acc_scale, emitted / max(predicted, 1.0), 0.2), 0.2), 5.0)
         if passes > 0 and draft_s > 0:
@@ -209,8 +212,9 @@ def _ema(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new
 
 
-def calibrate(time_target: Callable[[int], float], time_draft: Callable[[int], float], max_budget: int,
-              max_beams: int) -> tuple[dict[int, float], dict[int, float]]:
+def calibrate(
+    time_target: Callable[[int], float], time_draft: Callable[[int], float], max_budget: int, max_beams: int
+) -> tuple[dict[int, float], dict[int, float]]:
     """Measure target pass seconds at a few sizes and draft pass seconds at a few beam counts.
 
     Sizes grow geometrically; once a pass costs more than 3x the smallest (compute-bound, e.g. on a CPU) the
@@ -345,8 +349,16 @@ def calibration_key(*parts: object) -> str:
 
     import torch
 
-    blob = json.dumps([platform.machine(), platform.processor(), torch.__version__, torch.get_num_threads(),
-                       *[repr(p) for p in parts]], sort_keys=True)
+    blob = json.dumps(
+        [
+            platform.machine(),
+            platform.processor(),
+            torch.__version__,
+            torch.get_num_threads(),
+            *[repr(p) for p in parts],
+        ],
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -356,8 +368,10 @@ def load_calibration(path) -> tuple[dict[int, float], dict[int, float]] | None:
 
     try:
         d = json.loads(path.read_text())
-        return ({int(k): float(v) for k, v in d["target_s"].items()},
-                {int(k): float(v) for k, v in d["draft_pass_s"].items()})
+        return (
+            {int(k): float(v) for k, v in d["target_s"].items()},
+            {int(k): float(v) for k, v in d["draft_pass_s"].items()},
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

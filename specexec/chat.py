@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.engine import Engine, Generation, Result, Stats
@@ -56,8 +58,12 @@ class ModelOptions:
     cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
 
 
-def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
-                status: Callable[[str], ContextManager[Any]] | None = None) -> Engine:
+def load_engine(
+    opts: ModelOptions,
+    tree: TreeConfig,
+    progress: bool = True,
+    status: Callable[[str], ContextManager[Any]] | None = None,
+) -> Engine:
     """Resolve the models (downloads show their own progress bars), then load them inside ``status(message)``.
 
     The CLI passes a spinner as ``status``; the two steps are separate because two live displays cannot nest.
@@ -68,9 +74,18 @@ def load_engine(opts: ModelOptions, tree: TreeConfig, progress: bool = True,
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
     d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
     with (status or (lambda _msg: nullcontext()))("loading models"):
-        return api.load(str(t_path), str(d_path) if d_path else None, device=opts.device, dtype=opts.dtype,
-                        draft_dtype=opts.draft_dtype, context=opts.context, offload=opts.offload, tree=tree,
-                        progress=progress, cache_dir=opts.cache_dir)
+        return api.load(
+            str(t_path),
+            str(d_path) if d_path else None,
+            device=opts.device,
+            dtype=opts.dtype,
+            draft_dtype=opts.draft_dtype,
+            context=opts.context,
+            offload=opts.offload,
+            tree=tree,
+            progress=progress,
+            cache_dir=opts.cache_dir,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the session
@@ -112,7 +127,7 @@ class Reply:
     session; then ``interrupted``, ``text`` and ``result`` (None if interrupted) describe it.
     """
 
-    def __init__(self, session: "ChatSession", turn: Turn, generation: Generation, notices: list[str]) -> None:
+    def __init__(self, session: ChatSession, turn: Turn, generation: Generation, notices: list[str]) -> None:
         self._session, self.turn, self.generation = session, turn, generation
         self.notices = notices
         self.prompt_tokens = len(generation.ids)
@@ -144,7 +159,7 @@ class Reply:
         finally:
             if self.generation.result is None:
                 self.stopped = True
-                gen.close()  # cancels the engine's step loop (its state stays consistent)
+                gen.close()  # type: ignore[attr-defined]  # cancels the engine's step loop (its state stays consistent)
             self._session._record(self.turn, self.result, "".join(shown))
 
     @property
@@ -169,11 +184,17 @@ class ChatSession:
         self.options = options or GenOptions()
         tok = engine.tokenizer.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise SpecexecError("this model's tokenizer has no chat template: chat needs an instruct/chat model "
-                                "(use `specexec generate` for plain completion)")
+            raise SpecexecError(
+                "this model's tokenizer has no chat template: chat needs an instruct/chat model "
+                "(use `specexec generate` for plain completion)"
+            )
         if self.options.method not in (None, "ar") and engine.draft is None:
-            raise ConfigError("method", self.options.method, "needs a draft model",
-                              f"{setting('method', self.options.method)} needs a draft model: pass {setting('draft')}")
+            raise ConfigError(
+                "method",
+                self.options.method,
+                "needs a draft model",
+                f"{setting('method', self.options.method)} needs a draft model: pass {setting('draft')}",
+            )
         if self.options.max_new_tokens + MIN_ANSWER_TOKENS > engine.context:
             raise SpecexecError(
                 f"{setting('max_new_tokens', self.options.max_new_tokens)} leaves no room for a message in the "
@@ -211,8 +232,7 @@ class ChatSession:
             raise SpecexecError("empty message")
         ids, max_new, drop, notices = self._fit(text)
         o = self.options
-        gen = self.engine.stream(ids, max_new, method=o.method, sampling_cfg=o.sampling, tree=o.tree,
-                                 chain=o.chain)
+        gen = self.engine.stream(ids, max_new, method=o.method, sampling_cfg=o.sampling, tree=o.tree, chain=o.chain)
         self._drop_oldest(drop)
         _log_reuse(self._last_ids, ids)
         self._last_ids = ids
@@ -282,14 +302,26 @@ class ChatSession:
         o = self.options
         answers = []
         for i, t in enumerate(self.turns):
-            answers.append({"message": len(self._messages(self.turns[: i + 1])) - 1, "interrupted": t.interrupted,
-                            "in_context": t.in_context, "stats": t.stats.to_json() if t.stats else None})
+            answers.append(
+                {
+                    "message": len(self._messages(self.turns[: i + 1])) - 1,
+                    "interrupted": t.interrupted,
+                    "in_context": t.in_context,
+                    "stats": t.stats.to_json() if t.stats else None,
+                }
+            )
         return {
             "system": self.system,
             "messages": self._messages(self.turns),
             "answers": answers,
-            "settings": {"max_new_tokens": o.max_new_tokens, "method": o.method, "context": self.engine.context,
-                         "sampling": asdict(o.sampling), "tree": asdict(o.tree), "chain": asdict(o.chain)},
+            "settings": {
+                "max_new_tokens": o.max_new_tokens,
+                "method": o.method,
+                "context": self.engine.context,
+                "sampling": asdict(o.sampling),
+                "tree": asdict(o.tree),
+                "chain": asdict(o.chain),
+            },
         }
 
     def save(self, path: str | Path) -> Path:
@@ -311,8 +343,7 @@ def _log_reuse(previous: list[int], ids: list[int]) -> None:
             break
         n += 1
     if previous and n < len(previous):
-        log.debug("chat template re-rendered the previous request differently after token %d of %d", n,
-                  len(previous))
+        log.debug("chat template re-rendered the previous request differently after token %d of %d", n, len(previous))
 
 
 # ---------------------------------------------------------------------------------------------- input helpers
@@ -351,7 +382,7 @@ def read_message(read_line: Callable[[str], str], prompt: str = ">>> ", more: st
     stripped = line.strip()
     if not stripped.startswith(TRIPLE_QUOTE):
         return line
-    rest = stripped[len(TRIPLE_QUOTE):]
+    rest = stripped[len(TRIPLE_QUOTE) :]
     if rest.endswith(TRIPLE_QUOTE):
         return rest[: -len(TRIPLE_QUOTE)]
     lines = [rest] if rest else []
@@ -375,8 +406,10 @@ def parse_command(text: str) -> tuple[str, str] | None:
 def summary_line(stats: Stats) -> str:
     """The one-line speed summary printed after each answer: tokens, decoding speed, tokens per target pass."""
     s = stats
-    return (f"{s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} tok/s, "
-            f"{s.tokens_per_step:.2f} tokens/step")
+    return (
+        f"{s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} tok/s, "
+        f"{s.tokens_per_step:.2f} tokens/step"
+    )
 
 
 def format_stats(stats: Stats) -> list[str]:

@@ -13,8 +13,12 @@ NEEDS_DRAFT = ("chain", "specexec")  # methods that need a draft model
 def check_method(method: str) -> None:
     """Raise :class:`ConfigError` unless ``method`` is one of :data:`METHODS`."""
     if method not in METHODS:
-        raise ConfigError("method", method, f"must be one of {', '.join(METHODS)}",
-                          f"unknown {setting('method')} {method!r}; choose one of {', '.join(METHODS)}")
+        raise ConfigError(
+            "method",
+            method,
+            f"must be one of {', '.join(METHODS)}",
+            f"unknown {setting('method')} {method!r}; choose one of {', '.join(METHODS)}",
+        )
 
 
 @dataclass(frozen=True)

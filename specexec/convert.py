@@ -103,14 +103,20 @@ def _stage_display(progress: bool) -> Iterator[Callable[[str], None]]:
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    bars = Progress(SpinnerColumn(finished_text="[green]done[/]"), TextColumn("converting: {task.description}"),
-                    TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=False)
+    bars = Progress(
+        SpinnerColumn(finished_text="[green]done[/]"),
+        TextColumn("converting: {task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not progress,
+        transient=False,
+    )
     current: list[int] = []  # rich task ids, one per stage
 
     def stage(text: str) -> None:
         logger.info("convert: %s", text)
         if current:
-            bars.update(current[-1], total=1, completed=1)
+            bars.update(current[-1], total=1, completed=1)  # type: ignore[arg-type]
         current.append(bars.add_task(text, total=None))
 
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
@@ -122,7 +128,7 @@ def _stage_display(progress: bool) -> Iterator[Callable[[str], None]]:
         with bars:
             yield stage
             if current:
-                bars.update(current[-1], total=1, completed=1)
+                bars.update(current[-1], total=1, completed=1)  # type: ignore[arg-type]
     finally:
         if original is not None:
             gguf_utils.tqdm = original

@@ -20,9 +20,10 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -119,8 +120,11 @@ def _best_ms(fn: Callable[[], Any], repeats: int) -> float:
     return best * 1e3
 
 
-def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
-            ) -> dict[str, dict[str, float]]:
+def measure(
+    shapes: list[tuple[int, int]],
+    rows: tuple[int, ...] = PROBE_ROWS,
+    repeats: int = REPEATS,
+) -> dict[str, dict[str, float]]:
     """Per-layer ms (min of ``repeats``) for fp32 (:func:`~specexec.model.linear`'s rule) and bf16 in both
     orientations (``bf16``: ``F.linear``; ``bf16_transposed``: ``w @ x.T``, only for rows in 8..48)."""
     gen = torch.Generator().manual_seed(0)
@@ -142,7 +146,8 @@ def decide(ms: dict[str, dict[str, float]]) -> tuple[str, bool]:
     rows = sorted(ms["fp32"], key=int)
     one, many = rows[0], rows[-1]
     transposed = many in ms.get("bf16_transposed", {}) and (
-        ms["bf16_transposed"][many] <= TRANSPOSE_GAIN * ms["bf16"][many])
+        ms["bf16_transposed"][many] <= TRANSPOSE_GAIN * ms["bf16"][many]
+    )
     bf16_many = ms["bf16_transposed"][many] if transposed else ms["bf16"][many]
     fp32_many, fp32_one, bf16_one = ms["fp32"][many], ms["fp32"][one], ms["bf16"][one]
     ok = bf16_many <= BF16_GAIN * fp32_many and bf16_one <= ONE_ROW_SLACK * fp32_one
@@ -168,9 +173,17 @@ def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> P
         t0 = time.perf_counter()
         ms = measure(shapes, repeats=repeats)
         dtype, transposed = decide(ms)
-        result = ProbeResult(key=key, cpu=cpu_name(), torch=torch.__version__, threads=torch.get_num_threads(),
-                             shapes=[list(s) for s in shapes], ms=ms, dtype=dtype, bf16_transposed=transposed,
-                             seconds=round(time.perf_counter() - t0, 2))
+        result = ProbeResult(
+            key=key,
+            cpu=cpu_name(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            shapes=[list(s) for s in shapes],
+            ms=ms,
+            dtype=dtype,
+            bf16_transposed=transposed,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
         log.info("CPU dtype probe: %s", result.summary())
         _write_cache(result)
     set_cpu_transposed(torch.bfloat16, result.bf16_transposed)
@@ -211,7 +224,7 @@ def doctor_lines(cfgs: dict[str, ModelConfig] | None = None, run: bool = False) 
             lines.append(f"cpu dtype for {name}: fp32 (too small to probe)")
             continue
         if run or probe_key(shapes) in cache:
-            r = probe(cfg)
+            r = probe(cfg)  # type: ignore[assignment]
             lines.append(f"cpu dtype for {name}: {r.summary()}" if r else f"cpu dtype for {name}: fp32")
         else:
             lines.append(f"cpu dtype for {name}: not probed yet (the first --dtype auto load on CPU does it)")

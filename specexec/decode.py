@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any
 
 import torch
 
@@ -104,8 +105,14 @@ class TargetState:
             dev = self.model.device
             pos = torch.arange(self.t_len, n, device=dev)
             mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
-            self.model.forward(torch.tensor(self.seq[self.t_len:n], device=dev), pos, pos, mask, self.cache,
-                               logits_rows=slice(-1, None))
+            self.model.forward(
+                torch.tensor(self.seq[self.t_len : n], device=dev),
+                pos,
+                pos,
+                mask,
+                self.cache,
+                logits_rows=slice(-1, None),
+            )
             self.t_len = n
         return max(todo, 0)
 
@@ -132,9 +139,17 @@ def make_generator(samp: SamplingConfig, device: torch.device) -> torch.Generato
     return gen
 
 
-def decode(state: TargetState, proposer: Proposer, policy: BudgetPolicy, samp: SamplingConfig, max_new: int,
-           eos: set[int] | frozenset[int], stats: Stats, verify_chunk: int = 4096,
-           draft_logprobs: Callable | None = None) -> Generator[list[int], None, None]:
+def decode(
+    state: TargetState,
+    proposer: Proposer,
+    policy: BudgetPolicy,
+    samp: SamplingConfig,
+    max_new: int,
+    eos: set[int] | frozenset[int],
+    stats: Stats,
+    verify_chunk: int = 4096,
+    draft_logprobs: Callable | None = None,
+) -> Generator[list[int], None, None]:
     """Decode up to ``max_new`` tokens after ``state.seq`` (already adopted); yields each step's committed tokens.
 
     The generator may be closed after any yield (a cancel): the caches and ``state.seq`` are consistent there.
@@ -181,8 +196,16 @@ def decode(state: TargetState, proposer: Proposer, policy: BudgetPolicy, samp: S
             stats.early_stops += prop.stopped_early
             if prop.beams:
                 stats.tree_shapes.append(prop.beams)
-            policy.update(StepRecord(budget=budget, tree_logp=prop.tree.n_logp[1:].tolist(), emitted=len(emitted),
-                                     draft_s=tt - td, target_s=te - tt, passes=prop.passes))
+            policy.update(
+                StepRecord(
+                    budget=budget,
+                    tree_logp=prop.tree.n_logp[1:].tolist(),
+                    emitted=len(emitted),
+                    draft_s=tt - td,
+                    target_s=te - tt,
+                    passes=prop.passes,
+                )
+            )
             tree_total += prop.size
             hist[len(out)] += 1
             produced += len(out)

@@ -26,11 +26,11 @@ from typing import Any
 import psutil
 import torch
 
-from specexec.errors import SpecexecError
 from specexec import sizes
 from specexec.config import TreeConfig
-from specexec.sizes import layer_bytes, param_count
+from specexec.errors import SpecexecError
 from specexec.model import ModelConfig
+from specexec.sizes import layer_bytes, param_count
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +227,18 @@ def disk_read(directory: Path, size_mb: int = 256) -> DiskInfo:
             except OSError as e:  # tmpfs and some overlay filesystems refuse O_DIRECT
                 log.debug("O_DIRECT read failed: %s", e)
         if _drop_cached(path):
-            return DiskInfo(str(directory), nbytes / _timed_read(path, 0) / GB, "fadvise(DONTNEED)",
-                            note="page cache dropped for the file; a RAM-backed filesystem still reads at RAM speed")
-        return DiskInfo(str(directory), nbytes / _timed_read(path, 0) / GB, "buffered",
-                        note="could not bypass the page cache: the figure is optimistic")
+            return DiskInfo(
+                str(directory),
+                nbytes / _timed_read(path, 0) / GB,
+                "fadvise(DONTNEED)",
+                note="page cache dropped for the file; a RAM-backed filesystem still reads at RAM speed",
+            )
+        return DiskInfo(
+            str(directory),
+            nbytes / _timed_read(path, 0) / GB,
+            "buffered",
+            note="could not bypass the page cache: the figure is optimistic",
+        )
     except OSError as e:
         return DiskInfo(str(directory), None, "none", note=f"disk test failed: {e.strerror or e}")
     finally:
@@ -254,10 +262,17 @@ def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool 
     vm = psutil.virtual_memory()
     gpu = gpu_info(measure)
     disk = disk_read(disk_dir or hub.cache_home(), disk_mb) if measure and disk_mb > 0 else None
-    return SystemInfo(cache_disk_free=_free_disk(disk_dir or hub.cache_home()),
-        cpu_model=cpu_model(), cpu_cores=psutil.cpu_count(logical=False), cpu_threads=psutil.cpu_count(),
-        ram_total=int(vm.total), ram_available=int(vm.available), gpu=gpu,
-        cuda_note="" if gpu else "no CUDA GPU: CPU-only mode", disk=disk, versions=versions(),
+    return SystemInfo(
+        cache_disk_free=_free_disk(disk_dir or hub.cache_home()),
+        cpu_model=cpu_model(),
+        cpu_cores=psutil.cpu_count(logical=False),
+        cpu_threads=psutil.cpu_count(),
+        ram_total=int(vm.total),
+        ram_available=int(vm.available),
+        gpu=gpu,
+        cuda_note="" if gpu else "no CUDA GPU: CPU-only mode",
+        disk=disk,
+        versions=versions(),
     )
 
 
@@ -282,7 +297,7 @@ def model_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | Non
             known = hub.known_config(spec)
             if known is None:
                 return None, "", f"{spec} is not downloaded and configs/models.toml has no architecture for it"
-            return _parse(known, "configs/models.toml"), f"configs/models.toml (alias {spec}, not downloaded)", ""
+            return _parse(known, "configs/models.toml"), f"configs/models.toml (alias {spec}, not downloaded)", ""  # type: ignore[arg-type]
     else:
         try:
             path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
@@ -296,8 +311,11 @@ def model_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | Non
             directory = path.parent if path.is_file() else path
             source = directory / "config.json"
             if not source.is_file():
-                return None, "", (f"no config.json in {directory} (a GGUF file gets one when specexec first "
-                                  "converts it)")
+                return (
+                    None,
+                    "",
+                    (f"no config.json in {directory} (a GGUF file gets one when specexec first converts it)"),
+                )
     try:
         raw = json.loads(source.read_text())
     except (OSError, ValueError) as e:
@@ -329,9 +347,15 @@ def recommend(spec: str, system: SystemInfo, context: int = 4096, home: Path | N
     cfg, source, why = model_config(spec, home)
     if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
-    rec = Recommendation(target=spec, present=True, config_path=source, params=param_count(cfg),
-                         num_layers=cfg.num_layers, layer_gb_bf16=layer_bytes(cfg, "bf16") / GB,
-                         layer_gb_nf4=layer_bytes(cfg, "nf4") / GB)
+    rec = Recommendation(
+        target=spec,
+        present=True,
+        config_path=source,
+        params=param_count(cfg),
+        num_layers=cfg.num_layers,
+        layer_gb_bf16=layer_bytes(cfg, "bf16") / GB,
+        layer_gb_nf4=layer_bytes(cfg, "nf4") / GB,
+    )
     if "models.toml" in source:
         rec.notes.append("planned from the architecture in configs/models.toml (the model is not downloaded)")
     context = min(context, cfg.max_position_embeddings)
@@ -357,8 +381,10 @@ def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
         break
     else:
         rec.dtype, rec.tier = "bf16", "does-not-fit"
-        rec.notes.append(f"even bf16 needs {param_count(cfg) * 2 / GB:.1f} GB of RAM, "
-                         f"{system.ram_available / GB:.1f} GB is available: use a CUDA GPU with offload")
+        rec.notes.append(
+            f"even bf16 needs {param_count(cfg) * 2 / GB:.1f} GB of RAM, "
+            f"{system.ram_available / GB:.1f} GB is available: use a CUDA GPU with offload"
+        )
     weights = param_count(cfg) * (4 if rec.dtype == "fp32" else 2)
     rec.streamed_gb_per_pass = 0.0
     rec.bandwidth_gbps = ASSUMED_RAM_GBPS
@@ -367,8 +393,9 @@ def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     rec.notes.append("no CUDA GPU: CPU-only mode (offload tiers apply to GPUs only)")
 
 
-def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int,
-                   home: Path | None = None) -> None:
+def _recommend_gpu(
+    rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int, home: Path | None = None
+) -> None:
     """GPU: the offload manager's own plan (:func:`offload.plan.make_plan`) for this machine's figures."""
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
 
@@ -377,9 +404,14 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     tree = TreeConfig()
     mem = sizes.engine_memory(cfg, None, context, 2, 2, tree, target_weights=0)
     others = mem.total - mem.step.logits - mem.step.target_activations
-    resources = Resources(device="cuda", vram_free=gpu.vram_free, ram_total=system.ram_total,
-                          ram_available=system.ram_available, disk_free=system.cache_disk_free,
-                          h2d_gbps=gpu.pinned_h2d_gbps)
+    resources = Resources(
+        device="cuda",
+        vram_free=gpu.vram_free,
+        ram_total=system.ram_total,
+        ram_available=system.ram_available,
+        disk_free=system.cache_disk_free,
+        h2d_gbps=gpu.pinned_h2d_gbps,
+    )
     model = PlanModel(cfg, torch.bfloat16, kv_bytes=others, max_tokens=min(TREE_TOKENS, sizes.step_room(tree)))
     try:
         plan = make_plan(resources, model, OffloadConfig(cache_dir=home))
@@ -401,8 +433,9 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     if rec.tier == "ssd":
         disk = system.disk.read_gbps if system.disk and system.disk.read_gbps else None
         bw = min(h2d, disk) if disk else h2d
-        rec.bandwidth = (f"disk {disk:.2f} GB/s (measured)" if disk and disk < h2d
-                         else f"pinned H2D {h2d:.1f} GB/s ({h2d_src})")
+        rec.bandwidth = (
+            f"disk {disk:.2f} GB/s (measured)" if disk and disk < h2d else f"pinned H2D {h2d:.1f} GB/s ({h2d_src})"
+        )
     else:
         bw = h2d
         rec.bandwidth = f"pinned H2D {h2d:.1f} GB/s ({h2d_src})"
@@ -410,8 +443,14 @@ def _recommend_gpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
     rec.floor_s_per_pass = streamed_bytes / (bw * GB)
 
 
-def run_doctor(target: str | None = None, context: int = 4096, disk_mb: int = 256, measure: bool = True,
-               disk_dir: Path | None = None, home: Path | None = None) -> DoctorReport:
+def run_doctor(
+    target: str | None = None,
+    context: int = 4096,
+    disk_mb: int = 256,
+    measure: bool = True,
+    disk_dir: Path | None = None,
+    home: Path | None = None,
+) -> DoctorReport:
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
     root (``--cache-dir``; default :func:`specexec.hub.cache_home`), where models are looked up and whose disk is
     measured unless ``disk_dir`` is given."""

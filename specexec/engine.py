@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generator, Iterator, Sequence
+from typing import Any
 
 from specexec.budget import (
     AdaptiveBudget,
@@ -35,8 +36,8 @@ from specexec.decode import Stats, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
-from specexec.text import TextStream, check_stops
 from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
+from specexec.text import TextStream, check_stops
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,12 @@ class Result:
         return self.stats.finish_reason
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "stats": self.stats.to_json()}
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats.to_json(),
+        }
 
 
 class Generation:
@@ -72,8 +77,18 @@ class Generation:
     inside a step (Ctrl-C) propagates and leaves ``result`` None.
     """
 
-    def __init__(self, engine: "Engine", ids: list[int], max_new: int, proposer: Proposer, policy: BudgetPolicy,
-                 samp: SamplingConfig, stats: Stats, verify_chunk: int, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        ids: list[int],
+        max_new: int,
+        proposer: Proposer,
+        policy: BudgetPolicy,
+        samp: SamplingConfig,
+        stats: Stats,
+        verify_chunk: int,
+        stop: Sequence[str] = (),
+    ) -> None:
         self.engine, self.ids, self.max_new = engine, ids, max_new
         self.text = TextStream(engine.tokenizer.tokenizer, engine.tokenizer.eos_ids, stop)
         self.proposer, self.policy, self.samp = proposer, policy, samp
@@ -98,8 +113,16 @@ class Generation:
     def _run(self) -> Generator[str, None, None]:
         e = self.engine
         assert e.state is not None
-        steps = decode(e.state, self.proposer, self.policy, self.samp, self.max_new, e.tokenizer.eos_ids,
-                       self.stats, self.verify_chunk)
+        steps = decode(
+            e.state,
+            self.proposer,
+            self.policy,
+            self.samp,
+            self.max_new,
+            e.tokenizer.eos_ids,
+            self.stats,
+            self.verify_chunk,
+        )
         try:
             for new in steps:
                 text, stopped = self.text.push(new)
@@ -122,8 +145,9 @@ class Generation:
         if reason is not None:
             self.stats.finish_reason = reason
         self.stats.new_tokens = len(self.tokens)
-        self.result = Result(text=self.text.text, tokens=list(self.tokens), prompt_tokens=len(self.ids),
-                             stats=self.stats)
+        self.result = Result(
+            text=self.text.text, tokens=list(self.tokens), prompt_tokens=len(self.ids), stats=self.stats
+        )
 
 
 class Engine:
@@ -135,12 +159,21 @@ class Engine:
     not cached); a cached calibration is reused at the next start and redone when measured costs drift from it.
     """
 
-    def __init__(self, target: Transformer, tokenizer: TokenizerInfo, draft: Transformer | None = None,
-                 context: int = 4096, tree: TreeConfig | None = None, static_draft: bool | None = None,
-                 static_rows: int = 128, calibration_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: TokenizerInfo,
+        draft: Transformer | None = None,
+        context: int = 4096,
+        tree: TreeConfig | None = None,
+        static_draft: bool | None = None,
+        static_rows: int = 128,
+        calibration_dir: Path | None = None,
+    ) -> None:
         if context > target.cfg.max_position_embeddings:
-            log.warning("context %d exceeds the model's max_position_embeddings %d", context,
-                        target.cfg.max_position_embeddings)
+            log.warning(
+                "context %d exceeds the model's max_position_embeddings %d", context, target.cfg.max_position_embeddings
+            )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.context = context
         self.state: TargetState | None = None
@@ -175,8 +208,12 @@ class Engine:
         self._auto = None
         if self.draft is not None:
             self.draft_model = None
-            self.draft_model = DraftModel(self.draft, self.context + room + tree.largest + tree.max_beams,
-                                          static=self._static[0], static_rows=self._static[1])
+            self.draft_model = DraftModel(
+                self.draft,
+                self.context + room + tree.largest + tree.max_beams,
+                static=self._static[0],
+                static_rows=self._static[1],
+            )
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""
@@ -194,14 +231,26 @@ class Engine:
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise SpecexecError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
-            return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False))
+            return list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         return list(tok(prompt, add_special_tokens=True)["input_ids"])
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, method: str | None = None,
-               sampling_cfg: SamplingConfig | None = None, tree: TreeConfig | None = None,
-               chain: ChainConfig | None = None, chat: bool = False, ngram: NGramConfig | None = None,
-               policy: BudgetPolicy | None = None, stop: Sequence[str] = ()) -> Generation:
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        method: str | None = None,
+        sampling_cfg: SamplingConfig | None = None,
+        tree: TreeConfig | None = None,
+        chain: ChainConfig | None = None,
+        chat: bool = False,
+        ngram: NGramConfig | None = None,
+        policy: BudgetPolicy | None = None,
+        stop: Sequence[str] = (),
+    ) -> Generation:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``.
 
         ``ngram``: prompt-lookup settings -- for ``method="ngram"`` the proposals themselves, for ``specexec``
@@ -251,8 +300,9 @@ class Engine:
         return g.result
 
     # -- what a generation runs with ------------------------------------------------------------------------------
-    def _plan(self, method: str, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None,
-              stats: Stats) -> tuple[Proposer, BudgetPolicy]:
+    def _plan(
+        self, method: str, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None, stats: Stats
+    ) -> tuple[Proposer, BudgetPolicy]:
         dev = self.target.device
         if method == "ar":
             return NoDraft(dev), FixedBudget(0)
@@ -296,8 +346,16 @@ class Engine:
 
     def _calibration_file(self, tree: TreeConfig) -> Path:
         assert self.calibration_dir is not None and self.draft is not None
-        key = calibration_key(self.target.device, self.target.cfg, self.draft.cfg, self.target.dtype,
-                              self.draft.dtype, tree.max_budget, tree.max_beams, self.context + self._tree_room)
+        key = calibration_key(
+            self.target.device,
+            self.target.cfg,
+            self.draft.cfg,
+            self.target.dtype,
+            self.draft.dtype,
+            tree.max_budget,
+            tree.max_beams,
+            self.context + self._tree_room,
+        )
         return self.calibration_dir / f"{key}.json"
 
     def _calibrate(self, tree: TreeConfig) -> AutoBudget:
@@ -308,8 +366,14 @@ class Engine:
         assert self.draft_model is not None and self.state is not None
         cached = load_calibration(self._calibration_file(tree)) if self.calibration_dir else None
         if cached is not None:
-            return AutoBudget(target_s=cached[0], draft_pass_s=cached[1], max_beams=tree.max_beams,
-                              max_depth=tree.max_depth, max_budget=tree.max_budget, budget=tree.budget)
+            return AutoBudget(
+                target_s=cached[0],
+                draft_pass_s=cached[1],
+                max_beams=tree.max_beams,
+                max_depth=tree.max_depth,
+                max_budget=tree.max_budget,
+                budget=tree.budget,
+            )
         t_time = pass_timer(self.target, self.state.cache)
         d_time = pass_timer(self.draft_model.model, self.draft_model.cache)
         t_time(1, 1)  # warm-up
@@ -318,5 +382,11 @@ class Engine:
         self.reset()
         if self.calibration_dir:
             save_calibration(self._calibration_file(tree), t_s, d_s)
-        return AutoBudget(target_s=t_s, draft_pass_s=d_s, max_beams=tree.max_beams, max_depth=tree.max_depth,
-                          max_budget=tree.max_budget, budget=tree.budget)
+        return AutoBudget(
+            target_s=t_s,
+            draft_pass_s=d_s,
+            max_beams=tree.max_beams,
+            max_depth=tree.max_depth,
+            max_budget=tree.max_budget,
+            budget=tree.budget,
+        )

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 _MARK = "\x00"  # settings inside a message template: \x00key\x00 or \x00key\x01value\x00
 _SEP = "\x01"

@@ -8,7 +8,8 @@ on first use and replayed. Bucketing the span matters: attention over the whole 
 pass on an H100.
 
 Padding rows write their keys/values to a scratch slot (C-1, outside every span, never attended) and attend only
-to slot 0, so they cannot disturb real rows. On the CPU the same padded path runs eagerly (``use_graphs=False``), which is
+to slot 0, so they cannot disturb real rows. On the CPU the same padded path runs eagerly (``use_graphs=False``),
+which is
 how CI checks that padding does not change results.
 """
 
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 class StaticPasses:
     """``forward(tokens, positions, slots, mask)`` with padded static shapes; CUDA graphs when on a GPU."""
 
-    def __init__(self, model: Transformer, cache: KVCache, max_rows: int, use_graphs: bool | None = None,
-                 span_step: int = 256) -> None:
+    def __init__(
+        self, model: Transformer, cache: KVCache, max_rows: int, use_graphs: bool | None = None, span_step: int = 256
+    ) -> None:
         self.model, self.cache = model, cache
         self.span_step = span_step
         self.C = cache.capacity

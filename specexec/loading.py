@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,8 +32,11 @@ class _BnbKernelsHint(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "kernels-community" in record.getMessage():
-            log.debug("bitsandbytes' optional fused CPU kernel is unavailable (%s); not used: NF4 on a CPU "
-                      "dequantizes and runs the dense linear", record.getMessage()[:160])
+            log.debug(
+                "bitsandbytes' optional fused CPU kernel is unavailable (%s); not used: NF4 on a CPU "
+                "dequantizes and runs the dense linear",
+                record.getMessage()[:160],
+            )
             return False
         return True
 
@@ -89,7 +93,7 @@ def resolve_draft(name: str, device: torch.device, cfg: ModelConfig) -> tuple[to
     return resolve_dtype(name, device, cfg), False
 
 
-def draft_vocab_ids(tokenizer: "TokenizerInfo", vocab_size: int, k: int = DEFAULT_DRAFT_VOCAB) -> Tensor:
+def draft_vocab_ids(tokenizer: TokenizerInfo, vocab_size: int, k: int = DEFAULT_DRAFT_VOCAB) -> Tensor:
     """A data-free frequency-ranked draft vocabulary (FR-Spec, arXiv 2502.14856): ids [0, k) -- in a byte-level
     BPE lower ids are earlier merges, i.e. more frequent -- plus every special / added / EOS id. The prompt's
     and generated tokens join at run time (:meth:`specexec.model.SubsetHead.observe`)."""
@@ -109,8 +113,9 @@ def parse_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise ConfigError("device", name, "must be auto, cpu or cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecexecError(f"{setting('device', 'cuda')} was asked for but no CUDA GPU is available "
-                            f"(use {setting('device', 'cpu')})")
+        raise SpecexecError(
+            f"{setting('device', 'cuda')} was asked for but no CUDA GPU is available (use {setting('device', 'cpu')})"
+        )
     return torch.device(name)
 
 
@@ -242,7 +247,9 @@ def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tu
         o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
         w = {
             "attn_norm": o("input_layernorm.weight"),
-            "wqkv": torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]),
+            "wqkv": torch.cat(
+                [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]
+            ),
             "wo": o("self_attn.o_proj.weight"),
             "mlp_norm": o("post_attention_layernorm.weight"),
             "w13": torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
@@ -267,8 +274,14 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
 INT8_KEYS = ("wqkv", "wo", "w13", "w2")
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, layers: Any = None, int8: bool = False,
-               head_ids: Tensor | None = None) -> Transformer:
+def load_model(
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    layers: Any = None,
+    int8: bool = False,
+    head_ids: Tensor | None = None,
+) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
     ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the

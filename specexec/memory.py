@@ -52,12 +52,23 @@ def _with_budget(tree: TreeConfig, budget: int) -> TreeConfig:
     return replace(tree, max_budget=budget) if tree.auto else replace(tree, budget=budget)
 
 
-def largest_budget(target: ModelConfig, draft: ModelConfig | None, context: int, t_isz: int, d_isz: int,
-                   tree: TreeConfig, chain: ChainConfig | None, fixed: int, have: int) -> int:
+def largest_budget(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    context: int,
+    t_isz: int,
+    d_isz: int,
+    tree: TreeConfig,
+    chain: ChainConfig | None,
+    fixed: int,
+    have: int,
+) -> int:
     """The largest tree budget (<= ``tree.largest``) whose buffers fit in ``have - fixed`` bytes; 0 if none."""
+
     def fits(b: int) -> bool:
-        return fixed + sizes.step_buffers(target, draft, context, _with_budget(tree, b), chain, t_isz,
-                                          d_isz).total <= have
+        return (
+            fixed + sizes.step_buffers(target, draft, context, _with_budget(tree, b), chain, t_isz, d_isz).total <= have
+        )
 
     lo, hi = 0, tree.largest
     if not fits(1):
@@ -72,19 +83,44 @@ def largest_budget(target: ModelConfig, draft: ModelConfig | None, context: int,
     return lo
 
 
-def check_engine(target: ModelConfig, draft: ModelConfig | None, device: torch.device, context: int,
-                 target_itemsize: int, draft_itemsize: int, tree: TreeConfig, chain: ChainConfig | None = None,
-                 target_weights: int | None = None, draft_weights: int | None = None,
-                 have: int | None = None) -> sizes.EngineMemory:
+def check_engine(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    device: torch.device,
+    context: int,
+    target_itemsize: int,
+    draft_itemsize: int,
+    tree: TreeConfig,
+    chain: ChainConfig | None = None,
+    target_weights: int | None = None,
+    draft_weights: int | None = None,
+    have: int | None = None,
+) -> sizes.EngineMemory:
     """Raise :class:`NotEnoughMemory` unless everything an engine with these settings allocates on ``device``
     fits in ``have`` bytes (default: what the device has free, less a margin). Returns the estimate."""
     context = min(context, target.max_position_embeddings)
-    need = sizes.engine_memory(target, draft, context, target_itemsize, draft_itemsize, tree, chain,
-                               target_weights=target_weights, draft_weights=draft_weights)
+    need = sizes.engine_memory(
+        target,
+        draft,
+        context,
+        target_itemsize,
+        draft_itemsize,
+        tree,
+        chain,
+        target_weights=target_weights,
+        draft_weights=draft_weights,
+    )
     if have is None:
         have = available_bytes(device) - MARGIN_BYTES
-    log.debug("memory check on %s: need %.2f GB (weights %.2f, kv %.2f, other tree buffers %.2f), have %.2f GB",
-              device, need.total / GB, need.weights / GB, need.kv / GB, need.workspace / GB, have / GB)
+    log.debug(
+        "memory check on %s: need %.2f GB (weights %.2f, kv %.2f, other tree buffers %.2f), have %.2f GB",
+        device,
+        need.total / GB,
+        need.weights / GB,
+        need.kv / GB,
+        need.workspace / GB,
+        have / GB,
+    )
     if need.total <= have:
         return need
     where = "GPU memory (VRAM)" if device.type == "cuda" else "RAM"
@@ -99,21 +135,38 @@ def check_engine(target: ModelConfig, draft: ModelConfig | None, device: torch.d
             f"the tree's buffers for {setting(key, tree.largest)} need {need.step.total / GB:.1f} GB of {where} "
             f"(largest: {what} {big / GB:.1f} GB) on top of {fixed / GB:.1f} GB for the weights and KV caches, but "
             f"{free}; the largest that fits is {setting(key, best)}",
-            resource, need.total, max(have, 0), largest_budget=best)
+            resource,
+            need.total,
+            max(have, 0),
+            largest_budget=best,
+        )
     if need.kv >= need.weights:
         fix = f"lower {setting('context')}"
     else:
         fix = f"use a smaller model or a 16-bit {setting('dtype')}" + (
-            f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else "")
+            f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else ""
+        )
     raise NotEnoughMemory(
         f"not enough {where}: the weights need {need.weights / GB:.2f} GB, the KV caches for "
         f"{setting('context', context)} {need.kv / GB:.2f} GB and the other tree buffers {need.workspace / GB:.2f} GB "
-        f"({need.total / GB:.2f} GB in all), but {free}: {fix}", resource, need.total, max(have, 0))
+        f"({need.total / GB:.2f} GB in all), but {free}: {fix}",
+        resource,
+        need.total,
+        max(have, 0),
+    )
 
 
-def check_load(target: Path, draft: Path | None, device: torch.device, dtype: str, draft_dtype: str | None,
-               context: int, tree: TreeConfig | None = None, chain: ChainConfig | None = None,
-               target_weights: bool = True) -> sizes.EngineMemory:
+def check_load(
+    target: Path,
+    draft: Path | None,
+    device: torch.device,
+    dtype: str,
+    draft_dtype: str | None,
+    context: int,
+    tree: TreeConfig | None = None,
+    chain: ChainConfig | None = None,
+    target_weights: bool = True,
+) -> sizes.EngineMemory:
     """Check, from config.json and the safetensors headers only, that loading these models with these settings
     fits (see :func:`check_engine`).
 
@@ -130,5 +183,15 @@ def check_load(target: Path, draft: Path | None, device: torch.device, dtype: st
     d_isz = parse_dtype(d_name, device).itemsize
     t_w = 0 if offloaded else sizes.stored_weights(t_dir).resident_bytes(t_isz, t_cfg)
     d_w = sizes.stored_weights(d_dir).resident_bytes(d_isz, d_cfg) if d_dir is not None else None
-    return check_engine(t_cfg, d_cfg, device, context, t_isz, d_isz, tree or TreeConfig(), chain or ChainConfig(),
-                        target_weights=t_w, draft_weights=d_w)
+    return check_engine(
+        t_cfg,
+        d_cfg,
+        device,
+        context,
+        t_isz,
+        d_isz,
+        tree or TreeConfig(),
+        chain or ChainConfig(),
+        target_weights=t_w,
+        draft_weights=d_w,
+    )

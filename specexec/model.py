@@ -17,8 +17,9 @@ Per-layer weight names (a mapping ``str -> Tensor | QuantizedLinear``):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,8 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from an HF config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x ``rope_parameters``)."""
+    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Build from an HF config dict (transformers 4.x rope_theta/rope_scaling or 5.x rope_parameters)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2)")
@@ -212,7 +213,8 @@ class Int8Linear:
             with warnings.catch_warnings():  # torch warns that quantized tensor creation is deprecated
                 warnings.simplefilter("ignore")
                 q = torch._make_per_channel_quantized_tensor(
-                    self.qweight, self.scale.double(), torch.zeros(self.shape[0], dtype=torch.long), 0)
+                    self.qweight, self.scale.double(), torch.zeros(self.shape[0], dtype=torch.long), 0
+                )
                 self._packed = torch.ops.quantized.linear_prepack(q, None)
         return self._packed
 
@@ -224,7 +226,7 @@ class Int8Linear:
         """Dequantized rows ``ids`` (n, in) in fp32 (embedding lookups)."""
         return self.qweight[ids].to(torch.float32) * self.scale[ids][:, None]
 
-    def subset(self, ids: Tensor) -> "Int8Linear":
+    def subset(self, ids: Tensor) -> Int8Linear:
         """The output channels ``ids`` as their own int8 weight (same values and scales, same kernel)."""
         out = Int8Linear.__new__(Int8Linear)
         out.shape = (int(ids.shape[0]), self.shape[1])
@@ -376,7 +378,6 @@ class Transformer:
         written before or in this pass). Returns fp32 logits (T', V) for ``logits_rows`` (default all rows).
         """
         c = self.cfg
-        T = tokens.shape[0]
         head = self.globals.lm_head
         if isinstance(head, SubsetHead):
             head.observe(tokens)
@@ -392,8 +393,9 @@ class Transformer:
         x = rms_norm(x, self.globals.norm, c.rms_norm_eps)
         return linear(x, self.globals.lm_head).float()
 
-    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, cache_slots: Tensor, L: int,
-                cache: KVCache) -> Tensor:
+    def _layers(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, cache_slots: Tensor, L: int, cache: KVCache
+    ) -> Tensor:
         """The decoder layers over x (T, D); returns the final hidden states (T, D)."""
         c = self.cfg
         T = x.shape[0]

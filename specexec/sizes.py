@@ -33,8 +33,21 @@ NF4_BYTES_PER_PARAM = 0.5 + 4 / 64  # 4-bit codes + one fp32 absmax per 64-eleme
 
 # safetensors dtype names -> bytes per element
 SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
 # names of storage dtypes (config.json ``torch_dtype``, models.toml ``dtype``) -> bytes per element
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
@@ -153,14 +166,12 @@ def step_room(tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: i
     return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma) + 2
 
 
-def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
-                       ngram_nodes: int = 0) -> int:
+def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
     """Slots of the target's KV cache (what ``Engine._ensure_room`` allocates)."""
     return context + step_room(tree, chain, ngram_nodes)
 
 
-def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None,
-                      ngram_nodes: int = 0) -> int:
+def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
     """Slots of the draft's KV cache: the target's room + every expanded node of a tree + one scratch slot."""
     return context + step_room(tree, chain, ngram_nodes) + tree.largest + tree.max_beams + 1
 
@@ -200,20 +211,44 @@ class StepBuffers:
 
     @property
     def total(self) -> int:
-        return (self.target_kv_room + self.draft_kv_room + self.ancestry + self.verify_mask + self.logits
-                + self.target_activations + self.draft_work)
+        return (
+            self.target_kv_room
+            + self.draft_kv_room
+            + self.ancestry
+            + self.verify_mask
+            + self.logits
+            + self.target_activations
+            + self.draft_work
+        )
 
     def largest(self) -> tuple[str, int]:
         """(name, bytes) of the biggest item, for messages."""
-        items = {k: getattr(self, k) for k in ("target_kv_room", "draft_kv_room", "ancestry", "verify_mask",
-                                                "logits", "target_activations", "draft_work")}
+        items = {
+            k: getattr(self, k)
+            for k in (
+                "target_kv_room",
+                "draft_kv_room",
+                "ancestry",
+                "verify_mask",
+                "logits",
+                "target_activations",
+                "draft_work",
+            )
+        }
         name = max(items, key=lambda k: items[k])
         return name.replace("_", " "), items[name]
 
 
-def step_buffers(target: ModelConfig, draft: ModelConfig | None, context: int, tree: TreeConfig,
-                 chain: ChainConfig | None = None, target_itemsize: int = 4, draft_itemsize: int = 4,
-                 ngram_nodes: int = 0) -> StepBuffers:
+def step_buffers(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    context: int,
+    tree: TreeConfig,
+    chain: ChainConfig | None = None,
+    target_itemsize: int = 4,
+    draft_itemsize: int = 4,
+    ngram_nodes: int = 0,
+) -> StepBuffers:
     """The tree-sized buffers of one step (see :class:`StepBuffers`) for ``tree.largest`` draft tokens (plus
     ``ngram_nodes`` merged prompt-lookup nodes)."""
     room = step_room(tree, chain, ngram_nodes)
@@ -228,11 +263,14 @@ def step_buffers(target: ModelConfig, draft: ModelConfig | None, context: int, t
         d_kv = kv_bytes(draft, slots - context, draft_itemsize)
         k = min(tree.max_beams, n)
         branch = min(tree.max_branch, draft.vocab_size)
-        d_work = (logits_bytes(draft, k, draft_itemsize) + k * draft.vocab_size * 4  # logits + log-probs
-                  + k * slots  # the tree mask over the draft cache (bool)
-                  + pass_activation_bytes(draft, k, draft_itemsize, slots)
-                  + 2 * k * branch * (4 + 8 + 8)  # top-k values/tokens/parents and their filtered copies
-                  + (2 * tree.largest + 1) * (8 + 8 + 8 + 4 + 8))  # tree arrays: token, parent, depth, logp, slot
+        d_work = (
+            logits_bytes(draft, k, draft_itemsize)
+            + k * draft.vocab_size * 4  # logits + log-probs
+            + k * slots  # the tree mask over the draft cache (bool)
+            + pass_activation_bytes(draft, k, draft_itemsize, slots)
+            + 2 * k * branch * (4 + 8 + 8)  # top-k values/tokens/parents and their filtered copies
+            + (2 * tree.largest + 1) * (8 + 8 + 8 + 4 + 8)
+        )  # tree arrays: token, parent, depth, logp, slot
     return StepBuffers(
         target_kv_room=kv_bytes(target, room, target_itemsize),
         draft_kv_room=d_kv,
@@ -275,9 +313,17 @@ class EngineMemory:
         return self.weights + self.kv_context + self.step.total
 
 
-def engine_memory(target: ModelConfig, draft: ModelConfig | None, context: int, target_itemsize: int,
-                  draft_itemsize: int, tree: TreeConfig, chain: ChainConfig | None = None,
-                  target_weights: int | None = None, draft_weights: int | None = None) -> EngineMemory:
+def engine_memory(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    context: int,
+    target_itemsize: int,
+    draft_itemsize: int,
+    tree: TreeConfig,
+    chain: ChainConfig | None = None,
+    target_weights: int | None = None,
+    draft_weights: int | None = None,
+) -> EngineMemory:
     """Bytes an engine allocates with these configs. ``context`` is clamped to the target's
     ``max_position_embeddings`` (as :func:`specexec.api.load` does).
 

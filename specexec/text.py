@@ -23,7 +23,8 @@ emitted, so it cannot be streamed and is not applied.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from specexec.errors import SpecexecError
 
@@ -81,8 +82,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_gener
     from jinja2 import TemplateError
 
     try:
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
     except TemplateError as e:  # e.g. a template that refuses system messages or non-alternating roles
         raise ChatTemplateError(f"the chat template refused this conversation: {e}") from None
     if isinstance(ids, Mapping):  # some versions return a BatchEncoding despite return_dict=False
@@ -156,22 +158,22 @@ class Detokenizer:
 
     def _step(self, final: bool) -> str:
         end = len(self.ids)
-        window = self._decode(self.ids[self._prefix:end])
+        window = self._decode(self.ids[self._prefix : end])
         if not final and window.endswith(REPLACEMENT):
             # an incomplete character: emit up to the last complete point among the newest ids
             for j in range(1, MAX_BACKOFF + 1):
                 if end - j <= self._read:
                     return ""  # every pending id belongs to the incomplete character
-                shorter = self._decode(self.ids[self._prefix:end - j])
+                shorter = self._decode(self.ids[self._prefix : end - j])
                 if not shorter.endswith(REPLACEMENT):
                     window, end = shorter, end - j
                     break
             # else: no complete point among the last MAX_BACKOFF ids, so the U+FFFD are genuine (invalid bytes)
         if not window.startswith(self._prefix_text):  # a decoder that rewrote earlier text: emit by length
             log.debug("detokenizer window does not extend its prefix: %r / %r", self._prefix_text, window)
-        out = window[len(self._prefix_text):]
+        out = window[len(self._prefix_text) :]
         self._prefix, self._read = self._read, end
-        self._prefix_text = self._decode(self.ids[self._prefix:self._read])
+        self._prefix_text = self._decode(self.ids[self._prefix : self._read])
         if out:
             self._parts.append(out)
         return out
@@ -232,7 +234,7 @@ class StopMatcher:
             if any(s.startswith(tail) for s in self.stops):
                 hold = k
                 break
-        self._buf = buf[len(buf) - hold:] if hold else ""
+        self._buf = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:
@@ -251,8 +253,9 @@ class TextStream:
     :class:`Detokenizer`.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids: Iterable[int] = (), stops: Sequence[str] = (),
-                 context: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, eos_ids: Iterable[int] = (), stops: Sequence[str] = (), context: Sequence[int] = ()
+    ) -> None:
         self.eos = frozenset(int(i) for i in eos_ids)
         self.detok = Detokenizer(tokenizer, skip_ids=self.eos, context=context)
         self.matcher = StopMatcher(stops)

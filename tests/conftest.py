@@ -10,25 +10,52 @@ import torch
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "llama_tied")
 
 
-def make_tiny(path: Path, family: str = "llama", vocab: int = 96, seed: int = 0, std: float = 0.25,
-              layers: int = 2, hidden: int = 64) -> Path:
+def make_tiny(
+    path: Path,
+    family: str = "llama",
+    vocab: int = 96,
+    seed: int = 0,
+    std: float = 0.25,
+    layers: int = 2,
+    hidden: int = 64,
+) -> Path:
     """Save a tiny random model of ``family`` (HF format) with a byte-level test tokenizer into ``path``.
 
     The init std is raised so next-token distributions are peaked (meaningful greedy tests).
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  initializer_range=std, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=std,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if family == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=False)
     elif family == "llama_tied":
         cfg = LlamaConfig(**common, tie_word_embeddings=True)
     elif family == "llama3":
-        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     elif family == "mistral":
         cfg = MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     elif family == "qwen2":
@@ -49,7 +76,7 @@ def make_tiny(path: Path, family: str = "llama", vocab: int = 96, seed: int = 0,
 
 def _save_tokenizer(path: Path, vocab: int) -> None:
     """A word-level tokenizer over ``vocab`` symbols (ids 0..2 special), saved as tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     symbols = {"<pad>": 0, "<s>": 1, "</s>": 2}
@@ -137,8 +164,9 @@ def real_pair():
     for alias in (REAL_TARGET, REAL_DRAFT):
         if not hub.is_present(alias):
             hub.pull(alias, progress=False)
-    engine = api.load(REAL_TARGET, REAL_DRAFT, device="cpu", dtype="fp32", draft_dtype="bf16",
-                      context=REAL_CONTEXT, progress=False)
+    engine = api.load(
+        REAL_TARGET, REAL_DRAFT, device="cpu", dtype="fp32", draft_dtype="bf16", context=REAL_CONTEXT, progress=False
+    )
     yield engine
     engine.reset()
     del engine
@@ -148,6 +176,7 @@ def real_pair():
 def pytest_collection_modifyitems(config, items):
     """Slow tests that do not use the shared real pair (CLI subprocesses, downloads) run before those that do, so a
     process of their own never overlaps the shared in-process copy (which lives until the session ends)."""
+
     def uses_shared_pair(item) -> bool:
         return "real_pair" in getattr(item, "fixturenames", ())
 

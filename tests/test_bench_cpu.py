@@ -54,8 +54,22 @@ def test_method_parsing(bench):
 def test_smoke_run_json_shape(bench, tiny_pair, tmp_path):
     target, draft = tiny_pair
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    rc = bench.main(["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--methods",
-                     "specexec:8,chain:2", "--out", str(out), "--md", str(md)])
+    rc = bench.main(
+        [
+            "--smoke",
+            "--quiet",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--methods",
+            "specexec:8,chain:2",
+            "--out",
+            str(out),
+            "--md",
+            str(md),
+        ]
+    )
     assert rc == 0
     rep = json.loads(out.read_text())
     configs = ["ours-ar", "ours-default", "ours-specexec-8", "ours-chain-2", *bench.HF_CONFIGS]
@@ -87,8 +101,22 @@ def test_smoke_run_json_shape(bench, tiny_pair, tmp_path):
 def test_smoke_run_sampling(bench, tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "bench.json"
-    rc = bench.main(["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--sets", "grounded",
-                     "--temperature", "0.7", "--out", str(out)])
+    rc = bench.main(
+        [
+            "--smoke",
+            "--quiet",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--sets",
+            "grounded",
+            "--temperature",
+            "0.7",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["meta"]["temperature"] == 0.7 and list(rep["sets"]) == ["grounded"]

@@ -80,8 +80,22 @@ def test_200_piped_lines_through_the_cli(pair):
         pytest.skip(f"console script not installed at {SPECEXEC}")
     lines = [_message(i) for i in range(TURNS)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [str(SPECEXEC), "chat", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
-           "--context", str(CONTEXT), "--max-new-tokens", str(MAX_NEW), "--budget", "16"]
+    cmd = [
+        str(SPECEXEC),
+        "chat",
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--context",
+        str(CONTEXT),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--budget",
+        "16",
+    ]
     proc = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "error:" not in proc.stderr, proc.stderr[-3000:]

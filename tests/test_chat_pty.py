@@ -27,10 +27,22 @@ def _spawn(pair: tuple[Path, Path], *args: str):
     if not SPECEXEC.exists():
         pytest.skip(f"console script not installed at {SPECEXEC}")
     env = dict(os.environ, OMP_NUM_THREADS="1", TERM="xterm", COLUMNS="200", LINES="50")
-    cmd = [str(SPECEXEC), "chat", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
-           "--budget", "16", *args]
-    child = pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", codec_errors="replace", timeout=60,
-                          dimensions=(50, 200))
+    cmd = [
+        str(SPECEXEC),
+        "chat",
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--budget",
+        "16",
+        *args,
+    ]
+    child = pexpect.spawn(
+        cmd[0], cmd[1:], env=env, encoding="utf-8", codec_errors="replace", timeout=60, dimensions=(50, 200)
+    )
     child.logfile_read = sys.stderr  # the whole session lands in the captured output of a failing test
     child.expect(">>> ", timeout=LOAD_TIMEOUT)
     return child

@@ -77,7 +77,9 @@ def test_bitsandbytes_kernels_hint_is_debug_only(caplog):
     with caplog.at_level(logging.DEBUG):
         logging.getLogger(name).warning(
             "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
-            "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+            "`pip install kernels` and the kernels >= 0.11.1",
+            "No module named 'kernels'",
+        )
         logging.getLogger(name).warning("some other bitsandbytes warning")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["some other bitsandbytes warning"]

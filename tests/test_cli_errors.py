@@ -63,8 +63,14 @@ def _one_error_line(result, pattern: str) -> None:
     assert lines[0].startswith("error: ") and pattern.lower() in lines[0].lower(), lines[0]
 
 
-def _generate(m: dict[str, Path], *args: str, target: str = "target", draft: str | None = "draft",
-              prompt: str = "t10 t11", stdin: bytes | None = None):
+def _generate(
+    m: dict[str, Path],
+    *args: str,
+    target: str = "target",
+    draft: str | None = "draft",
+    prompt: str = "t10 t11",
+    stdin: bytes | None = None,
+):
     cmd = ["generate", "--target", str(m.get(target, target)), "--device", "cpu", "-q", "-p", prompt, *args]
     if draft:
         cmd += ["--draft", str(m.get(draft, draft))]
@@ -103,8 +109,7 @@ def test_generate_max_new_tokens_beyond_context(models):
 
 
 def test_generate_prompt_longer_than_context(models):
-    _one_error_line(_generate(models, "--context", "64", "-n", "4", prompt=" ".join(["t9"] * 80)),
-                    "context holds 64")
+    _one_error_line(_generate(models, "--context", "64", "-n", "4", prompt=" ".join(["t9"] * 80)), "context holds 64")
 
 
 def test_generate_non_utf8_stdin(models):
@@ -213,8 +218,10 @@ BEFORE_LOAD = {
     "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
     "context 4": (("--context", "4", "-n", "2"), "--context must be >= 8 tokens"),
     "unknown method": (("--method", "beam"), "unknown --method 'beam'"),
-    "method needs a draft": (("--method", "chain", "--draft", "none"),
-                             "--method chain needs a draft model: pass --draft"),
+    "method needs a draft": (
+        ("--method", "chain", "--draft", "none"),
+        "--method chain needs a draft model: pass --draft",
+    ),
 }
 
 
@@ -228,24 +235,30 @@ def test_checked_before_loading(no_load, command, case):
     assert result.exit_code == 2
 
 
-@pytest.mark.parametrize("args, pattern", [
-    (("--num-prompts", "0"), "--num-prompts must be >= 1, got 0"),
-    (("--temperature", "nan"), "--temperature must be a finite number"),
-    (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
-    (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
-    (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
-    (("--budgets", "0"), "--budget must be >= 1"),
-    (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (("--num-prompts", "0"), "--num-prompts must be >= 1, got 0"),
+        (("--temperature", "nan"), "--temperature must be a finite number"),
+        (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+        (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
+        (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
+        (("--budgets", "0"), "--budget must be >= 1"),
+        (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
+    ],
+)
 def test_bench_checked_before_loading(no_load, args, pattern):
     result = _run("bench", *args)
     _one_error_line(result, pattern)
 
 
-@pytest.mark.parametrize("prompt, pattern", [
-    ("", "the prompt is empty"),
-    ("t10 \udcff t11", "the --prompt argument is not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "prompt, pattern",
+    [
+        ("", "the prompt is empty"),
+        ("t10 \udcff t11", "the --prompt argument is not valid UTF-8"),
+    ],
+)
 def test_generate_bad_prompt_before_loading(no_load, prompt, pattern):
     _one_error_line(_run("generate", prompt=prompt), pattern)
 
@@ -257,8 +270,19 @@ def test_generate_samples_before_loading(no_load):
 def test_generate_non_utf8_argv_subprocess(tmp_path):
     """Bytes that are not UTF-8 in argv (as a shell passes them): one error line, exit 2, before any load."""
     code = "import sys; from specexec.cli import main; sys.argv[0] = 'specexec'; main()"
-    argv = [sys.executable, "-c", code, "generate", "--target", str(tmp_path / "missing"), "--device", "cpu",
-            "-q", "-p", os.fsdecode(b"t10 \xff\xfe t11")]
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        "generate",
+        "--target",
+        str(tmp_path / "missing"),
+        "--device",
+        "cpu",
+        "-q",
+        "-p",
+        os.fsdecode(b"t10 \xff\xfe t11"),
+    ]
     proc = subprocess.run(argv, capture_output=True, timeout=300, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     stderr = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2, stderr
@@ -298,17 +322,28 @@ def test_internal_error_with_verbose_raises(monkeypatch, command):
 def test_internal_error_traceback_subprocess(tmp_path):
     """End to end: -v shows the traceback of a bug, without -v one line (a bug is simulated by a sitecustomize)."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import specexec.hub\n"
-        "def _boom(*a, **k):\n    raise ValueError('boom')\n"
-        "specexec.hub.resolve = _boom\n")
+        "import specexec.hub\ndef _boom(*a, **k):\n    raise ValueError('boom')\nspecexec.hub.resolve = _boom\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    base = [sys.executable, "-c", "from specexec.cli import main; main()", "generate", "--device", "cpu", "-q",
-            "-p", "hi", "--draft", "none"]
+    base = [
+        sys.executable,
+        "-c",
+        "from specexec.cli import main; main()",
+        "generate",
+        "--device",
+        "cpu",
+        "-q",
+        "-p",
+        "hi",
+        "--draft",
+        "none",
+    ]
     quiet = subprocess.run(base, capture_output=True, text=True, timeout=300, env=env)
     assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
     assert quiet.stderr.strip().splitlines() == [
         "error: internal error (ValueError: boom); this is a bug in specexec: run again with -v for the traceback "
-        "and report it"]
+        "and report it"
+    ]
     loud = subprocess.run(base + ["-v"], capture_output=True, text=True, timeout=300, env=env)
     assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
     assert "ValueError: boom" in loud.stderr
@@ -346,8 +381,10 @@ def test_disk_error_names_cache_dir(monkeypatch, tmp_path):
     with pytest.raises(OutOfMemory) as info:
         _plan(OffloadConfig(mode="ssd", target_dtype="bf16", cache_dir=tmp_path))
     assert info.value.resource == "disk" and info.value.have == int(50e9)
-    assert "point the cache (--cache-dir, or the SPECEXEC_HOME environment variable) at a disk with more space" \
+    assert (
+        "point the cache (--cache-dir, or the SPECEXEC_HOME environment variable) at a disk with more space"
         in user_message(info.value)
+    )
 
 
 def test_no_message_names_a_missing_flag():
@@ -361,8 +398,10 @@ def test_no_message_names_a_missing_flag():
     flags = set(FLAGS.values())
     named = {m for p in sources for m in re.findall(r"[\"' (]--([a-z][a-z0-9-]+)", p.read_text())}
     assert "ssd-dir" not in named
-    help_text = "".join(runner.invoke(app, [c, "--help"], env={"COLUMNS": "200"}).output
-                        for c in ("generate", "chat", "bench", "doctor"))
+    help_text = "".join(
+        runner.invoke(app, [c, "--help"], env={"COLUMNS": "200"}).output
+        for c in ("generate", "chat", "bench", "doctor")
+    )
     missing = {f for f in named if f"--{f}" not in flags and f"--{f}" not in help_text}
     assert not missing - {"no-deps", "only-binary", "progress-bar", "disable-pip-version-check"}, missing
 
@@ -430,8 +469,10 @@ def test_notices_gpu_memory_on_cpu_and_capped_context(models):
     result = _generate(models, "--gpu-memory", "4", "--context", str(max_ctx * 100), "-n", "4")
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
-    assert notes == ["note: --gpu-memory 4 has no effect on the CPU (the model is held in RAM)",
-                     f"note: --context {max_ctx * 100} is more than the model supports; using {max_ctx} tokens"]
+    assert notes == [
+        "note: --gpu-memory 4 has no effect on the CPU (the model is held in RAM)",
+        f"note: --context {max_ctx * 100} is more than the model supports; using {max_ctx} tokens",
+    ]
     assert not [line for line in result.stderr.splitlines() if line.startswith("error")]
 
 
@@ -442,8 +483,23 @@ def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # no calibration cached from an earlier run
-    cmd = ["generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--device", "cpu",
-           "-p", "t10 t11", "-n", "4", "--budget", "auto", "--max-budget", "8"]
+    cmd = [
+        "generate",
+        "--target",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+        "--device",
+        "cpu",
+        "-p",
+        "t10 t11",
+        "-n",
+        "4",
+        "--budget",
+        "auto",
+        "--max-budget",
+        "8",
+    ]
     result = runner.invoke(app, cmd)
     assert result.exit_code == 0, result.output
     stats = [line for line in result.stderr.splitlines() if line.startswith("[specexec")]

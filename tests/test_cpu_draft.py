@@ -17,7 +17,7 @@ from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.engine import Engine
 from specexec.errors import SpecexecError
 from specexec.loading import draft_vocab_ids, load_model, load_tokenizer, read_config, resolve_draft, resolve_dtype
-from specexec.model import _int8_kernel, Int8Linear, ModelConfig, SubsetHead, cpu_transposed, set_cpu_transposed
+from specexec.model import Int8Linear, ModelConfig, SubsetHead, _int8_kernel, cpu_transposed, set_cpu_transposed
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")
@@ -105,8 +105,11 @@ def test_the_draft_sees_the_prompt_tokens(tiny_pair):
 
 
 # -- greedy: a cheaper draft never changes the output -----------------------------------------------------------------
-DRAFTS = {"int8": dict(draft_dtype="int8"), "vocab24": dict(draft_vocab=24),
-          "int8+vocab24": dict(draft_dtype="int8", draft_vocab=24)}
+DRAFTS = {
+    "int8": dict(draft_dtype="int8"),
+    "vocab24": dict(draft_vocab=24),
+    "int8+vocab24": dict(draft_dtype="int8", draft_vocab=24),
+}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +118,7 @@ def cheap_engines(noisy_pairs):
     for fam in ("llama", "qwen2", "llama_tied"):
         t, d = noisy_pairs[fam]
         for name, kw in DRAFTS.items():
-            out[fam, name] = api.load(str(t), str(d), device="cpu", dtype="fp32", context=256, progress=False,
-                                      **kw)
+            out[fam, name] = api.load(str(t), str(d), device="cpu", dtype="fp32", context=256, progress=False, **kw)
     return out
 
 
@@ -127,8 +129,11 @@ def test_cheaper_draft_greedy_equals_ar(cheap_engines, family, draft):
     for p in PROMPTS:
         e.reset()
         ref = e.generate(p, 24, method="ar").tokens
-        for kw in (dict(method="specexec", tree=TreeConfig(budget=16)), dict(method="specexec", tree=TreeConfig(budget=64)),
-                   dict(method="chain", chain=ChainConfig(gamma=4))):
+        for kw in (
+            dict(method="specexec", tree=TreeConfig(budget=16)),
+            dict(method="specexec", tree=TreeConfig(budget=64)),
+            dict(method="chain", chain=ChainConfig(gamma=4)),
+        ):
             e.reset()
             assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
     # the cheap draft still proposes something useful (a smoke check that it is wired in, not a speed claim)
@@ -158,9 +163,18 @@ def test_cheaper_draft_chain_sampling_is_exact(sampling_setup):
     ts, table, engine = sampling_setup
     samp = SamplingConfig(temperature=1.0, top_p=0.9)
     P = ts.truncate_at_eos(ts.joint(table, samp))
-    out = [tuple(engine.generate(ts.PROMPT, ts.NEW, method="chain", chain=ChainConfig(gamma=3),
-                                 sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.9, seed=s)).tokens)
-           for s in range(2000)]
+    out = [
+        tuple(
+            engine.generate(
+                ts.PROMPT,
+                ts.NEW,
+                method="chain",
+                chain=ChainConfig(gamma=3),
+                sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.9, seed=s),
+            ).tokens
+        )
+        for s in range(2000)
+    ]
     stat, dof, pval, impossible = ts.chi_square(out, P)
     assert impossible == 0 and pval > ts.ALPHA, (stat, dof, pval)
 
@@ -170,16 +184,21 @@ def test_cheaper_draft_specexec_sampling_is_ar_per_seed(sampling_setup):
     for s in range(150):
         cfg = SamplingConfig(temperature=1.0, top_k=4, seed=s)
         ref = engine.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
-        got = engine.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg,
-                              tree=TreeConfig(budget=(4, 16)[s % 2])).tokens
+        got = engine.generate(
+            ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=TreeConfig(budget=(4, 16)[s % 2])
+        ).tokens
         assert got == ref, s
 
 
 # -- bf16: exact relative to the bf16 target ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bf16_engines(noisy_pairs):
-    return {f: api.load(str(noisy_pairs[f][0]), str(noisy_pairs[f][1]), device="cpu", dtype="bf16", context=256,
-                        progress=False) for f in ("llama", "qwen2", "llama3")}
+    return {
+        f: api.load(
+            str(noisy_pairs[f][0]), str(noisy_pairs[f][1]), device="cpu", dtype="bf16", context=256, progress=False
+        )
+        for f in ("llama", "qwen2", "llama3")
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "llama3"])
@@ -189,8 +208,11 @@ def test_bf16_greedy_speculation_equals_bf16_ar(bf16_engines, family):
     for p in PROMPTS:
         e.reset()
         ref = e.generate(p, 24, method="ar").tokens
-        for kw in (dict(method="specexec", tree=TreeConfig(budget=16)), dict(method="specexec", tree=TreeConfig(budget=48)),
-                   dict(method="chain", chain=ChainConfig(gamma=4))):
+        for kw in (
+            dict(method="specexec", tree=TreeConfig(budget=16)),
+            dict(method="specexec", tree=TreeConfig(budget=48)),
+            dict(method="chain", chain=ChainConfig(gamma=4)),
+        ):
             e.reset()
             assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
 
@@ -236,10 +258,15 @@ def test_bf16_sampling_follows_the_bf16_target(bf16_sampling_setup, method):
     ts, table, engine = bf16_sampling_setup
     # no top-p / top-k here: which token sits at a truncation edge is itself subject to that rounding
     P = ts.truncate_at_eos(ts.joint(table, SamplingConfig(temperature=0.8)))
-    kw = dict(method="chain", chain=ChainConfig(gamma=3)) if method == "chain" else dict(
-        method="specexec", tree=TreeConfig(budget=8))
-    out = [tuple(engine.generate(ts.PROMPT, ts.NEW, sampling_cfg=SamplingConfig(temperature=0.8, seed=s),
-                                 **kw).tokens) for s in range(2000)]
+    kw = (
+        dict(method="chain", chain=ChainConfig(gamma=3))
+        if method == "chain"
+        else dict(method="specexec", tree=TreeConfig(budget=8))
+    )
+    out = [
+        tuple(engine.generate(ts.PROMPT, ts.NEW, sampling_cfg=SamplingConfig(temperature=0.8, seed=s), **kw).tokens)
+        for s in range(2000)
+    ]
     stat, dof, pval, impossible = ts.chi_square(out, P)
     assert impossible == 0 and pval > ts.ALPHA, (stat, dof, pval)
 
@@ -258,8 +285,11 @@ def test_dtype_resolution(tiny_models):
 
 
 def test_probe_rule():
-    ms = lambda f1, f32, b1, b32, bt: {"fp32": {"1": f1, "32": f32}, "bf16": {"1": b1, "32": b32},  # noqa: E731
-                                       "bf16_transposed": {"32": bt}}
+    ms = lambda f1, f32, b1, b32, bt: {
+        "fp32": {"1": f1, "32": f32},
+        "bf16": {"1": b1, "32": b32},  # noqa: E731
+        "bf16_transposed": {"32": bt},
+    }
     assert cpu_probe.decide(ms(16, 63, 16, 29, 40)) == ("bf16", False)  # AMX-like: bf16 wins at 32 rows
     assert cpu_probe.decide(ms(16, 63, 16, 60, 30)) == ("bf16", True)  # ... via w @ x.T
     assert cpu_probe.decide(ms(16, 60, 18, 300, 340)) == ("fp32", False)  # AVX2-like: emulated bf16
@@ -267,8 +297,9 @@ def test_probe_rule():
 
 
 def _mid_cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=1536, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
+    return ModelConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=1536, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -285,11 +316,13 @@ def test_probe_is_cached_per_machine(tmp_path, monkeypatch):
     real = cpu_probe.measure
     monkeypatch.setattr(cpu_probe, "measure", lambda shapes, **kw: calls.append(shapes) or real(shapes, repeats=1))
     cfg = _mid_cfg()
-    assert cpu_probe.doctor_lines({"mid": cfg})[0].endswith("not probed yet (the first --dtype auto load on CPU does it)")
+    assert cpu_probe.doctor_lines({"mid": cfg})[0].endswith(
+        "not probed yet (the first --dtype auto load on CPU does it)"
+    )
     first = cpu_probe.probe(cfg)
     assert first is not None and len(calls) == 1
     data = json.loads((tmp_path / cpu_probe.CACHE_FILE).read_text())
-    (key, rec), = data.items()
+    ((key, rec),) = data.items()
     assert cpu_probe.cpu_name() in key and torch.__version__ in key and str(cpu_probe.layer_shapes(cfg)) in key
     assert set(rec["ms"]["fp32"]) == {"1", "32"} and rec["dtype"] in ("fp32", "bf16")
     second = cpu_probe.probe(cfg)  # from the cache: no measurement

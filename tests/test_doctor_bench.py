@@ -11,15 +11,22 @@ from typer.testing import CliRunner
 
 from specexec.cli import app
 from specexec.doctor import GpuInfo, SystemInfo, recommend
-from specexec.sizes import layer_bytes, param_count
 from specexec.model import ModelConfig
+from specexec.sizes import layer_bytes, param_count
 from tests.test_chat import make_chat_pair
 
 runner = CliRunner()
 
-LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "max_position_embeddings": 4096}
+LLAMA2_70B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,10 +81,23 @@ def test_doctor_bad_disk_mb_is_one_error_line():
 
 
 def _system(vram_gb: float, ram_gb: float) -> SystemInfo:
-    gpu = GpuInfo(name="fake 24GB", vram_total=int(vram_gb * 1e9), vram_free=int(vram_gb * 1e9),
-                  pinned_h2d_gbps=25.0, pageable_h2d_gbps=7.0)
-    return SystemInfo(cpu_model="x", cpu_cores=8, cpu_threads=16, ram_total=int(ram_gb * 1e9),
-                      ram_available=int(ram_gb * 1e9), gpu=gpu, cuda_note="", disk=None)
+    gpu = GpuInfo(
+        name="fake 24GB",
+        vram_total=int(vram_gb * 1e9),
+        vram_free=int(vram_gb * 1e9),
+        pinned_h2d_gbps=25.0,
+        pageable_h2d_gbps=7.0,
+    )
+    return SystemInfo(
+        cpu_model="x",
+        cpu_cores=8,
+        cpu_threads=16,
+        ram_total=int(ram_gb * 1e9),
+        ram_available=int(ram_gb * 1e9),
+        gpu=gpu,
+        cuda_note="",
+        disk=None,
+    )
 
 
 def test_recommendation_for_70b_on_a_24gb_gpu(tmp_path):
@@ -96,13 +116,39 @@ def test_bench_smoke(pair, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "t10 t11 t12"}\n\n{"prompt": "t20 t21", "chat": true}\n')
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    result = runner.invoke(app, ["bench", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
-                                 "--prompts", str(prompts), "--max-new-tokens", "8", "--budgets", "4,16",
-                                 "--gammas", "2", "--out", str(out), "--plot", str(png), "-q"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--device",
+            "cpu",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--budgets",
+            "4,16",
+            "--gammas",
+            "2",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert [(r["method"], r["param"]) for r in report["rows"]] == [("ar", None), ("chain", 2), ("specexec", 4),
-                                                                   ("specexec", 16)]
+    assert [(r["method"], r["param"]) for r in report["rows"]] == [
+        ("ar", None),
+        ("chain", 2),
+        ("specexec", 4),
+        ("specexec", 16),
+    ]
     assert all(r["mismatches"] == 0 and r["new_tokens"] == 16 for r in report["rows"])
     assert report["rows"][0]["speedup"] == 1.0 and len(report["per_prompt"]) == 8
     assert png.stat().st_size > 1000
@@ -117,13 +163,16 @@ def test_builtin_prompts():
     assert any(p.text.startswith("def ") for p in prompts) and any(p.name.startswith("pydoc:") for p in prompts)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--budgets", "0,16"], "budget must be >= 1"),
-    (["--budgets", "a,b"], "comma-separated integers"),
-    (["--methods", "ar,beam"], "unknown method"),
-    (["--prompts", "/nonexistent/p.jsonl"], "cannot read prompts file"),
-    (["--draft", "none", "--methods", "specexec"], "need a draft"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "0,16"], "budget must be >= 1"),
+        (["--budgets", "a,b"], "comma-separated integers"),
+        (["--methods", "ar,beam"], "unknown method"),
+        (["--prompts", "/nonexistent/p.jsonl"], "cannot read prompts file"),
+        (["--draft", "none", "--methods", "specexec"], "need a draft"),
+    ],
+)
 def test_bench_errors(pair, args, message):
     cmd = ["bench", "--target", str(pair[0]), "--device", "cpu", "-q", "--max-new-tokens", "2"]
     if "--draft" not in args:
@@ -161,14 +210,27 @@ def test_doctor_plans_an_alias_that_is_not_downloaded(tmp_path, monkeypatch):
     assert cli_rec["params"] == rec.params and cli_rec["tier"] is not None and not list((tmp_path / "hf").glob("*"))
 
 
-@pytest.mark.parametrize("alias, published", [
-    ("llama-70b", 68.98e9), ("llama-13b", 13.02e9), ("llama-7b", 6.74e9), ("llama3-70b", 70.55e9),
-    ("llama3-8b", 8.03e9), ("llama3.1-70b", 70.55e9), ("llama3.1-8b", 8.03e9), ("llama3.2-1b", 1.236e9),
-    ("mistral-7b", 7.248e9), ("qwen2.5-72b", 72.71e9), ("qwen2.5-7b", 7.616e9), ("qwen2.5-0.5b", 0.494e9),
-    # the demo/test aliases: the converted GGUF keeps a separate lm_head (untied), so its published size + V x D
-    ("qwen2.5-coder-0.5b", 0.494e9 + 151936 * 896), ("qwen2.5-coder-1.5b", 1.544e9 + 151936 * 1536),
-    ("smollm2-135m", 0.1345e9),
-])
+@pytest.mark.parametrize(
+    "alias, published",
+    [
+        ("llama-70b", 68.98e9),
+        ("llama-13b", 13.02e9),
+        ("llama-7b", 6.74e9),
+        ("llama3-70b", 70.55e9),
+        ("llama3-8b", 8.03e9),
+        ("llama3.1-70b", 70.55e9),
+        ("llama3.1-8b", 8.03e9),
+        ("llama3.2-1b", 1.236e9),
+        ("mistral-7b", 7.248e9),
+        ("qwen2.5-72b", 72.71e9),
+        ("qwen2.5-7b", 7.616e9),
+        ("qwen2.5-0.5b", 0.494e9),
+        # the demo/test aliases: the converted GGUF keeps a separate lm_head (untied), so its published size + V x D
+        ("qwen2.5-coder-0.5b", 0.494e9 + 151936 * 896),
+        ("qwen2.5-coder-1.5b", 1.544e9 + 151936 * 1536),
+        ("smollm2-135m", 0.1345e9),
+    ],
+)
 def test_alias_architectures_match_published_sizes(alias, published):
     """configs/models.toml's architecture data gives each model's published parameter count."""
     from specexec import hub

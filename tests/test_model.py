@@ -57,7 +57,7 @@ def test_linear_orientation_rule_is_numerically_a_linear(dtype, rows):
 
     torch.manual_seed(0)
     x, w = torch.randn(rows, 64).to(dtype), torch.randn(96, 64).to(dtype)
-    ref = (x.float() @ w.float().T)
+    ref = x.float() @ w.float().T
     was = cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16))
     try:
         for on in (False, True):

@@ -30,8 +30,7 @@ def _markov(src, dst, noise=0.0, seed=0):
     make_noisy_copy(src, dst, noise, seed)
     for f in dst.glob("*.safetensors"):
         sd = load_file(f)
-        save_file({k: torch.zeros_like(v) if "o_proj" in k else v for k, v in sd.items()}, f,
-                  metadata={"format": "pt"})
+        save_file({k: torch.zeros_like(v) if "o_proj" in k else v for k, v in sd.items()}, f, metadata={"format": "pt"})
     return dst
 
 
@@ -76,8 +75,10 @@ def test_index_is_incremental_and_follows_a_new_sequence():
     assert ng.continuations([7, 8, 7])[0] == (1, [8, 7])  # not an extension: the index is rebuilt
 
 
-@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3),
-                                  SamplingConfig(temperature=0.8, top_p=0.9, seed=7)])
+@pytest.mark.parametrize(
+    "samp",
+    [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3), SamplingConfig(temperature=0.8, top_p=0.9, seed=7)],
+)
 def test_ngram_method_equals_ar(engine, samp):
     """Greedy: the target's own output. Sampling: the tree walk draws position-keyed uniforms, so the same seed
     gives exactly AR's sampled text (its distribution is the target's; see test_sampling.py)."""

@@ -11,11 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload import OffloadConfig, StreamedLayers, load_offloaded
-from offload.plan import PlanModel, Resources, make_plan
+from offload import OffloadConfig, StreamedLayers, load_offloaded, quant
 from offload import plan as plan_mod
-from offload import quant
 from offload.layout import ALIGN, PAGE, LayerFormat, LayerLayout, layer_layout
+from offload.plan import PlanModel, Resources, make_plan
 from offload.quant import NF4Linear, dense_weights, layer_weights, quantize_layer
 from offload.store import RamStore
 from specexec.cli.options import FLAGS
@@ -137,10 +136,26 @@ def test_layers_out_of_order_and_aborted_forward(tiny3, tmp_path):
 # -- NF4 ------------------------------------------------------------------------------------------------------
 def _nf4_reference(packed: torch.Tensor, absmax: torch.Tensor, shape, blocksize: int) -> torch.Tensor:
     """Pure-torch NF4 dequantization from the public code table (high nibble first), fp32."""
-    code = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                         -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                         0.07958029955625534, 0.16093020141124725, 0.24611230850220947, 0.33791524171829224,
-                         0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+    code = torch.tensor(
+        [
+            -1.0,
+            -0.6961928009986877,
+            -0.5250730514526367,
+            -0.39491748809814453,
+            -0.28444138169288635,
+            -0.18477343022823334,
+            -0.09105003625154495,
+            0.0,
+            0.07958029955625534,
+            0.16093020141124725,
+            0.24611230850220947,
+            0.33791524171829224,
+            0.44070982933044434,
+            0.5626170039176941,
+            0.7229568362236023,
+            1.0,
+        ]
+    )
     n = math.prod(shape)
     idx = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
     scale = absmax.repeat_interleave(blocksize)[:n]
@@ -159,8 +174,9 @@ def test_nf4_pack_unpack_equals_bitsandbytes(shape):
     assert torch.equal(packed, q.view(-1)) and torch.equal(absmax, state.absmax)
     assert torch.equal(_nf4_reference(packed, absmax, shape, 64), expect)
     # through a packed layer buffer and views re-created from it
-    cfg = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=80, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(
+        vocab_size=8, hidden_size=64, intermediate_size=80, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16
+    )
     layout = layer_layout(cfg, LayerFormat("nf4", torch.float32))
     shapes = dict(layout.weight_shapes)
     weights = {k: torch.randn(s) for k, s in shapes.items()}
@@ -228,8 +244,15 @@ def test_truncated_ssd_file_is_a_clear_error(tiny3, tmp_path):
 
 
 # -- plan ---------------------------------------------------------------------------------------------------------
-LLAMA70B = ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                       num_kv_heads=8, head_dim=128)
+LLAMA70B = ModelConfig(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+)
 
 
 def test_layout_sizes_match_the_physical_numbers():
@@ -254,8 +277,11 @@ def _fake_ram(monkeypatch, available_gb: float, total_gb: float = 64.0) -> None:
 def test_plan_refuses_ram_tier_that_does_not_fit(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=40)
     off = OffloadConfig(mode="ram", target_dtype="bf16", gpu_memory_gb=24, cache_dir=tmp_path)
-    with pytest.raises(OutOfMemory, match=r"OffloadConfig.mode=ram needs 1\d\d\.\d GB of RAM .* use "
-                                          r"OffloadConfig.mode=ssd") as err:
+    with pytest.raises(
+        OutOfMemory,
+        match=r"OffloadConfig.mode=ram needs 1\d\d\.\d GB of RAM .* use "
+        r"OffloadConfig.mode=ssd",
+    ) as err:
         _plan(off)
     assert err.value.resource == "RAM" and err.value.need > err.value.have
     assert "--offload ram needs" in err.value.render(FLAGS) and "use --offload ssd" in err.value.render(FLAGS)
@@ -300,8 +326,14 @@ def test_plan_describe(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(mode="disk"), dict(target_dtype="int4"), dict(lookahead=0), dict(ring_size=2, lookahead=2),
-     dict(resident_layers=-1), dict(gpu_memory_gb=0)],
+    [
+        dict(mode="disk"),
+        dict(target_dtype="int4"),
+        dict(lookahead=0),
+        dict(ring_size=2, lookahead=2),
+        dict(resident_layers=-1),
+        dict(gpu_memory_gb=0),
+    ],
 )
 def test_offload_config_validation(kw):
     with pytest.raises(ValueError):
@@ -356,8 +388,15 @@ class _SlowStreams(StreamedLayers):
 
 def _slow(model: Transformer) -> Transformer:
     p: StreamedLayers = model.layers
-    model.layers = _SlowStreams(p.layout, p.num_layers, p.device, p._resident_bufs, p.store,
-                                lookahead=p.lookahead, ring_size=len(p._ring) or None)
+    model.layers = _SlowStreams(
+        p.layout,
+        p.num_layers,
+        p.device,
+        p._resident_bufs,
+        p.store,
+        lookahead=p.lookahead,
+        ring_size=len(p._ring) or None,
+    )
     return model
 
 

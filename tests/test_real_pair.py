@@ -25,7 +25,7 @@ slow = pytest.mark.slow
 TIE_TOL = 1e-3  # fp32 logits: batched (tree) and single-token passes differ by ~1e-5; a real choice is >> 1e-3
 PROMPTS = [
     "def quicksort(arr):",
-    "import json\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and",
+    'import json\n\ndef load_config(path):\n    """Read a JSON config file and',
     "The three laws of thermodynamics are",
     "class LinkedList:\n    def __init__(self):",
 ]
@@ -92,9 +92,14 @@ def test_ar_equals_transformers_greedy(engine, ar_outputs):
     for p in PROMPTS[:3]:
         ids = engine.encode(p)
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, num_beams=1,
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        theirs = out[0, len(ids):].tolist()
+            out = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                num_beams=1,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        theirs = out[0, len(ids) :].tolist()
         _assert_same_or_near_tie(engine, p, theirs, ar_outputs[p][: len(theirs)])
 
 
@@ -128,21 +133,40 @@ def test_cli_generate_specexec_matches_ar():
     import subprocess
     import sys
 
-    common = ["generate", "--target", TARGET, "--prompt", "def fib(n):", "--max-new-tokens", "24", "--json",
-              "--device", "cpu"]
+    common = [
+        "generate",
+        "--target",
+        TARGET,
+        "--prompt",
+        "def fib(n):",
+        "--max-new-tokens",
+        "24",
+        "--json",
+        "--device",
+        "cpu",
+    ]
 
     def run(*extra: str) -> dict:
         code = "import sys; from specexec.cli import app; sys.argv[0] = 'specexec'; app()"
-        proc = subprocess.run([sys.executable, "-c", code, *common, *extra], capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *common, *extra], capture_output=True, text=True, timeout=1200
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout)
 
     a = run("--method", "ar", "--draft", "none")
     s = run("--draft", DRAFT, "--draft-dtype", "bf16", "--method", "specexec", "--budget", "64")
     assert a["tokens"] == s["tokens"]
-    assert set(s["stats"]) >= {"method", "steps", "new_tokens", "tokens_per_step", "tokens_per_s", "draft_s",
-                               "target_s", "wall_s"}
+    assert set(s["stats"]) >= {
+        "method",
+        "steps",
+        "new_tokens",
+        "tokens_per_step",
+        "tokens_per_s",
+        "draft_s",
+        "target_s",
+        "wall_s",
+    }
     assert s["stats"]["tokens_per_step"] > 2
 
 

@@ -40,9 +40,9 @@ from scipy import stats
 from specexec import accept, sampling
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.engine import Engine
+from specexec.loading import load_model, load_tokenizer
 from specexec.propose import DraftModel, Proposal, TreeDraft
 from specexec.propose.chain import draft_choice
-from specexec.loading import load_model, load_tokenizer
 from specexec.tree import Tree
 from specexec.verify import walk
 from tests.conftest import make_noisy_copy, make_tiny
@@ -167,8 +167,9 @@ def truncate_at_eos(P: np.ndarray) -> dict[tuple[int, ...], float]:
     return out
 
 
-def chi_square(samples: list[tuple[int, ...]], P: dict[tuple[int, ...], float] | np.ndarray,
-               min_expected: float = 5.0) -> tuple[float, int, float, int]:
+def chi_square(
+    samples: list[tuple[int, ...]], P: dict[tuple[int, ...], float] | np.ndarray, min_expected: float = 5.0
+) -> tuple[float, int, float, int]:
     """Goodness of fit of ``samples`` to P. Cells with expected count < ``min_expected`` are pooled into one.
 
     Returns (statistic, degrees of freedom, p-value, samples in cells of probability 0). Any sample in a cell
@@ -203,8 +204,9 @@ def record(name: str, method: str, samples: list[tuple[int, ...]], P) -> float:
 class TreeSampler:
     """AR (budget 0) or SpecExec samples of NEW tokens; one tree per committed prefix, grown by ``TreeDraft.grow``."""
 
-    def __init__(self, draft_model, target: Table, samp: SamplingConfig, budget: int,
-                 verifier: Table | None = None) -> None:
+    def __init__(
+        self, draft_model, target: Table, samp: SamplingConfig, budget: int, verifier: Table | None = None
+    ) -> None:
         self.drafter = TreeDraft(DraftModel(draft_model, 4096), TreeConfig(budget=budget)) if budget else None
         self.samp, self.budget = samp, budget
         self.verifier = verifier or target  # whose logits verify the tree (a negative control passes the draft's)
@@ -218,8 +220,9 @@ class TreeSampler:
                 tree = Tree(seq[-1], 1, CPU)
             else:
                 self.drafter.reset()
-                tree, *_ = self.drafter.grow(seq, TreeConfig(budget=self.budget),
-                                             lambda lg: sampling.logprobs(lg, self.samp))
+                tree, *_ = self.drafter.grow(
+                    seq, TreeConfig(budget=self.budget), lambda lg: sampling.logprobs(lg, self.samp)
+                )
             toks, par = tree.n_tokens.tolist(), tree.n_parents.tolist()
             ctx: list[tuple[int, ...]] = [prefix]
             for i in range(1, tree.size):
@@ -246,8 +249,9 @@ class TreeSampler:
         return out
 
 
-def chain_samples(draft: Table, target: Table, samp: SamplingConfig, gamma: int, n: int, seed: int,
-                  rule=accept.speculative_accept) -> list[tuple[int, ...]]:
+def chain_samples(
+    draft: Table, target: Table, samp: SamplingConfig, gamma: int, n: int, seed: int, rule=accept.speculative_accept
+) -> list[tuple[int, ...]]:
     """Chain speculative sampling for n samples at once: draft x_i ~ q_i with ``draft_choice``, then ``rule``."""
     gen = torch.Generator().manual_seed(seed)
     out: list[tuple[int, ...]] = [()] * n
@@ -271,8 +275,9 @@ def chain_samples(draft: Table, target: Table, samp: SamplingConfig, gamma: int,
     return out
 
 
-def run_method(models, tables, samp: SamplingConfig, method: str, arg: int, n: int = N_SAMPLES,
-               seed: int = 1234) -> list[tuple[int, ...]]:
+def run_method(
+    models, tables, samp: SamplingConfig, method: str, arg: int, n: int = N_SAMPLES, seed: int = 1234
+) -> list[tuple[int, ...]]:
     if method == "chain":
         return chain_samples(tables[1], tables[0], samp, arg, n, seed)
     return TreeSampler(models[1], tables[0], samp, arg).sample(n, seed)
@@ -389,15 +394,24 @@ def reference_probs(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return np.stack(out)
 
 
-FILTERS = [SamplingConfig(temperature=t, top_k=k, top_p=tp, min_p=mp)
-           for t in (0.5, 1.0, 1.7) for k in (0, 1, 3, 15) for tp in (1.0, 0.8, 0.35) for mp in (0.0, 0.2)]
+FILTERS = [
+    SamplingConfig(temperature=t, top_k=k, top_p=tp, min_p=mp)
+    for t in (0.5, 1.0, 1.7)
+    for k in (0, 1, 3, 15)
+    for tp in (1.0, 0.8, 0.35)
+    for mp in (0.0, 0.2)
+]
 
 
 @pytest.mark.parametrize("cfg", FILTERS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}-m{c.min_p}")
 def test_probs_matches_the_definitions(tables, cfg):
     """On the tiny target's own 273 next-token distributions (the ones the chi-square uses) and random logits."""
-    lg = torch.cat([tables[0].get([()] + [(a,) for a in range(V)] + [(a, b) for a in range(V) for b in range(V)]),
-                    torch.randn(200, V, generator=torch.Generator().manual_seed(0)) * 3])
+    lg = torch.cat(
+        [
+            tables[0].get([()] + [(a,) for a in range(V)] + [(a, b) for a in range(V) for b in range(V)]),
+            torch.randn(200, V, generator=torch.Generator().manual_seed(0)) * 3,
+        ]
+    )
     got = sampling.probs(lg, cfg).double().numpy()
     want = reference_probs(lg.numpy(), cfg)
     np.testing.assert_array_equal(got > 0, want > 0)  # the same kept sets
@@ -488,9 +502,18 @@ def test_engine_chain_sampling_distribution(engine, tables):
     """Chain sampling through ``Engine.generate`` (ChainDraft, accept.accept, caches, EOS cut) is exact."""
     samp = CONFIGS["T1-p0.8"]
     P = truncate_at_eos(joint(tables[0], samp))
-    out = [tuple(engine.generate(PROMPT, NEW, method="chain", chain=ChainConfig(gamma=3),
-                                 sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.8, seed=s)).tokens)
-           for s in range(ENGINE_SAMPLES)]
+    out = [
+        tuple(
+            engine.generate(
+                PROMPT,
+                NEW,
+                method="chain",
+                chain=ChainConfig(gamma=3),
+                sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.8, seed=s),
+            ).tokens
+        )
+        for s in range(ENGINE_SAMPLES)
+    ]
     assert record("T1-p0.8", "engine: chain gamma=3", out, P) > ALPHA
 
 
@@ -505,9 +528,18 @@ def test_engine_negative_control_accept_everything(engine, tables, monkeypatch):
         return list(range(len(toks) + 1)), toks + [emitted[-1]]
 
     monkeypatch.setattr("specexec.decode.accept", accept_all)
-    out = [tuple(engine.generate(PROMPT, NEW, method="chain", chain=ChainConfig(gamma=3),
-                                 sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.8, seed=s)).tokens)
-           for s in range(ENGINE_SAMPLES // 3)]
+    out = [
+        tuple(
+            engine.generate(
+                PROMPT,
+                NEW,
+                method="chain",
+                chain=ChainConfig(gamma=3),
+                sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.8, seed=s),
+            ).tokens
+        )
+        for s in range(ENGINE_SAMPLES // 3)
+    ]
     assert record("T1-p0.8", "NEG engine: chain gamma=3 accepts every draft token", out, P) < REJECT
 
 
@@ -564,8 +596,26 @@ def test_cli_samples(pair):
     from specexec.cli import app
 
     runner = CliRunner()
-    base = ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu", "-q", "-p", "t5 t6 t7",
-            "-n", "6", "--temperature", "1", "--top-p", "0.9", "--budget", "8"]
+    base = [
+        "generate",
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "-q",
+        "-p",
+        "t5 t6 t7",
+        "-n",
+        "6",
+        "--temperature",
+        "1",
+        "--top-p",
+        "0.9",
+        "--budget",
+        "8",
+    ]
     r = runner.invoke(app, [*base, "--samples", "3", "--seed", "5", "--json"])
     assert r.exit_code == 0, r.output
     objs = [json.loads(line) for line in r.stdout.splitlines()]

@@ -7,8 +7,9 @@ import importlib
 import json
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -43,11 +44,15 @@ def test_every_script_imports_and_uses_no_old_modules(name):
 
 def fake_prompts(vocab: int):
     """Prompts of varied in-vocabulary ids (the tiny word-level tokenizer maps stdlib text to one unknown id)."""
+
     def make(tok, n_code, n_prose, min_tok, max_tok):
         ba = script("bench_acceptance")
         rng = random.Random(0)
-        return [ba.Prompt(kind, "test", (0, 1), "", [rng.randrange(3, vocab) for _ in range(12)])
-                for kind in ["code"] * n_code + ["prose"] * n_prose]
+        return [
+            ba.Prompt(kind, "test", (0, 1), "", [rng.randrange(3, vocab) for _ in range(12)])
+            for kind in ["code"] * n_code + ["prose"] * n_prose
+        ]
+
     return make
 
 
@@ -67,10 +72,39 @@ def run_acceptance(tiny_pair, tmp_path, monkeypatch, *extra: str) -> tuple[int, 
     ba = script("bench_acceptance")
     monkeypatch.setattr(ba, "make_prompts", fake_prompts(96))
     out, md = tmp_path / "acc.json", tmp_path / "acc.md"
-    rc = ba.main(["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--prompts", "2", "--new-tokens", "6",
-                  "--budgets", "4,8", "--gammas", "1,2", "--budget-prompts", "8:1", "--sampling-prompts", "1",
-                  "--sampling-budgets", "4", "--sampling-gamma", "2", "--context", "128", "--out", str(out),
-                  "--md", str(md), "--png", str(tmp_path / "acc.png"), *extra])
+    rc = ba.main(
+        [
+            "--target",
+            str(tiny_pair[0]),
+            "--draft",
+            str(tiny_pair[1]),
+            "--prompts",
+            "2",
+            "--new-tokens",
+            "6",
+            "--budgets",
+            "4,8",
+            "--gammas",
+            "1,2",
+            "--budget-prompts",
+            "8:1",
+            "--sampling-prompts",
+            "1",
+            "--sampling-budgets",
+            "4",
+            "--sampling-gamma",
+            "2",
+            "--context",
+            "128",
+            "--out",
+            str(out),
+            "--md",
+            str(md),
+            "--png",
+            str(tmp_path / "acc.png"),
+            *extra,
+        ]
+    )
     return rc, json.loads(out.read_text()), md
 
 
@@ -80,7 +114,8 @@ def test_bench_acceptance_records_real_runs_and_labels_the_projection(tiny_pair,
     runs = rep["runs"]
     # every prompt x config ran (budget 8 on one prompt only), each with the engine's whole Stats
     assert sorted((r["prompt"], r["config"]) for r in runs) == sorted(
-        [(i, c) for i in (0, 1) for c in ("ar", "chain:1", "chain:2", "specexec:4")] + [(0, "specexec:8")])
+        [(i, c) for i in (0, 1) for c in ("ar", "chain:1", "chain:2", "specexec:4")] + [(0, "specexec:8")]
+    )
     for r in runs:
         st = r["stats"]
         assert r["tokens_equal_ar"] and st["new_tokens"] == 6 and st["method"] == r["method"]
@@ -91,8 +126,9 @@ def test_bench_acceptance_records_real_runs_and_labels_the_projection(tiny_pair,
             assert all(s[0] >= 1 and len(s) == r["param"] for s in st["tree_shapes"])
     for kind in ("code", "prose", "all"):
         assert {"ar", "chain:1", "chain:2", "specexec:4"} <= set(rep["greedy"][kind])
-    assert rep["tree_shapes"]["all"]["4"]["steps"] == sum(r["stats"]["steps"] for r in runs
-                                                           if r["config"] == "specexec:4")
+    assert rep["tree_shapes"]["all"]["4"]["steps"] == sum(
+        r["stats"]["steps"] for r in runs if r["config"] == "specexec:4"
+    )
     assert set(rep["sampling"]["configs"]) == {"chain:2", "specexec:4"}
     # the projection: present (implied by the GPU costs), labelled, and never a plain tok/s field
     proj = rep["projection"]
@@ -105,8 +141,12 @@ def test_bench_acceptance_records_real_runs_and_labels_the_projection(tiny_pair,
     # --report-only re-renders from the JSON alone
     md.unlink()
     ba = script("bench_acceptance")
-    assert ba.main(["--report-only", "--out", str(tmp_path / "acc.json"), "--md", str(md),
-                    "--png", str(tmp_path / "acc2.png")]) == 0
+    assert (
+        ba.main(
+            ["--report-only", "--out", str(tmp_path / "acc.json"), "--md", str(md), "--png", str(tmp_path / "acc2.png")]
+        )
+        == 0
+    )
     assert "projection, not measured" in md.read_text()
 
 
@@ -121,8 +161,22 @@ def test_bench_acceptance_without_projection_has_no_projected_fields(tiny_pair, 
 
 def test_bench_auto(tiny_pair, tmp_path):
     out = tmp_path / "auto.json"
-    rc = script("bench_auto").main(["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--budgets", "4,8",
-                                    "--new-tokens", "4", "--prompts", "2", "--out", str(out)])
+    rc = script("bench_auto").main(
+        [
+            "--target",
+            str(tiny_pair[0]),
+            "--draft",
+            str(tiny_pair[1]),
+            "--budgets",
+            "4,8",
+            "--new-tokens",
+            "4",
+            "--prompts",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     rep = json.loads(out.read_text())
     assert rc == 0 and [r["config"] for r in rep["rows"]] == ["budget 4", "budget 8", "auto"]
     assert all(r["same_tokens"] and r["tokens"] == 8 for r in rep["rows"])
@@ -131,8 +185,9 @@ def test_bench_auto(tiny_pair, tmp_path):
 
 def test_bench_ar(tiny_pair, tmp_path):
     out = tmp_path / "ar.json"
-    rc = script("bench_ar").main(["--target", str(tiny_pair[0]), "--new-tokens", "4", "--prompts", "2",
-                                  "--context", "256", "--out", str(out)])
+    rc = script("bench_ar").main(
+        ["--target", str(tiny_pair[0]), "--new-tokens", "4", "--prompts", "2", "--context", "256", "--out", str(out)]
+    )
     rep = json.loads(out.read_text())
     assert rc == 0 and rep["summary"]["all_identical"] and len(rep["rows"]) == 2
 
@@ -142,8 +197,26 @@ def test_bench_e2e_smoke_and_recompute_label_projections(tmp_path, tiny_pair, mo
     for name, shape in (("LLAMA2_70B", e2e.LLAMA2_70B), ("LLAMA2_7B", e2e.LLAMA2_7B)):
         monkeypatch.setattr(e2e, name, dict(shape))  # --smoke shrinks them in place; keep other tests' shapes
     out = tmp_path / "e2e.json"
-    assert e2e.main(["--smoke", "--budgets", "4,8", "--formats", "nf4", "--repeats", "1", "--context", "32",
-                     "--acceptance", str(tmp_path / "none.json"), "--out", str(out)]) == 0
+    assert (
+        e2e.main(
+            [
+                "--smoke",
+                "--budgets",
+                "4,8",
+                "--formats",
+                "nf4",
+                "--repeats",
+                "1",
+                "--context",
+                "32",
+                "--acceptance",
+                str(tmp_path / "none.json"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     assert "not measured" in rep["projection"] and set(rep["draft_pass_s_graphed"]) and rep["runs"]
     for r in rep["runs"]:
@@ -152,8 +225,21 @@ def test_bench_e2e_smoke_and_recompute_label_projections(tmp_path, tiny_pair, mo
     # recompute: measured GPU times x a bench_acceptance JSON's real-run tokens/step and tree shapes
     _, acc, _ = run_acceptance(tiny_pair, tmp_path, monkeypatch, "--sampling-prompts", "0")
     out2 = tmp_path / "re.json"
-    assert e2e.main(["--recompute", str(GPU_COSTS), "--acceptance", str(tmp_path / "acc.json"), "--budgets", "64",
-                     "--out", str(out2)]) == 0
+    assert (
+        e2e.main(
+            [
+                "--recompute",
+                str(GPU_COSTS),
+                "--acceptance",
+                str(tmp_path / "acc.json"),
+                "--budgets",
+                "64",
+                "--out",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     re_ = json.loads(out2.read_text())
     assert "not measured" in re_["projection"] and all("projected_tok_s" in r for r in re_["runs"])
     assert not any(set(e2e.LEGACY_COMPOSED) & set(r) for r in re_["runs"])
@@ -178,6 +264,7 @@ def test_profile_draft(monkeypatch, capsys):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_draft_cuda(capsys):
-    assert script("profile_draft").main(["--tokens", "4", "--context", "64", "--capacity", "512",
-                                         "--repeats", "1"]) == 0
+    assert (
+        script("profile_draft").main(["--tokens", "4", "--context", "64", "--capacity", "512", "--repeats", "1"]) == 0
+    )
     assert "static=True" in capsys.readouterr().out

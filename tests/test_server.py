@@ -32,9 +32,11 @@ from specexec.server import Defaults, ServerConfig, create_app
 TREE = TreeConfig(budget=8, early_stop=False)
 CONTEXT = 2048
 LONG = 2000  # a long answer (max_tokens) for the cancel / queue tests
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t3 {{ m['content'] }} t4 "
-            "{% elif m['role'] == 'system' %}t7 {{ m['content'] }} t8 "
-            "{% else %}t5 {{ m['content'] }} t6 {% endif %}{% endfor %}{% if add_generation_prompt %}t5{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}t3 {{ m['content'] }} t4 "
+    "{% elif m['role'] == 'system' %}t7 {{ m['content'] }} t8 "
+    "{% else %}t5 {{ m['content'] }} t6 {% endif %}{% endfor %}{% if add_generation_prompt %}t5{% endif %}"
+)
 HI = [{"role": "user", "content": "t10 t11 t12"}]
 
 
@@ -56,7 +58,7 @@ class LiveServer:
     def state(self):
         return self.app.state.server
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -125,8 +127,9 @@ def ref(pair):
 @pytest.fixture(scope="module")
 def live(pair):
     engine = load_engine(pair)
-    config = ServerConfig(model_name="tiny", queue=1, max_body_bytes=64 * 1024, tree=TREE,
-                          defaults=Defaults(max_new_tokens=32))
+    config = ServerConfig(
+        model_name="tiny", queue=1, max_body_bytes=64 * 1024, tree=TREE, defaults=Defaults(max_new_tokens=32)
+    )
     with LiveServer(create_app(config, engine=engine)) as srv:
         yield srv
 
@@ -198,8 +201,11 @@ def test_completions_equal_generate(client, ref):
 
 def test_include_usage(client, ref):
     ids = ref.encode("t10 t11 t12", chat=True)
-    chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=10, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=HI, max_tokens=10, stream=True, stream_options={"include_usage": True}
+        )
+    )
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 10 and last.usage.prompt_tokens == len(ids)
     assert last.usage.total_tokens == len(ids) + 10
@@ -210,8 +216,9 @@ def test_include_usage(client, ref):
 
 
 def test_raw_sse_format(live):
-    with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": HI, "max_tokens": 6, "stream": True}) as r:
+    with httpx.stream(
+        "POST", live.url + "/v1/chat/completions", timeout=60, json={"messages": HI, "max_tokens": 6, "stream": True}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         body = r.read().decode()
     events = [e for e in body.split("\n\n") if e]
@@ -252,8 +259,9 @@ def test_seed_reproduces_a_sampled_answer(client, ref):
     others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in range(5)}
     assert len(others) > 1  # sampling does sample
     k = client.chat.completions.create(seed=7, extra_body={"top_k": 3, "min_p": 0.05}, **kw)
-    assert k.choices[0].message.content == expect(ref, "t10 t11 t12", 24, chat=True, temperature=1.0, top_p=0.95,
-                                                  top_k=3, min_p=0.05, seed=7)
+    assert k.choices[0].message.content == expect(
+        ref, "t10 t11 t12", 24, chat=True, temperature=1.0, top_p=0.95, top_k=3, min_p=0.05, seed=7
+    )
 
 
 def test_eos_gives_finish_reason_stop(tiny_pair):
@@ -305,13 +313,19 @@ def test_400s(client):
 
 def test_malformed_and_missing(live):
     url = live.url + "/v1/chat/completions"
-    for body in (b"{bad json", b"[1, 2]", b"\xff\xfe", json.dumps({"model": "tiny"}).encode(),
-                 json.dumps({"messages": "hello"}).encode(), json.dumps({"messages": HI, "stream": "yes"}).encode(),
-                 json.dumps({"messages": HI, "temperature": "hot"}).encode(),
-                 json.dumps({"messages": HI, "temperature": float("nan")}).encode(),
-                 json.dumps({"messages": HI, "seed": "abc"}).encode(),
-                 json.dumps({"messages": HI, "seed": 2**70}).encode(),
-                 json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode()):
+    for body in (
+        b"{bad json",
+        b"[1, 2]",
+        b"\xff\xfe",
+        json.dumps({"model": "tiny"}).encode(),
+        json.dumps({"messages": "hello"}).encode(),
+        json.dumps({"messages": HI, "stream": "yes"}).encode(),
+        json.dumps({"messages": HI, "temperature": "hot"}).encode(),
+        json.dumps({"messages": HI, "temperature": float("nan")}).encode(),
+        json.dumps({"messages": HI, "seed": "abc"}).encode(),
+        json.dumps({"messages": HI, "seed": 2**70}).encode(),
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+    ):
         r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
@@ -331,7 +345,7 @@ def test_body_size_limit(live):
 
     def chunked():  # no Content-Length: counted while it arrives
         for i in range(0, len(big), 8192):
-            yield big[i:i + 8192]
+            yield big[i : i + 8192]
 
     r = httpx.post(url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413
@@ -405,8 +419,11 @@ def test_non_streamed_request_cancelled_when_the_client_leaves(live, client, ref
     w = live.state.worker
     cancelled = w.cancelled
     with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes the connection
-        httpx.post(live.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": LONG},
-                   timeout=httpx.Timeout(30, read=0.5))
+        httpx.post(
+            live.url + "/v1/chat/completions",
+            json={"messages": HI, "max_tokens": LONG},
+            timeout=httpx.Timeout(30, read=0.5),
+        )
     live.wait_idle()
     assert w.cancelled == cancelled + 1 and w.last.generated < LONG // 2
     r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6)
@@ -493,11 +510,26 @@ def _cli(*args: str) -> list[str]:
 
 
 def test_cli_serve_equals_cli_generate(pair):
-    common = ["--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu", "--budget", "8",
-              "--no-early-stop", "--context", str(CONTEXT)]
+    common = [
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--budget",
+        "8",
+        "--no-early-stop",
+        "--context",
+        str(CONTEXT),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(_cli("serve", *common, "--port", "0", "--served-model-name", "tiny-cli"),
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        _cli("serve", *common, "--port", "0", "--served-model-name", "tiny-cli"),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stderr.readline()
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
@@ -514,8 +546,13 @@ def test_cli_serve_equals_cli_generate(pair):
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert proc.returncode == 0
-    gen = subprocess.run(_cli("generate", *common, "--chat", "-p", "t10 t11 t12", "-n", "16", "--json", "-q"),
-                         capture_output=True, text=True, env=env, timeout=300)
+    gen = subprocess.run(
+        _cli("generate", *common, "--chat", "-p", "t10 t11 t12", "-n", "16", "--json", "-q"),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert gen.returncode == 0, gen.stderr
     assert chat.choices[0].message.content == json.loads(gen.stdout)["text"]
 
@@ -545,8 +582,12 @@ def test_cli_errors_are_one_line(pair):
 
 
 def test_cli_model_load_failure_exits_with_one_error(tmp_path):
-    r = subprocess.run(_cli("serve", "--target", str(tmp_path / "missing"), "--device", "cpu", "--port", "0", "-q"),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        _cli("serve", "--target", str(tmp_path / "missing"), "--device", "cpu", "--port", "0", "-q"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
 

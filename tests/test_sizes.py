@@ -39,8 +39,12 @@ def test_kv_and_weights_match_real_tensors(pair):
         cache = KVCache(t_cfg.num_layers, t_cfg.num_kv_heads, slots, t_cfg.head_dim, dtype, CPU)
         assert cache.nbytes() == sizes.kv_bytes(t_cfg, slots, dtype.itemsize)
     model = load_model(pair[0], CPU, torch.float32)
-    real = sum(t.numel() for t in model.globals.__dict__.values() if isinstance(t, torch.Tensor)
-               if t is not model.globals.lm_head or model.globals.lm_head is not model.globals.embed)
+    real = sum(
+        t.numel()
+        for t in model.globals.__dict__.values()
+        if isinstance(t, torch.Tensor)
+        if t is not model.globals.lm_head or model.globals.lm_head is not model.globals.embed
+    )
     real += sum(t.numel() for i in range(t_cfg.num_layers) for t in model.layers.layer(i).values())
     assert sizes.param_count(t_cfg) == real == sizes.stored_weights(pair[0]).params
     # the step's N x N ancestry mask is what a tree of that size allocates
@@ -114,24 +118,50 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
     t_cfg, d_cfg = read_config(pair[0]), read_config(pair[1])
 
     def total(b: int) -> int:
-        return sizes.engine_memory(t_cfg, d_cfg, 512, 4, 4, TreeConfig(budget=b),
-                                   target_weights=sizes.stored_weights(pair[0]).resident_bytes(4, t_cfg),
-                                   draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4, d_cfg)).total
+        return sizes.engine_memory(
+            t_cfg,
+            d_cfg,
+            512,
+            4,
+            4,
+            TreeConfig(budget=b),
+            target_weights=sizes.stored_weights(pair[0]).resident_bytes(4, t_cfg),
+            draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4, d_cfg),
+        ).total
 
     assert total(e.largest_budget) <= have < total(e.largest_budget + 1)
     # the CLI turns it into one error line
-    result = runner.invoke(app, ["generate", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
-                                 "--budget", "65536", "--max-new-tokens", "4", "--prompt", "hi", "-q"])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--device",
+            "cpu",
+            "--budget",
+            "65536",
+            "--max-new-tokens",
+            "4",
+            "--prompt",
+            "hi",
+            "-q",
+        ],
+    )
     assert result.exit_code != 0  # (its default context differs, so does the figure)
-    assert re.search(r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$",
-                     result.output)
+    assert re.search(
+        r"^error: the tree's buffers for --budget 65536 need .* the largest that fits is --budget \d+$", result.output
+    )
     assert "Traceback" not in result.output
 
 
 def test_context_too_big_names_the_context(pair, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
-    with pytest.raises(memory.NotEnoughMemory,
-                       match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"):
+    with pytest.raises(
+        memory.NotEnoughMemory, match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"
+    ):
         memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig(budget=4))
 
 
@@ -150,8 +180,7 @@ def test_ssd_cache_on_a_read_only_file_system(pair, tmp_path, monkeypatch, caplo
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     off = OffloadConfig(mode="ssd", cache_dir=cache, resident_layers=0)
-    with caplog.at_level("WARNING"), pytest.raises(SpecexecError,
-                                                   match="read-only file system.*--cache-dir"):
+    with caplog.at_level("WARNING"), pytest.raises(SpecexecError, match="read-only file system.*--cache-dir"):
         load_offloaded(pair[0], CPU, "fp32", off)
     assert "writing the SSD-tier layer cache of target: 2 layers" in caplog.text and str(cache) in caplog.text
     monkeypatch.setattr(Path, "mkdir", real_mkdir)

@@ -3,15 +3,15 @@ KV-cache compaction equals a fresh prefill of the accepted sequence."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dataclasses import replace
-
 from specexec.config import ChainConfig, TreeConfig
-from specexec.propose import DraftModel, GrowCost, TreeDraft
 from specexec.engine import Engine
 from specexec.loading import load_model, load_tokenizer
+from specexec.propose import DraftModel, GrowCost, TreeDraft
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")
@@ -75,8 +75,9 @@ def test_speculation_accepts_more_than_one(engines):
 @pytest.mark.parametrize("budget", [1, 5, 64, 300])
 def test_tree_invariants(noisy_pairs, budget):
     target, draft = noisy_pairs["llama"]
-    tree, passes, _ = _grow(load_model(draft, CPU, torch.float32), [5, 6, 7, 8],
-                            TreeConfig(budget=budget, max_beams=32, max_branch=8))
+    tree, passes, _ = _grow(
+        load_model(draft, CPU, torch.float32), [5, 6, 7, 8], TreeConfig(budget=budget, max_beams=32, max_branch=8)
+    )
     tree.check()  # parents precede children, depths, monotone logp, ancestry mask == parent pointers
     assert tree.size - 1 == budget, "trimmed to exactly budget nodes"
     # connected: every non-root node's parent is in the tree (parents index < own index, all >= 0)
@@ -93,6 +94,7 @@ def test_tree_is_exact_top_budget(noisy_pairs):
     tree, _, _ = _grow(model, [5, 6, 7], TreeConfig(budget=budget, max_beams=1000, max_branch=96, max_depth=2))
     # brute force: all depth-1 and depth-2 continuations
     from specexec.kv_cache import KVCache  # noqa: F401
+
     e = Engine(model, load_tokenizer(draft), None, context=64)
     lp1 = torch.log_softmax(_logits(e, [5, 6, 7]), -1)
     scores = {(a,): float(lp1[a]) for a in range(lp1.shape[0])}
@@ -121,8 +123,10 @@ def test_cache_compaction_equals_fresh_prefill(noisy_pairs, method):
     r = e.generate([5, 6, 7, 8], 30, method=method, tree=TreeConfig(budget=32), chain=ChainConfig(gamma=4))
     assert r.stats.steps < 30  # several multi-token steps happened
     seq = e.seq
-    for model, cache, length in ((e.target, e.state.cache, e.state.t_len),
-                                 (e.draft, e.draft_model.cache, e.draft_model.length)):
+    for model, cache, length in (
+        (e.target, e.state.cache, e.state.t_len),
+        (e.draft, e.draft_model.cache, e.draft_model.length),
+    ):
         fresh = model.new_cache(cache.capacity)
         pos = torch.arange(length)
         mask = pos[None, :] <= pos[:, None]

@@ -26,14 +26,14 @@ from specexec.text import (
 )
 
 CORPUS = [
-    "def add_one(x):\n    \"\"\"Return x + 1.\"\"\"\n    return x + 1  # 加一\n",
+    'def add_one(x):\n    """Return x + 1."""\n    return x + 1  # 加一\n',
     "Hello world, this is plain English prose about caching and decoding.",
     "你好，世界！这是一个测试。日本語のテキストも少し。",
     "emoji: 😀 🎉 🚀 ✨ naïve café — “quotes” and ümlauts",
     "for i in range(10):\n\tprint(f'{i}: {i * i}')\n",
 ]
 SAMPLE = (
-    "def greet(name: str) -> str:\n    \"\"\"Say hello 👋 to {name}.\"\"\"\n    return f'你好, {name}! 🎉'\n\n"
+    'def greet(name: str) -> str:\n    """Say hello 👋 to {name}."""\n    return f\'你好, {name}! 🎉\'\n\n'
     "Unseen: 🦀 Ωmega ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 — 한국어 텍스트. The end."
 )
 CHATML = (
@@ -50,8 +50,12 @@ def _byte_level():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=SPECIALS, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIALS,
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 10, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None)
     fast.chat_template = CHATML
@@ -60,23 +64,29 @@ def _byte_level():
 
 def _sentencepiece_style():
     """Llama-2-like: '▁' for spaces, byte-fallback tokens <0xXX>, decoder strips the first leading space."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60, show_progress=False
+    )
     tok.train_from_iterator(CORPUS * 10, trainer)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):  # byte fallback for every character outside the small alphabet
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
     spec["model"]["byte_fallback"] = True
-    spec["decoder"] = {"type": "Sequence", "decoders": [
-        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-        {"type": "ByteFallback"}, {"type": "Fuse"},
-        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
     tok = Tokenizer.from_str(json.dumps(spec))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
@@ -101,8 +111,12 @@ def _ref(tok, ids):
 
 # -- chat rendering ---------------------------------------------------------------------------------------------
 def test_render_chat_matches_the_template(byte_tok):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "多谢"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi 😀"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "多谢"},
+    ]
     want = byte_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert render_chat(byte_tok, msgs) == list(want)
     text = byte_tok.decode(render_chat(byte_tok, msgs))
@@ -111,18 +125,22 @@ def test_render_chat_matches_the_template(byte_tok):
     assert byte_tok.decode(no_gen).endswith("多谢<|im_end|>\n")
     # extra keys (e.g. OpenAI's "name") are ignored, not passed to the template
     assert render_chat(byte_tok, [{"role": "user", "content": "Hi 😀", "name": "x"}]) == render_chat(
-        byte_tok, [{"role": "user", "content": "Hi 😀"}])
+        byte_tok, [{"role": "user", "content": "Hi 😀"}]
+    )
 
 
-@pytest.mark.parametrize("messages, match", [
-    ([], "empty"),
-    ("hello", "list"),
-    ([{"role": "tool", "content": "x"}], "role must be one of system, user, assistant"),
-    ([{"content": "x"}], "role must be"),
-    ([{"role": "user", "content": ["a", "b"]}], "content must be a string"),
-    ([{"role": "user"}], "content must be a string"),
-    (["hi"], "must be an object"),
-])
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "empty"),
+        ("hello", "list"),
+        ([{"role": "tool", "content": "x"}], "role must be one of system, user, assistant"),
+        ([{"content": "x"}], "role must be"),
+        ([{"role": "user", "content": ["a", "b"]}], "content must be a string"),
+        ([{"role": "user"}], "content must be a string"),
+        (["hi"], "must be an object"),
+    ],
+)
 def test_render_chat_rejects_malformed_messages(byte_tok, messages, match):
     with pytest.raises(MessageError, match=match) as e:
         render_chat(byte_tok, messages)
@@ -135,7 +153,8 @@ def test_render_chat_without_template_or_refused(byte_tok, sp_tok):
     strict = _byte_level()
     strict.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}")
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     with pytest.raises(ChatTemplateError, match="System role not supported"):
         render_chat(strict, [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
     assert byte_tok.decode(render_chat(strict, [{"role": "user", "content": "hi"}])) == "hi"
@@ -176,7 +195,7 @@ def test_detokenizer_context_keeps_the_first_leading_space(sp_tok, byte_tok):
     assert _ref(sp_tok, answer) == "world and more 😀"  # alone, the decoder strips the first space
     d = Detokenizer(sp_tok, context=prompt[-4:])
     got = "".join(d.push([i]) for i in answer) + d.flush()
-    assert got == d.text == " world and more 😀" == _ref(sp_tok, prompt + answer)[len(_ref(sp_tok, prompt)):]
+    assert got == d.text == " world and more 😀" == _ref(sp_tok, prompt + answer)[len(_ref(sp_tok, prompt)) :]
     # a byte-level tokenizer needs no context; with one, the answer's text is unchanged
     a = _ids(byte_tok, " 加一 😀 x")
     d = Detokenizer(byte_tok, context=_ids(byte_tok, "abc 😀"))
@@ -195,7 +214,7 @@ def test_detokenizer_random_splits(which, byte_tok, sp_tok):
         out, i = [], 0
         while i < len(ids):
             k = rng.randint(1, 6)
-            out.append(d.push(ids[i:i + k]))
+            out.append(d.push(ids[i : i + k]))
             i += k
         out.append(d.flush())
         assert "".join(out) == d.text == _ref(tok, ids), text
@@ -259,7 +278,7 @@ def test_detokenizer_work_is_proportional_to_new_tokens(byte_tok, step):
     wrapped = _Counting(byte_tok)
     d = Detokenizer(wrapped)
     for i in range(0, n, step):
-        d.push(ids[i:i + step])
+        d.push(ids[i : i + step])
     d.flush()
     assert d.text == _ref(byte_tok, ids)
     pushes = -(-n // step)
@@ -331,8 +350,9 @@ def test_stop_random_splits_match_the_reference():
     rng = random.Random(1)
     alphabet = "ab\nc"
     for _ in range(400):
-        stops = sorted({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-                        for _ in range(rng.randint(1, 3))})
+        stops = sorted(
+            {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))}
+        )
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
         chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
@@ -364,7 +384,7 @@ def test_text_stream_stop_string_across_tokens(byte_tok):
     s = TextStream(byte_tok, {byte_tok.eos_token_id}, stops=["\nEND_OF"])
     pieces = []
     for i in range(0, len(ids), 2):
-        t, stopped = s.push(ids[i:i + 2])
+        t, stopped = s.push(ids[i : i + 2])
         pieces.append(t)
         if stopped:
             break
@@ -395,7 +415,7 @@ def test_qwen_tokenizer_token_by_token():
         pytest.skip(f"{alias} is not downloaded (specexec models pull demo)")
     info = load_tokenizer(hub.local_path(alias))
     tok = info.tokenizer
-    text = SAMPLE + "\n```rust\nfn main() { println!(\"🦀 {}\", \"中文\"); }\n```\nÅngström ½ ≤ ≥ 🇺🇳 👩‍💻"
+    text = SAMPLE + '\n```rust\nfn main() { println!("🦀 {}", "中文"); }\n```\nÅngström ½ ≤ ≥ 🇺🇳 👩‍💻'
     ids = _ids(tok, text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)
     d = Detokenizer(tok)

@@ -23,8 +23,13 @@ from tests.test_server import LiveServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-INJECTION = ["Hello ", "<b id=\"injected\">bold</b> ", "<script>window.__pwned = 1;</script>",
-             "<img src=x onerror=\"window.__pwned = 2\">", " & done"]
+INJECTION = [
+    "Hello ",
+    '<b id="injected">bold</b> ',
+    "<script>window.__pwned = 1;</script>",
+    '<img src=x onerror="window.__pwned = 2">',
+    " & done",
+]
 
 
 class FakeGeneration:
@@ -64,8 +69,9 @@ class FakeGeneration:
         n = len(self.tokens)
         s = self.stats
         s.new_tokens, s.tokens_per_step, s.tokens_per_s, s.finish_reason = n, 2.5, 123.4, reason
-        self.result = Result(text="".join(self.engine.script[:n]), tokens=list(self.tokens),
-                             prompt_tokens=len(self.ids), stats=s)
+        self.result = Result(
+            text="".join(self.engine.script[:n]), tokens=list(self.tokens), prompt_tokens=len(self.ids), stats=s
+        )
 
 
 class FakeEngine:
@@ -105,17 +111,28 @@ def site(fake):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     if not CHROMIUM or not CHROMEDRIVER:
-        pytest.skip("no Chromium + chromedriver on this machine (Debian: apt-get install chromium chromium-driver; "
-                    ".ci/run installs them)")
+        pytest.skip(
+            "no Chromium + chromedriver on this machine (Debian: apt-get install chromium chromium-driver; "
+            ".ci/run installs them)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
     opts = Options()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1100,800",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1100,800",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
     driver.set_page_load_timeout(60)
@@ -216,8 +233,11 @@ def test_new_chat_clears_the_conversation(browser, site, fake):
     _send(browser, "t21")
     wait_for(lambda: len(_answers(browser)) == 2 and "tok/s" in _answers(browser)[-1].text, what="the second answer")
     tok = fake.tokenizer.tokenizer
-    second = [{"role": "user", "content": "t20"}, {"role": "assistant", "content": "first answer"},
-              {"role": "user", "content": "t21"}]
+    second = [
+        {"role": "user", "content": "t20"},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "user", "content": "t21"},
+    ]
     assert fake.requests[-1] == render_chat(tok, second)  # the page sends the whole conversation
     browser.find_element(By.ID, "new-chat").click()
     assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []

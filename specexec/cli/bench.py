@@ -6,7 +6,6 @@ Parsing and printing only; :mod:`specexec.bench` runs it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,33 +15,34 @@ from specexec.cli.common import guarded, setup_logging
 
 def bench(
     target: str = o.target(),
-    draft: Optional[str] = o.draft(),
+    draft: str | None = o.draft(),
     methods: str = typer.Option("ar,chain,specexec", "--methods", help="Comma-separated methods (ar always runs)."),
     budgets: str = typer.Option("16,64,256", "--budgets", help="SpecExec tree budgets to try."),
     gammas: str = typer.Option("2,4", "--gammas", help="Chain lengths to try."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
-    prompts_file: Optional[Path] = typer.Option(
-        None, "--prompts", help='JSONL prompt set: {"prompt": str, "chat": bool?} per line (default: built-in).'),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts", help='JSONL prompt set: {"prompt": str, "chat": bool?} per line (default: built-in).'
+    ),
     num_prompts: int = typer.Option(8, "--num-prompts", help="How many built-in prompts (code and prose) to use."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
+    out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
+    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
     temperature: float = o.temperature(),
     top_p: float = o.top_p(),
     top_k: int = o.top_k(),
     min_p: float = o.min_p(),
-    seed: Optional[int] = o.seed(),
+    seed: int | None = o.seed(),
     max_beams: int = o.max_beams(),
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
-    early_stop: Optional[bool] = o.early_stop(),
+    early_stop: bool | None = o.early_stop(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
     offload: str = o.offload(),
-    gpu_memory: Optional[float] = o.gpu_memory(),
+    gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
-    cache_dir: Optional[Path] = o.cache_dir(),
-    draft_dtype: Optional[str] = o.draft_dtype(),
+    cache_dir: Path | None = o.cache_dir(),
+    draft_dtype: str | None = o.draft_dtype(),
     quiet: bool = o.quiet("No spinner or progress bar."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -59,22 +59,35 @@ def bench(
 
         # everything that needs no model is checked first: a bad option never costs a model load
         cfg = BenchConfig(
-            methods=tuple(m.strip() for m in methods.split(",") if m.strip()), budgets=parse_ints(budgets, "--budgets"),
-            gammas=parse_ints(gammas, "--gammas"), max_new_tokens=max_new_tokens,
+            methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+            budgets=parse_ints(budgets, "--budgets"),
+            gammas=parse_ints(gammas, "--gammas"),
+            max_new_tokens=max_new_tokens,
             sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
-            tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth,
-                            early_stop=early_stop))
+            tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth, early_stop=early_stop),
+        )
         o.check_max_new_tokens(max_new_tokens, context)
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)
-        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
-                                cache_dir_=cache_dir)
+        model = o.model_options(
+            target,
+            draft,
+            device,
+            dtype,
+            draft_dtype,
+            context,
+            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+            cache_dir_=cache_dir,
+        )
         o.notices_before_load(model)
-        engine = load_engine(model, TreeConfig(budget=max(cfg.budgets), max_beams=max_beams), progress=not quiet,
-                             status=o.spinner(quiet))
+        engine = load_engine(
+            model, TreeConfig(budget=max(cfg.budgets), max_beams=max_beams), progress=not quiet, status=o.spinner(quiet)
+        )
         o.notices_after_load(model, engine)
-        report = _with_progress(quiet, len(cfg.runs()) * len(prompts),
-                                lambda step: run_bench(engine, prompts, cfg, target, model.draft, on_run=step))
+        report = _with_progress(
+            quiet,
+            len(cfg.runs()) * len(prompts),
+            lambda step: run_bench(engine, prompts, cfg, target, model.draft, on_run=step),
+        )
         _table(report)
         if out:
             save_json(report, out)
@@ -92,8 +105,9 @@ def _with_progress(quiet: bool, total: int, work):
         return work(lambda _label: None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("bench {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as progress:
+    with Progress(
+        TextColumn("bench {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as progress:
         task = progress.add_task("warm-up", total=total)
         return work(lambda label: progress.update(task, advance=1, description=label))
 
@@ -102,16 +116,24 @@ def _table(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{report.target} + {report.draft or 'no draft'} on {report.device}, "
-                        f"{report.config['max_new_tokens']} new tokens x {len(report.prompts)} prompts")
+    table = Table(
+        title=f"{report.target} + {report.draft or 'no draft'} on {report.device}, "
+        f"{report.config['max_new_tokens']} new tokens x {len(report.prompts)} prompts"
+    )
     for col in ("method", "budget/γ", "tok/step", "tok/s", "speedup", "draft s", "target s", "≠ ar"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
     for r in report.rows:
         mism = "n/a" if r.mismatches is None else str(r.mismatches)
-        table.add_row(r.method, "-" if r.param is None else str(r.param), f"{r.tokens_per_step:.2f}",
-                      f"{r.tokens_per_s:.1f}",
-                      f"{r.speedup:.2f}x" if r.speedup is not None else "-", f"{r.draft_s:.2f}", f"{r.target_s:.2f}",
-                      f"[red]{mism}[/red]" if r.mismatches else mism)
+        table.add_row(
+            r.method,
+            "-" if r.param is None else str(r.param),
+            f"{r.tokens_per_step:.2f}",
+            f"{r.tokens_per_s:.1f}",
+            f"{r.speedup:.2f}x" if r.speedup is not None else "-",
+            f"{r.draft_s:.2f}",
+            f"{r.target_s:.2f}",
+            f"[red]{mism}[/red]" if r.mismatches else mism,
+        )
     Console().print(table)
     if any(r.mismatches is None for r in report.rows):
         typer.echo("≠ ar: not checked when sampling (exactness holds in distribution, not token for token)", err=True)

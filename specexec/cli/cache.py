@@ -6,7 +6,6 @@ Parsing and printing only.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,12 +14,16 @@ from specexec.cli.common import guarded, setup_logging
 
 GB = 1e9
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="List and remove specexec's caches (models, offload layer caches, wheels).")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="List and remove specexec's caches (models, offload layer caches, wheels).",
+)
 
 
 @app.command("list")
-def list_(cache_dir: Optional[Path] = o.cache_dir()) -> None:
+def list_(cache_dir: Path | None = o.cache_dir()) -> None:
     """Each cache entry with its size and path."""
     setup_logging(False)
 
@@ -42,10 +45,10 @@ def list_(cache_dir: Optional[Path] = o.cache_dir()) -> None:
 
 @app.command("rm")
 def rm(
-    names: Optional[list[str]] = typer.Argument(None, help="Entries to remove (as `specexec cache list` names them)."),
+    names: list[str] | None = typer.Argument(None, help="Entries to remove (as `specexec cache list` names them)."),
     all_: bool = typer.Option(False, "--all", help="Remove every entry."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-    cache_dir: Optional[Path] = o.cache_dir(),
+    cache_dir: Path | None = o.cache_dir(),
 ) -> None:
     """Remove cache entries (asks first unless --yes)."""
     setup_logging(False)

@@ -9,9 +9,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import typer
 
@@ -47,30 +48,30 @@ input:
 
 def chat(
     target: str = o.target(),
-    draft: Optional[str] = o.draft(),
-    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
+    draft: str | None = o.draft(),
+    system: str | None = typer.Option(None, "--system", "-s", help="System prompt."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer (tokens)."),
-    method: Optional[str] = o.method(),
+    method: str | None = o.method(),
     temperature: float = o.temperature(),
     top_p: float = o.top_p(),
     top_k: int = o.top_k(),
     min_p: float = o.min_p(),
-    seed: Optional[int] = o.seed(),
+    seed: int | None = o.seed(),
     budget: str = o.budget(),
     max_budget: int = o.max_budget(),
     max_beams: int = o.max_beams(),
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
-    early_stop: Optional[bool] = o.early_stop(),
+    early_stop: bool | None = o.early_stop(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
     dtype: str = o.dtype(),
     offload: str = o.offload(),
-    gpu_memory: Optional[float] = o.gpu_memory(),
+    gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
-    cache_dir: Optional[Path] = o.cache_dir(),
-    draft_dtype: Optional[str] = o.draft_dtype(),
+    cache_dir: Path | None = o.cache_dir(),
+    draft_dtype: str | None = o.draft_dtype(),
     quiet: bool = o.quiet("No spinners, progress bars or banner."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -82,15 +83,27 @@ def chat(
 
     def run() -> None:
         # everything that needs no model is checked first: a bad option never costs a model load
-        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
-                                cache_dir)
+        model = o.model_options(
+            target,
+            draft,
+            device,
+            dtype,
+            draft_dtype,
+            context,
+            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+            method,
+            cache_dir,
+        )
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
-        gen = GenOptions(max_new_tokens=max_new_tokens, method=method,
-                         sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
-                         tree=tree, chain=o.chain_config(gamma))
+        gen = GenOptions(
+            max_new_tokens=max_new_tokens,
+            method=method,
+            sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
+            tree=tree,
+            chain=o.chain_config(gamma),
+        )
         o.notices_before_load(model)
         engine = load_engine(model, tree, progress=not quiet, status=spinner(quiet))
         o.notices_after_load(model, engine)
@@ -107,8 +120,12 @@ spinner = o.spinner  # also used by specexec.cli.doctor
 
 def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
     method = method or ("specexec" if engine.draft is not None else "ar")
-    typer.secho(f"specexec chat: target {model.target}, draft {model.draft or 'none'} ({method}), "
-                f"context {engine.context} tokens. /help for commands, Ctrl-D to quit.", fg="cyan", err=True)
+    typer.secho(
+        f"specexec chat: target {model.target}, draft {model.draft or 'none'} ({method}), "
+        f"context {engine.context} tokens. /help for commands, Ctrl-D to quit.",
+        fg="cyan",
+        err=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the REPL
@@ -253,7 +270,7 @@ def answer(session: ChatSession, text: str, quiet: bool = False) -> None:
             typer.echo()
             _notice("interrupted before the answer started")
             return
-        pieces.close()  # records the turn now, whatever was running when Ctrl-C arrived
+        pieces.close()  # type: ignore[attr-defined]  # records the turn now, whatever was running when Ctrl-C arrived
     except SpecexecError as e:
         if reply is not None:
             sys.stdout.write("\n")

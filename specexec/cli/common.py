@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 import typer
@@ -66,5 +67,8 @@ def guarded(fn: Callable[[], Any], verbose: bool = False) -> Any:
         if verbose:
             raise
         detail = str(e).splitlines()[0] if str(e) else ""
-        raise fail(f"internal error ({type(e).__name__}{': ' + detail if detail else ''}); this is a bug in "
-                   "specexec: run again with -v for the traceback and report it", INTERNAL_ERROR_EXIT) from None
+        raise fail(
+            f"internal error ({type(e).__name__}{': ' + detail if detail else ''}); this is a bug in "
+            "specexec: run again with -v for the traceback and report it",
+            INTERNAL_ERROR_EXIT,
+        ) from None

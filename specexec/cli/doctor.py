@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -19,11 +18,12 @@ GB = 1e9
 
 
 def doctor(
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="Recommend a placement for this model (alias, HF id or path; config.json only)."),
+    target: str | None = typer.Option(
+        None, "--target", "-t", help="Recommend a placement for this model (alias, HF id or path; config.json only)."
+    ),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
-    cache_dir: Optional[Path] = o.cache_dir(),
+    cache_dir: Path | None = o.cache_dir(),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
@@ -87,8 +87,11 @@ def _print_recommendation(console, r) -> None:
         table.add_row("", r.note or "no recommendation")
         console.print(table)
         return
-    table.add_row("model", f"{r.params / 1e9:.2f} B parameters, {r.num_layers} layers "
-                           f"({r.layer_gb_bf16:.3f} GB/layer bf16, {r.layer_gb_nf4:.3f} GB/layer nf4)")
+    table.add_row(
+        "model",
+        f"{r.params / 1e9:.2f} B parameters, {r.num_layers} layers "
+        f"({r.layer_gb_bf16:.3f} GB/layer bf16, {r.layer_gb_nf4:.3f} GB/layer nf4)",
+    )
     if r.resident_layers is None:  # nothing fits: the notes say why
         table.add_row("offload tier", r.tier)
         for note in r.notes:
@@ -97,8 +100,11 @@ def _print_recommendation(console, r) -> None:
         return
     table.add_row("dtype", r.dtype)
     table.add_row("offload tier", r.tier)
-    table.add_row("resident layers", f"{r.resident_layers} of {r.num_layers} ({r.streamed_layers} streamed, "
-                                     f"{r.streamed_gb_per_pass:.2f} GB per pass)")
+    table.add_row(
+        "resident layers",
+        f"{r.resident_layers} of {r.num_layers} ({r.streamed_layers} streamed, "
+        f"{r.streamed_gb_per_pass:.2f} GB per pass)",
+    )
     table.add_row("floor per target pass", f"{r.floor_s_per_pass:.3f} s at {r.bandwidth}")
     for note in r.notes:
         table.add_row("note", note)

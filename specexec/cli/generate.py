@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, Optional
 
 import typer
 
@@ -28,42 +28,47 @@ def stats_line(stats: dict) -> str:
     auto = "auto→" if s.get("budget_auto") else ""
     extra = f" budget={auto}{s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
     calib = f", calibration {s['calibration_s']:.2f}s" if s.get("calibration_s") else ""
-    return (f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
-            f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
-            f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s{calib}, "
-            f"wall {s['wall_s']:.2f}s")
+    return (
+        f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
+        f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
+        f"draft {s['draft_s']:.2f}s, target {s['target_s']:.2f}s, prefill {s['prefill_s']:.2f}s{calib}, "
+        f"wall {s['wall_s']:.2f}s"
+    )
 
 
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (raw unless --chat); '-' reads stdin."),
     target: str = o.target(),
-    draft: Optional[str] = o.draft(),
+    draft: str | None = o.draft(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
-    method: Optional[str] = o.method(),
+    method: str | None = o.method(),
     temperature: float = o.temperature(),
     top_p: float = o.top_p(),
     top_k: int = o.top_k(),
     min_p: float = o.min_p(),
-    seed: Optional[int] = o.seed(),
+    seed: int | None = o.seed(),
     samples: int = typer.Option(
-        1, "--samples", help="Draw N independent samples in one run (models load once); sample i uses seed + i "
-        "when --seed is given. With --json and N > 1: JSON Lines, one object per sample per line."),
+        1,
+        "--samples",
+        help="Draw N independent samples in one run (models load once); sample i uses seed + i "
+        "when --seed is given. With --json and N > 1: JSON Lines, one object per sample per line.",
+    ),
     budget: str = o.budget(),
     max_budget: int = o.max_budget(),
     max_beams: int = o.max_beams(),
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
-    early_stop: Optional[bool] = o.early_stop(),
+    early_stop: bool | None = o.early_stop(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
     dtype: str = o.dtype(),
     offload: str = o.offload(),
-    gpu_memory: Optional[float] = o.gpu_memory(),
+    gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
-    cache_dir: Optional[Path] = o.cache_dir(),
-    draft_dtype: Optional[str] = o.draft_dtype(),
+    cache_dir: Path | None = o.cache_dir(),
+    draft_dtype: str | None = o.draft_dtype(),
     as_json: bool = o.as_json("Print exactly one JSON object on stdout (with --samples N: one per line)."),
     quiet: bool = o.quiet(),
     verbose: bool = o.verbose(),
@@ -82,9 +87,17 @@ def generate(
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         chain_cfg = o.chain_config(gamma)
-        model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
-                                cache_dir)
+        model = o.model_options(
+            target,
+            draft,
+            device,
+            dtype,
+            draft_dtype,
+            context,
+            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+            method,
+            cache_dir,
+        )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
         if samples < 1:
@@ -100,8 +113,9 @@ def generate(
             samp_i = replace(samp, seed=None if seed is None else seed + i)
             if samples > 1 and not as_json:
                 sys.stdout.write(f"----- sample {i + 1} of {samples} -----\n")
-            g = engine.stream(text, max_new_tokens, method=method, sampling_cfg=samp_i, tree=tree, chain=chain_cfg,
-                              chat=chat)
+            g = engine.stream(
+                text, max_new_tokens, method=method, sampling_cfg=samp_i, tree=tree, chain=chain_cfg, chat=chat
+            )
             pieces = iter(g)
             with status(first_label if i == 0 else "reading the prompt"):  # until the first text arrives
                 first = next(pieces, None)

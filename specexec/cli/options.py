@@ -52,9 +52,11 @@ a method name: ``o.check_method(method, model.draft)``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import typer
 
@@ -114,9 +116,12 @@ def target() -> Any:
 
 def draft() -> Any:
     return typer.Option(
-        None, "--draft", "-d",
+        None,
+        "--draft",
+        "-d",
         help=f"Draft model (alias, HF id or path); 'none' for no draft (plain decoding). Default: {DEMO_DRAFT} "
-             "with the default target, else none.")
+        "with the default target, else none.",
+    )
 
 
 def device() -> Any:
@@ -132,8 +137,9 @@ def draft_dtype() -> Any:
 
 
 def context(default: int = 4096) -> Any:
-    return typer.Option(default, "--context",
-                        help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum).")
+    return typer.Option(
+        default, "--context", help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum)."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ offload
@@ -153,10 +159,12 @@ def target_dtype() -> Any:
 
 def cache_dir() -> Any:
     return typer.Option(
-        None, "--cache-dir",
+        None,
+        "--cache-dir",
         help="specexec's cache root: downloaded/converted models (models/) and the packed-layer caches that "
-             "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else "
-             "~/.cache/specexec.")
+        "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else "
+        "~/.cache/specexec.",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ tree / chain
@@ -164,12 +172,14 @@ def cache_dir() -> Any:
 
 def method() -> Any:
     return typer.Option(
-        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar).")
+        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."
+    )
 
 
 def budget() -> Any:
     return typer.Option(
-        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured).")
+        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
+    )
 
 
 def max_budget() -> Any:
@@ -191,10 +201,12 @@ def max_depth() -> Any:
 def early_stop() -> Any:
     """``--early-stop/--no-early-stop`` (None: the device's default)."""
     return typer.Option(
-        None, "--early-stop/--no-early-stop",
+        None,
+        "--early-stop/--no-early-stop",
         help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
-             "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-             "Default: on for a CPU draft, off on a GPU.")
+        "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
+        "Default: on for a CPU draft, off on a GPU.",
+    )
 
 
 def gamma() -> Any:
@@ -250,22 +262,37 @@ def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) 
     return None if draft_.strip().lower() == "none" else draft_
 
 
-def tree_config(budget_: str, max_budget_: int, max_beams_: int, max_branch_: int, max_depth_: int,
-                early_stop_: bool | None = None) -> TreeConfig:
+def tree_config(
+    budget_: str, max_budget_: int, max_beams_: int, max_branch_: int, max_depth_: int, early_stop_: bool | None = None
+) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget_.strip().lower() == "auto":
-        return TreeConfig(budget=max(1, min(64, max_budget_)), auto=True, max_budget=max_budget_,
-                          max_beams=max_beams_, max_branch=max_branch_, max_depth=max_depth_, early_stop=early_stop_)
+        return TreeConfig(
+            budget=max(1, min(64, max_budget_)),
+            auto=True,
+            max_budget=max_budget_,
+            max_beams=max_beams_,
+            max_branch=max_branch_,
+            max_depth=max_depth_,
+            early_stop=early_stop_,
+        )
     try:
         b = int(budget_)
     except ValueError:
         raise ConfigError("TreeConfig.budget", budget_, "must be a positive integer or 'auto'") from None
-    return TreeConfig(budget=b, max_budget=max_budget_, max_beams=max_beams_, max_branch=max_branch_,
-                      max_depth=max_depth_, early_stop=early_stop_)
+    return TreeConfig(
+        budget=b,
+        max_budget=max_budget_,
+        max_beams=max_beams_,
+        max_branch=max_branch_,
+        max_depth=max_depth_,
+        early_stop=early_stop_,
+    )
 
 
-def sampling_config(temperature_: float, top_p_: float, top_k_: int, min_p_: float,
-                    seed_: int | None) -> SamplingConfig:
+def sampling_config(
+    temperature_: float, top_p_: float, top_k_: int, min_p_: float, seed_: int | None
+) -> SamplingConfig:
     """Sampling options → SamplingConfig (rejects nan/inf and out-of-range values)."""
     return SamplingConfig(temperature=temperature_, top_k=top_k_, top_p=top_p_, min_p=min_p_, seed=seed_)
 
@@ -277,24 +304,39 @@ def chain_config(gamma_: int) -> ChainConfig:
 def offload_config(mode: str, gpu_memory_: float | None, target_dtype_: str, cache_dir_: Path | None = None) -> Any:
     """``--offload/--gpu-memory/--target-dtype/--cache-dir`` → offload.OffloadConfig (validated there)."""
     from offload import OffloadConfig
-
     from specexec.errors import check_finite
 
     check_finite("OffloadConfig.gpu_memory_gb", gpu_memory_)
     return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, cache_dir=cache_dir_)
 
 
-def model_options(target_: str, draft_: str | None, device_: str, dtype_: str, draft_dtype_: str | None,
-                  context_: int, offload_cfg: Any, method_: str | None = None, cache_dir_: Path | None = None) -> Any:
+def model_options(
+    target_: str,
+    draft_: str | None,
+    device_: str,
+    dtype_: str,
+    draft_dtype_: str | None,
+    context_: int,
+    offload_cfg: Any,
+    method_: str | None = None,
+    cache_dir_: Path | None = None,
+) -> Any:
     """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
     ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
-    return ModelOptions(target=target_, draft=resolve_draft(target_, draft_, method_), device=device_,
-                        dtype=dtype_, draft_dtype=draft_dtype_, context=context_, offload=offload_cfg,
-                        cache_dir=cache_dir_)
+    return ModelOptions(
+        target=target_,
+        draft=resolve_draft(target_, draft_, method_),
+        device=device_,
+        dtype=dtype_,
+        draft_dtype=draft_dtype_,
+        context=context_,
+        offload=offload_cfg,
+        cache_dir=cache_dir_,
+    )
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
@@ -303,8 +345,12 @@ def check_method(method_: str | None, draft_: str | None) -> None:
         return
     check_method_name(method_)
     if method_ in NEEDS_DRAFT and draft_ is None:
-        raise ConfigError("method", method_, "needs a draft model",
-                          f"{setting('method', method_)} needs a draft model: pass {setting('draft')}")
+        raise ConfigError(
+            "method",
+            method_,
+            "needs a draft model",
+            f"{setting('method', method_)} needs a draft model: pass {setting('draft')}",
+        )
 
 
 def check_max_new_tokens(max_new_tokens_: int, context_: int) -> None:
@@ -313,9 +359,13 @@ def check_max_new_tokens(max_new_tokens_: int, context_: int) -> None:
     if max_new_tokens_ < 1:
         raise ConfigError("max_new_tokens", max_new_tokens_, "must be >= 1")
     if max_new_tokens_ >= context_:
-        raise ConfigError("max_new_tokens", max_new_tokens_, "must be less than the context",
-                          f"{setting('max_new_tokens', max_new_tokens_)} exceeds the context ({context_} tokens): "
-                          f"lower it or raise {setting('context')}")
+        raise ConfigError(
+            "max_new_tokens",
+            max_new_tokens_,
+            "must be less than the context",
+            f"{setting('max_new_tokens', max_new_tokens_)} exceeds the context ({context_} tokens): "
+            f"lower it or raise {setting('context')}",
+        )
 
 
 def prompt_text(prompt_: str) -> str:

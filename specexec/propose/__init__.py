@@ -42,5 +42,15 @@ from specexec.propose.ngram import NGramConfig, NGramDraft
 from specexec.propose.nodraft import NoDraft
 from specexec.propose.tree import GrowCost, TreeDraft
 
-__all__ = ["ChainDraft", "DraftModel", "GrowCost", "NGramConfig", "NGramDraft", "NoDraft", "Proposal", "Proposer",
-           "StepContext", "TreeDraft"]
+__all__ = [
+    "ChainDraft",
+    "DraftModel",
+    "GrowCost",
+    "NGramConfig",
+    "NGramDraft",
+    "NoDraft",
+    "Proposal",
+    "Proposer",
+    "StepContext",
+    "TreeDraft",
+]

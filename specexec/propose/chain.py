@@ -56,8 +56,15 @@ class ChainDraft:
             passes += 1
             beams.append(1)
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
-        return Proposal(tree, rule="chain" if q_all is not None else "tree", q=q_all, passes=passes, beams=beams,
-                        budget=gamma, source=self.name)
+        return Proposal(
+            tree,
+            rule="chain" if q_all is not None else "tree",
+            q=q_all,
+            passes=passes,
+            beams=beams,
+            budget=gamma,
+            source=self.name,
+        )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()

@@ -31,8 +31,13 @@ class DraftModel:
     :mod:`specexec.graphs`); None = only on CUDA. The cache's last slot is reserved as the padding scratch slot.
     """
 
-    def __init__(self, model: Transformer, capacity: int, static: bool | None = None, static_rows: int = 128,
-                 ) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        capacity: int,
+        static: bool | None = None,
+        static_rows: int = 128,
+    ) -> None:
         self.model = model
         self.cache: KVCache = model.new_cache(capacity + 1)
         self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
@@ -59,8 +64,9 @@ class DraftModel:
         if self.static is not None and tokens.shape[0] <= self.static.max_rows:
             out = self.static.forward(tokens, pos, slots, mask)
             return out[-1:] if last_only else out
-        return self.model.forward(tokens, pos, slots, mask, self.cache,
-                                  logits_rows=slice(-1, None) if last_only else None)
+        return self.model.forward(
+            tokens, pos, slots, mask, self.cache, logits_rows=slice(-1, None) if last_only else None
+        )
 
     def _in_vocab(self, tokens: Tensor) -> Tensor:
         """Target tokens the draft's vocabulary lacks (e.g. a 72B target's padding rows) become token 0.
@@ -76,7 +82,7 @@ class DraftModel:
 
     def keep_prefix(self, seq: list[int]) -> None:
         """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
-        del self._tokens[_lcp(self._tokens, seq[:-1]):]
+        del self._tokens[_lcp(self._tokens, seq[:-1]) :]
 
     def prefill(self, seq: list[int]) -> None:
         """Process every committed token except the pending last one."""
@@ -87,8 +93,9 @@ class DraftModel:
         dev = self.device
         pos = torch.arange(m, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
-        self.model.forward(self._in_vocab(torch.tensor(seq[m:n], device=dev)), pos, pos, mask, self.cache,
-                           logits_rows=slice(-1, None))
+        self.model.forward(
+            self._in_vocab(torch.tensor(seq[m:n], device=dev)), pos, pos, mask, self.cache, logits_rows=slice(-1, None)
+        )
         self._tokens = list(seq[:n])
 
     def catch_up(self, seq: list[int]) -> Tensor:

@@ -74,7 +74,7 @@ class NGramDraft:
         lo, hi = self.cfg.min_ngram, self.cfg.max_ngram
         for j in range(max(len(old), 1), len(seq)):
             for k in range(lo, min(hi, j) + 1):
-                self._index.setdefault(tuple(seq[j - k: j]), []).append(j)
+                self._index.setdefault(tuple(seq[j - k : j]), []).append(j)
         self._seq = list(seq)
 
     def continuations(self, seq: list[int], limit: int | None = None) -> list[tuple[int, list[int]]]:
@@ -86,8 +86,8 @@ class NGramDraft:
         L = len(seq)
         limit = cfg.max_matches if limit is None else limit
         for k in range(min(cfg.max_ngram, L), cfg.min_ngram - 1, -1):
-            for j in reversed(self._index.get(tuple(seq[L - k:]), ())):
-                cont = tuple(seq[j: j + cfg.max_len])
+            for j in reversed(self._index.get(tuple(seq[L - k :]), ())):
+                cont = tuple(seq[j : j + cfg.max_len])
                 if not cont or any(s[: len(cont)] == cont for s in seen):
                     continue
                 seen.add(cont)
@@ -97,22 +97,26 @@ class NGramDraft:
         return out
 
     # -- proposals --------------------------------------------------------------------------------------------------
-    def _trie(self, conts: list[tuple[int, list[int]]], existing: dict[tuple[int, int], int],
-              base_depth: list[int], base_logp: list[float], budget: int
-              ) -> tuple[list[int], list[int], list[int], list[float]]:
+    def _trie(
+        self,
+        conts: list[tuple[int, list[int]]],
+        existing: dict[tuple[int, int], int],
+        base_depth: list[int],
+        base_logp: list[float],
+        budget: int,
+    ) -> tuple[list[int], list[int], list[int], list[float]]:
         """Merge continuations into a trie below node 0 of a tree whose first ``len(base_depth)`` nodes exist
         (``existing``: (parent, token) -> node). Returns the new nodes as (parents, tokens, depths, logps); their
         indices start at ``first = len(base_depth)``. A new node's logp never exceeds its parent's."""
         first = len(base_depth)
         children = dict(existing)
-        weights = [float(k) * 0.8 ** r for r, (k, _) in enumerate(conts)]
+        weights = [float(k) * 0.8**r for r, (k, _) in enumerate(conts)]
         total = sum(weights) or 1.0
         la = math.log(max(self.acc, 1e-3))
         mass: dict[int, float] = {}
         parents: list[int] = []
         tokens: list[int] = []
         depths: list[int] = []
-        paths: list[list[int]] = []
         for w, (_, cont) in zip(weights, conts):
             node, path = 0, []
             for t in cont:
@@ -169,4 +173,3 @@ class NGramDraft:
         trials = accepted + (1 if accepted < deepest else 0)
         if trials:
             self.acc = min(max(0.9 * self.acc + 0.1 * (accepted / trials), 0.05), 0.98)
-

@@ -82,8 +82,9 @@ class TreeDraft:
             prop.budget = 0
             return prop
         cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
-        tree, passes, beams, early = self.grow(seq, replace(self.cfg, budget=ctx.budget),
-                                               ctx.logprobs or default_logprobs, cost)
+        tree, passes, beams, early = self.grow(
+            seq, replace(self.cfg, budget=ctx.budget), ctx.logprobs or default_logprobs, cost
+        )
         if self.ngram is not None:
             self.ngram.merge_into(tree, seq)
         return Proposal(tree, passes=passes, beams=beams, stopped_early=early, budget=ctx.budget, source=self.name)
@@ -99,8 +100,9 @@ class TreeDraft:
             self.ngram.commit(proposal, path, seq)
 
     # -- growth -----------------------------------------------------------------------------------------------------
-    def grow(self, seq: list[int], cfg: TreeConfig, logprobs=default_logprobs, cost: GrowCost | None = None
-             ) -> tuple[Tree, int, list[int], bool]:
+    def grow(
+        self, seq: list[int], cfg: TreeConfig, logprobs=default_logprobs, cost: GrowCost | None = None
+    ) -> tuple[Tree, int, list[int], bool]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
         ``cost`` enables the early stop (when ``cfg.early_stop``, by default on a CPU only); None grows up to

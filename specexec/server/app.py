@@ -19,10 +19,11 @@ import json
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -87,8 +88,12 @@ def page_html() -> str:
     return resources.files("specexec.server").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
-def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], Any] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+def create_app(
+    config: ServerConfig,
+    engine: Any = None,
+    loader: Callable[[], Any] | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
     """The app. Give ``engine`` (ready at once) or ``loader`` (called in a thread at start-up)."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine and loader")
@@ -104,7 +109,7 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
         t0 = time.perf_counter()
         log.info("loading the model...")
         try:
-            eng = loader()
+            eng = loader()  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - reported through /health and on_load_error
             state.error = str(e) if isinstance(e, SpecexecError) else f"{type(e).__name__}: {e}"
             log.error("loading failed: %s", state.error)
@@ -136,21 +141,28 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(p.error_body(str(e.detail), p._default_type(e.status_code), None, code),
-                            status_code=e.status_code, headers=getattr(e, "headers", None))
+        return JSONResponse(
+            p.error_body(str(e.detail), p._default_type(e.status_code), None, code),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, e: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse(p.error_body(f"internal server error: {type(e).__name__}", "server_error"),
-                            status_code=500)
+        return JSONResponse(p.error_body(f"internal server error: {type(e).__name__}", "server_error"), status_code=500)
 
     # -- pages and status ---------------------------------------------------------------------------------------
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
-        return HTMLResponse(html, headers={"Cache-Control": "no-cache",
-                                           "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline';"
-                                           " script-src 'unsafe-inline'; img-src 'self' data:"})
+        return HTMLResponse(
+            html,
+            headers={
+                "Cache-Control": "no-cache",
+                "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline';"
+                " script-src 'unsafe-inline'; img-src 'self' data:",
+            },
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -159,8 +171,16 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
         if state.worker is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
         w = state.worker
-        return JSONResponse({"status": "ok", "model": config.model_name, "busy": w.busy, "waiting": w.waiting,
-                             "queue": config.queue, "context": state.engine.context})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": config.model_name,
+                "busy": w.busy,
+                "waiting": w.waiting,
+                "queue": config.queue,
+                "context": state.engine.context,
+            }
+        )
 
     def model_card() -> dict[str, Any]:
         return {"id": config.model_name, "object": "model", "created": state.created, "owned_by": "specexec"}
@@ -172,8 +192,12 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != config.model_name:
-            raise p.ApiError(404, f"the model {model_id!r} does not exist; this server serves "
-                                  f"{config.model_name!r}", "model", "model_not_found")
+            raise p.ApiError(
+                404,
+                f"the model {model_id!r} does not exist; this server serves {config.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         return model_card()
 
     # -- generation ---------------------------------------------------------------------------------------------
@@ -193,13 +217,21 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
         except p.ApiError:
             raise
         except ValueError as e:  # a config dataclass refused a value (e.g. NaN)
-            raise p.ApiError(400, _api_message(e), getattr(e, "key", None) and API_NAMES.get(e.key),
-                             "invalid_value") from None
+            raise p.ApiError(
+                400,
+                _api_message(e),
+                getattr(e, "key", None) and API_NAMES.get(e.key),
+                "invalid_value",  # type: ignore[attr-defined]
+            ) from None
         w = state.worker
         if w is None:
-            raise p.ApiError(503, "the model is still loading" if state.error is None else
-                             f"the model failed to load: {state.error}", None, "model_not_ready",
-                             headers={"Retry-After": "5"})
+            raise p.ApiError(
+                503,
+                "the model is still loading" if state.error is None else f"the model failed to load: {state.error}",
+                None,
+                "model_not_ready",
+                headers={"Retry-After": "5"},
+            )
         w.check_room()  # refuse early, before tokenizing, when the queue is already full
         eng = state.engine
         ids = await asyncio.to_thread(_encode, eng, req)
@@ -315,8 +347,9 @@ class _SSEResponse(StreamingResponse):
     """
 
     def __init__(self, job: Job, events: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.job, self.events = job, events
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -369,8 +402,9 @@ def _auth(app: Any, api_key: str | None) -> Any:
             header = dict(scope.get("headers") or []).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), want):
-                err = p.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", None,
-                                 "invalid_api_key")
+                err = p.ApiError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"
+                )
                 resp = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
         return await app(scope, receive, send)

@@ -24,8 +24,15 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` plus the fields of OpenAI's error envelope."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or _default_type(status)
@@ -45,8 +52,9 @@ def _default_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -150,8 +158,13 @@ def _common(body: Any, defaults: Defaults) -> dict[str, Any]:
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", "seed", "invalid_type")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise ApiError(400, f"'seed' must fit in 64 bits, got {seed}", "seed", "invalid_value")
-    sampling = SamplingConfig(temperature=temperature, top_k=int(top_k or 0), top_p=top_p, min_p=min_p,
-                              seed=None if seed is None else int(seed))
+    sampling = SamplingConfig(
+        temperature=temperature,
+        top_k=int(top_k or 0),
+        top_p=top_p,
+        min_p=min_p,
+        seed=None if seed is None else int(seed),
+    )
     mt = _opt_int(body, "max_completion_tokens", 1, None)
     if mt is None:
         mt = _opt_int(body, "max_tokens", 1, None)
@@ -164,9 +177,14 @@ def _common(body: Any, defaults: Defaults) -> dict[str, Any]:
     if not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
     model = body.get("model")
-    return dict(max_tokens=mt, sampling=sampling, stops=_stops(body), stream=stream,
-                include_usage=bool(stream and opts.get("include_usage")), model=model if isinstance(model, str)
-                else None)
+    return dict(
+        max_tokens=mt,
+        sampling=sampling,
+        stops=_stops(body),
+        stream=stream,
+        include_usage=bool(stream and opts.get("include_usage")),
+        model=model if isinstance(model, str) else None,
+    )
 
 
 def _content(content: Any, i: int) -> str:
@@ -201,8 +219,12 @@ def parse_chat(body: Any, defaults: Defaults) -> GenRequest:
             raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of system, developer, user, assistant; "
-                                f"got {role!r}", f"messages[{i}].role", "invalid_value")
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r}",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         out.append((ROLES[role], _content(m.get("content"), i)))
     return GenRequest(kind="chat", messages=tuple(out), prompt=None, **common)
 
@@ -228,8 +250,7 @@ def parse_completion(body: Any, defaults: Defaults) -> GenRequest:
     elif isinstance(p, list) and len(p) > 1:
         raise ApiError(400, "only one prompt per request is supported", "prompt", "unsupported")
     else:
-        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt",
-                       "invalid_value")
+        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
     if not prompt:
         raise ApiError(400, "'prompt' is empty", "prompt", "invalid_value")
     return GenRequest(kind="completion", messages=None, prompt=prompt, **common)
@@ -239,15 +260,23 @@ def resolve_max_tokens(req: GenRequest, prompt_len: int, context: int, default: 
     """The answer limit: the client's (refused if prompt + it exceed the context) or the default, capped."""
     room = context - prompt_len
     if room < 1:
-        raise ApiError(400, f"the prompt has {prompt_len} tokens but the context holds {context} "
-                            "(prompt + answer)", "messages" if req.kind == "chat" else "prompt",
-                       "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens but the context holds {context} (prompt + answer)",
+            "messages" if req.kind == "chat" else "prompt",
+            "context_length_exceeded",
+        )
     if req.max_tokens is None:
         return min(default, room)
     if req.max_tokens > room:
         name = "max_tokens"
-        raise ApiError(400, f"the prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) exceed the context "
-                            f"({context} tokens); at most {room} new tokens fit", name, "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) exceed the context "
+            f"({context} tokens); at most {room} new tokens fit",
+            name,
+            "context_length_exceeded",
+        )
     return req.max_tokens
 
 
@@ -259,22 +288,37 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response(kind: str, rid: str, model: str, text: str, finish: str, use: dict[str, int],
-             ext: dict[str, Any]) -> dict[str, Any]:
+def response(
+    kind: str, rid: str, model: str, text: str, finish: str, use: dict[str, int], ext: dict[str, Any]
+) -> dict[str, Any]:
     """A whole (non-streamed) chat.completion / text_completion object, with the ``specexec`` extension."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": use, "specexec": ext}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "specexec": ext,
+    }
 
 
 class Chunks:

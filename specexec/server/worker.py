@@ -54,15 +54,15 @@ def encode(engine: Any, req: GenRequest) -> list[int]:
     if req.kind == "chat":
         assert req.messages is not None
         if not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages",
-                           "no_chat_template")
+            raise ApiError(
+                400, "this model's tokenizer has no chat template; use /v1/completions", "messages", "no_chat_template"
+            )
         try:
             ids = render_chat(tok, [{"role": r, "content": c} for r, c in req.messages])
         except SpecexecError as e:
             raise ApiError(400, str(e), "messages", "invalid_value") from None
         except Exception as e:  # noqa: BLE001 - the template itself refused these messages (e.g. role order)
-            raise ApiError(400, f"the chat template refused these messages: {e}", "messages",
-                           "invalid_value") from None
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages", "invalid_value") from None
         return [int(t) for t in ids]
     assert req.prompt is not None
     if isinstance(req.prompt, str):
@@ -104,8 +104,14 @@ class Job:
 class Worker:
     """The single thread that runs the engine. ``max_waiting`` jobs may wait while one runs; more → 429."""
 
-    def __init__(self, engine: Any, max_waiting: int, method: str | None = None, tree: TreeConfig | None = None,
-                 chain: ChainConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting: int,
+        method: str | None = None,
+        tree: TreeConfig | None = None,
+        chain: ChainConfig | None = None,
+    ) -> None:
         if max_waiting < 0:
             raise ValueError(f"queue must be >= 0, got {max_waiting}")
         self.engine, self.max_waiting = engine, max_waiting
@@ -133,8 +139,13 @@ class Worker:
     def check_room(self) -> None:
         """Raise ApiError 429 when ``max_waiting`` jobs already wait behind a running one."""
         if self._pending >= 1 + self.max_waiting:
-            raise ApiError(429, f"the server is busy: one generation runs and {self.max_waiting} wait; "
-                                "retry shortly", None, "queue_full", headers={"Retry-After": "1"})
+            raise ApiError(
+                429,
+                f"the server is busy: one generation runs and {self.max_waiting} wait; retry shortly",
+                None,
+                "queue_full",
+                headers={"Retry-After": "1"},
+            )
 
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise ApiError 429 (see :meth:`check_room`)."""
@@ -197,8 +208,15 @@ class Worker:
     def _generate(self, job: Job) -> None:
         eng = self.engine
         t0 = time.perf_counter()
-        g = eng.stream(job.ids, job.max_new, method=self.method, sampling_cfg=job.sampling, tree=self.tree,
-                       chain=self.chain, stop=job.stops)
+        g = eng.stream(
+            job.ids,
+            job.max_new,
+            method=self.method,
+            sampling_cfg=job.sampling,
+            tree=self.tree,
+            chain=self.chain,
+            stop=job.stops,
+        )
         try:
             for piece in g:  # one piece per decode step (a step whose text is held back yields none)
                 if job.cancelled.is_set():
@@ -220,15 +238,29 @@ class Worker:
         with self._lock:
             self.completed += 1
         # the last prompt token is processed by the first decode step, not by the prefill
-        job.emit("done", Outcome(finish_reason=result.finish_reason, prompt_tokens=len(job.ids),
-                                 completion_tokens=len(result.tokens),
-                                 cached_tokens=max(len(job.ids) - 1 - stats.prefill_tokens, 0), ext=ext))
+        job.emit(
+            "done",
+            Outcome(
+                finish_reason=result.finish_reason,
+                prompt_tokens=len(job.ids),
+                completion_tokens=len(result.tokens),
+                cached_tokens=max(len(job.ids) - 1 - stats.prefill_tokens, 0),
+                ext=ext,
+            ),
+        )
 
 
 def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
     """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps."""
-    return {"method": stats.method, "budget": stats.budget, "budget_auto": bool(stats.budget_auto),
-            "gamma": stats.gamma, "steps": int(stats.steps), "new_tokens": int(stats.new_tokens),
-            "tokens_per_step": round(float(stats.tokens_per_step), 4),
-            "tokens_per_s": round(float(stats.tokens_per_s), 3),
-            "prefill_tokens": int(stats.prefill_tokens), "wall_s": round(wall_s, 4)}
+    return {
+        "method": stats.method,
+        "budget": stats.budget,
+        "budget_auto": bool(stats.budget_auto),
+        "gamma": stats.gamma,
+        "steps": int(stats.steps),
+        "new_tokens": int(stats.new_tokens),
+        "tokens_per_step": round(float(stats.tokens_per_step), 4),
+        "tokens_per_s": round(float(stats.tokens_per_s), 3),
+        "prefill_tokens": int(stats.prefill_tokens),
+        "wall_s": round(wall_s, 4),
+    }
