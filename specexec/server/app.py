@@ -220,8 +220,8 @@ def create_app(
             raise p.ApiError(
                 400,
                 _api_message(e),
-                getattr(e, "key", None) and API_NAMES.get(e.key),
-                "invalid_value",  # type: ignore[attr-defined]
+                API_NAMES.get(getattr(e, "key", None) or ""),
+                "invalid_value",
             ) from None
         w = state.worker
         if w is None:
