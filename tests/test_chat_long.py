@@ -42,7 +42,7 @@ def test_200_turns_in_a_small_context(pair):
 
     engine = load(str(pair[0]), str(pair[1]), device="cpu", context=CONTEXT, progress=False)
     s = ChatSession(engine, system="t7 t8", options=GenOptions(max_new_tokens=MAX_NEW))
-    caches = (engine._t_cache, engine._drafter.cache)
+    caches = (engine.target_cache, engine.draft_model.cache)
     dropped = emptied = refused = 0
     rss0 = None
     for i in range(TURNS):
@@ -70,8 +70,8 @@ def test_200_turns_in_a_small_context(pair):
     assert 1 <= in_context <= 6  # the window stayed small; the transcript kept everything
     assert len(s.to_json()["messages"]) == 1 + 2 * TURNS
     assert dropped > TURNS // 2 and emptied >= 4 and refused >= 2
-    assert (engine._t_cache, engine._drafter.cache) == caches  # the very same cache tensors: nothing reallocated
-    assert all(a is b for a, b in zip((engine._t_cache, engine._drafter.cache), caches))
+    assert (engine.target_cache, engine.draft_model.cache) == caches  # the very same cache tensors: nothing reallocated
+    assert all(a is b for a, b in zip((engine.target_cache, engine.draft_model.cache), caches))
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB over {TURNS - 20} turns"
 
 
