@@ -514,3 +514,14 @@ def test_stats_line_calibration_only_when_measured():
     assert "calibration" not in stats_line(s)
     s["calibration_s"] = 1.5
     assert ", calibration 1.50s," in stats_line(s)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--dtype", "int8", "--dtype must be one of"), ("--draft-dtype", "int9", "--draft-dtype must be one of")],
+)
+def test_bad_dtype_names_refused_before_loading(option, value, message):
+    """A dtype name that does not exist is one error line, before any model path is even looked at."""
+    r = runner.invoke(app, ["generate", "--target", "/nonexistent/model", "-p", "hi", option, value])
+    assert r.exit_code == 2 and message in r.stderr and "not found" not in r.stderr, r.output
+    assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1

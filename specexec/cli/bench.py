@@ -16,7 +16,12 @@ from specexec.cli.common import guarded, setup_logging
 def bench(
     target: str = o.target(),
     draft: str | None = o.draft(),
-    methods: str = typer.Option("ar,chain,specexec", "--methods", help="Comma-separated methods (ar always runs)."),
+    methods: str = typer.Option(
+        "ar,chain,specexec",
+        "--methods",
+        help="Comma-separated methods: ar, chain, specexec, ngram, default (what generate/chat run with no "
+        "tuning flags); ar always runs.",
+    ),
     budgets: str = typer.Option("16,64,256", "--budgets", help="SpecExec tree budgets to try."),
     gammas: str = typer.Option("2,4", "--gammas", help="Chain lengths to try."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),

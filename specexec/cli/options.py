@@ -129,11 +129,20 @@ def device() -> Any:
 
 
 def dtype() -> Any:
-    return typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.")
+    return typer.Option(
+        "auto",
+        "--dtype",
+        help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
+        "finds faster), fp32, bf16, fp16.",
+    )
 
 
 def draft_dtype() -> Any:
-    return typer.Option(None, "--draft-dtype", help="Draft dtype (default: --dtype).")
+    return typer.Option(
+        None,
+        "--draft-dtype",
+        help="Draft dtype (default: --dtype): auto, fp32, bf16, fp16, or int8 (int8 weights; CPU only).",
+    )
 
 
 def context(default: int = 4096) -> Any:
@@ -327,6 +336,7 @@ def model_options(
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
+    _check_dtype_names(dtype_, draft_dtype_)
     return ModelOptions(
         target=target_,
         draft=resolve_draft(target_, draft_, method_),
@@ -337,6 +347,18 @@ def model_options(
         offload=offload_cfg,
         cache_dir=cache_dir_,
     )
+
+
+TARGET_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DRAFT_DTYPES = (*TARGET_DTYPES, "int8")
+
+
+def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
+    """Unknown dtype names are refused before anything loads (int8 is a draft-only CPU format)."""
+    if dtype_ not in TARGET_DTYPES:
+        raise ConfigError("dtype", dtype_, f"must be one of {', '.join(TARGET_DTYPES)} (int8 is for --draft-dtype)")
+    if draft_dtype_ is not None and draft_dtype_ not in DRAFT_DTYPES:
+        raise ConfigError("draft_dtype", draft_dtype_, f"must be one of {', '.join(DRAFT_DTYPES)}")
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
