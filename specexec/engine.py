@@ -181,6 +181,8 @@ class Engine:
         self._tree_room = 0
         self._auto: AutoBudget | None = None
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
+        # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
+        self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
         self._static = (static_draft, static_rows)
         self.calibration_dir = calibration_dir
         self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
@@ -311,7 +313,7 @@ class Engine:
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
                 arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
                 stats.budget_auto = True
-                return NGramDraft(dev, ngram), AdaptiveBudget(arms)
+                return NGramDraft(dev, ngram), self._adaptive_policy("ngram", arms, tree)
             return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
         assert self.draft_model is not None
         if method == "chain":
@@ -326,7 +328,7 @@ class Engine:
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
             proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram))
-            return proposer, AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
+            return proposer, self._adaptive_policy("specexec", arms, tree)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
@@ -339,6 +341,13 @@ class Engine:
             self._auto = self._calibrate(tree)
             stats.calibration_s = time.perf_counter() - tc
         return proposer, self._auto
+
+    def _adaptive_policy(self, method: str, arms: tuple[int, ...], tree: TreeConfig) -> AdaptiveBudget:
+        """The engine's measured-rate policy for these arms (kept across generations)."""
+        key = (method, tuple(sorted(set(arms))))
+        if key not in self._adaptive:
+            self._adaptive[key] = AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
+        return self._adaptive[key]
 
     def _measured_policy(self) -> bool:
         """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""

@@ -176,3 +176,17 @@ def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_
     r3 = e2.generate([5, 6, 7], 10, method="specexec", tree=tree)
     assert r3.stats.calibration_s > 0, "calibrated again"
     assert not drifted(e2._auto) and e2._auto.target_s != before
+
+
+def test_measured_policy_is_kept_across_generations(engine):
+    """What the CPU policy measured carries over to the next request (a chat's next turn)."""
+    ids = _prompt(engine)
+    engine.reset()
+    engine.generate(ids, 20, method="specexec", tree=TreeConfig(auto=True))
+    mine = [p for (method, _), p in engine._adaptive.items() if method == "specexec"]
+    assert len(mine) == 1 and mine[0].summary(), "the first generation measured its arms"
+    steps_before = sum(a["steps"] for a in mine[0].summary().values())
+    engine.reset()
+    engine.generate(ids, 20, method="specexec", tree=TreeConfig(auto=True))
+    assert [p for (method, _), p in engine._adaptive.items() if method == "specexec"] == mine
+    assert sum(a["steps"] for a in mine[0].summary().values()) > steps_before
