@@ -56,7 +56,7 @@ class LiveServer:
     def state(self):
         return self.app.state.server
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:

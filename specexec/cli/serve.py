@@ -10,7 +10,6 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -23,41 +22,41 @@ log = logging.getLogger(__name__)
 
 def serve(
     target: str = o.target(),
-    draft: Optional[str] = o.draft(),
+    draft: str | None = o.draft(),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
-    api_key: Optional[str] = typer.Option(
+    api_key: str | None = typer.Option(
         None, "--api-key", envvar="SPECEXEC_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1/* (also from $SPECEXEC_API_KEY)."),
     queue: int = typer.Option(8, "--queue", help="Requests that may wait while one generates; more get HTTP 429."),
-    served_model_name: Optional[str] = typer.Option(
+    served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="The model id in /v1/models and responses (default: --target)."),
     max_body_kb: int = typer.Option(4096, "--max-body-kb", help="Largest request body accepted (KiB); more: 413."),
     max_new_tokens: int = typer.Option(
         512, "--max-new-tokens", "-n",
         help="Answer length when a request gives no max_tokens (capped by the room left in the context)."),
-    method: Optional[str] = o.method(),
+    method: str | None = o.method(),
     temperature: float = typer.Option(
         0.0, "--temperature", help="Default when a request gives none; 0 = greedy (exactly the target's output)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass when a request gives none (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Default top-k when a request gives none (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Default min-p when a request gives none (0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Default sampling seed when a request gives none."),
+    seed: int | None = typer.Option(None, "--seed", help="Default sampling seed when a request gives none."),
     budget: str = o.budget(),
     max_budget: int = o.max_budget(),
     max_beams: int = o.max_beams(),
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
-    early_stop: Optional[bool] = o.early_stop(),
+    early_stop: bool | None = o.early_stop(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
     dtype: str = o.dtype(),
-    draft_dtype: Optional[str] = o.draft_dtype(),
+    draft_dtype: str | None = o.draft_dtype(),
     offload: str = o.offload(),
-    gpu_memory: Optional[float] = o.gpu_memory(),
+    gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
-    cache_dir: Optional[Path] = o.cache_dir(),
+    cache_dir: Path | None = o.cache_dir(),
     quiet: bool = o.quiet("Only warnings and errors in the log (no loading progress, no access log)."),
     verbose: bool = o.verbose(),
 ) -> None:

@@ -19,10 +19,11 @@ import json
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -103,6 +104,7 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
     def load_in_thread() -> None:
         t0 = time.perf_counter()
         log.info("loading the model...")
+        assert loader is not None
         try:
             eng = loader()
         except BaseException as e:  # noqa: BLE001 - reported through /health and on_load_error
@@ -193,8 +195,8 @@ def create_app(config: ServerConfig, engine: Any = None, loader: Callable[[], An
         except p.ApiError:
             raise
         except ValueError as e:  # a config dataclass refused a value (e.g. NaN)
-            raise p.ApiError(400, _api_message(e), getattr(e, "key", None) and API_NAMES.get(e.key),
-                             "invalid_value") from None
+            key = getattr(e, "key", None)
+            raise p.ApiError(400, _api_message(e), API_NAMES.get(key) if key else None, "invalid_value") from None
         w = state.worker
         if w is None:
             raise p.ApiError(503, "the model is still loading" if state.error is None else
