@@ -56,6 +56,7 @@ class ModelOptions:
     context: int = 4096
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
     cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
+    draft_vocab: int | None = None  # the draft's head: N frequent ids, 0 = all; None: api.load's default
 
 
 def load_engine(
@@ -71,6 +72,7 @@ def load_engine(
     """
     from specexec import api, hub
 
+    vocab = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: the library's default
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
     d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
     with (status or (lambda _msg: nullcontext()))("loading models"):
@@ -85,6 +87,7 @@ def load_engine(
             tree=tree,
             progress=progress,
             cache_dir=opts.cache_dir,
+            **vocab,
         )
 
 

@@ -407,7 +407,7 @@ def test_no_message_names_a_missing_flag():
 
 
 SHARED = {
-    "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--device", "--context"],
+    "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--draft-vocab", "--device", "--context"],
     "offload": ["--offload", "--gpu-memory", "--target-dtype", "--cache-dir"],
     "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop"],
     "sampling": ["--temperature", "--top-p", "--top-k", "--min-p", "--seed"],

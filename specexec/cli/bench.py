@@ -48,6 +48,7 @@ def bench(
     target_dtype: str = o.target_dtype(),
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
+    draft_vocab: str | None = o.draft_vocab(),
     quiet: bool = o.quiet("No spinner or progress bar."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -82,6 +83,7 @@ def bench(
             context,
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
             cache_dir_=cache_dir,
+            draft_vocab_=draft_vocab,
         )
         o.notices_before_load(model)
         engine = load_engine(

@@ -72,6 +72,7 @@ def chat(
     target_dtype: str = o.target_dtype(),
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
+    draft_vocab: str | None = o.draft_vocab(),
     quiet: bool = o.quiet("No spinners, progress bars or banner."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -93,6 +94,7 @@ def chat(
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
             method,
             cache_dir,
+            draft_vocab_=draft_vocab,
         )
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
         o.check_method(method, model.draft)

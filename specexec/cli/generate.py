@@ -69,6 +69,7 @@ def generate(
     target_dtype: str = o.target_dtype(),
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
+    draft_vocab: str | None = o.draft_vocab(),
     as_json: bool = o.as_json("Print exactly one JSON object on stdout (with --samples N: one per line)."),
     quiet: bool = o.quiet(),
     verbose: bool = o.verbose(),
@@ -97,6 +98,7 @@ def generate(
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
             method,
             cache_dir,
+            draft_vocab_=draft_vocab,
         )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)

@@ -15,6 +15,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         device: str = o.device(),
         dtype: str = o.dtype(),
         draft_dtype: Optional[str] = o.draft_dtype(),
+        draft_vocab: Optional[str] = o.draft_vocab(),
         context: int = o.context(),
         offload: str = o.offload(),
         gpu_memory: Optional[float] = o.gpu_memory(),
@@ -37,7 +38,7 @@ library's validated configs (no logic beyond that). A command looks like this::
             tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
-                                    cache_dir)
+                                    cache_dir, draft_vocab)
             o.notices_before_load(model)
             engine = load_engine(model, tree, progress=not quiet, status=o.spinner(quiet))
             o.notices_after_load(model, engine)
@@ -74,6 +75,7 @@ FLAGS: dict[str, str] = {
     "device": "--device",
     "dtype": "--dtype",
     "draft_dtype": "--draft-dtype",
+    "draft_vocab": "--draft-vocab",
     "context": "--context",
     "max_new_tokens": "--max-new-tokens",
     "method": "--method",
@@ -142,6 +144,20 @@ def draft_dtype() -> Any:
         None,
         "--draft-dtype",
         help="Draft dtype (default: --dtype): auto, fp32, bf16, fp16, or int8 (int8 weights; CPU only).",
+    )
+
+
+MIN_DRAFT_VOCAB = 1024  # a smaller draft head proposes too little of the vocabulary to be worth it
+
+
+def draft_vocab() -> Any:
+    """``--draft-vocab N|full`` (None: the library's default, see :func:`specexec.api.load`)."""
+    return typer.Option(
+        None,
+        "--draft-vocab",
+        help=f"Restrict the draft's lm_head to the N most frequent token ids (FR-Spec; N >= {MIN_DRAFT_VOCAB}), "
+        "plus the special ids and every token the draft is fed: a faster draft pass on a CPU; the output is "
+        "unchanged (the target decides). 0 or 'full': the whole vocabulary. Default: the whole vocabulary.",
     )
 
 
@@ -329,14 +345,17 @@ def model_options(
     offload_cfg: Any,
     method_: str | None = None,
     cache_dir_: Path | None = None,
+    draft_vocab_: str | None = None,
 ) -> Any:
     """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
-    ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written)."""
+    ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written;
+    ``draft_vocab_``: ``--draft-vocab``, see :func:`draft_vocab_size`)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
         raise ConfigError("context", context_, "must be >= 8 tokens")
     _check_dtype_names(dtype_, draft_dtype_)
+    vocab = draft_vocab_size(draft_vocab_)
     return ModelOptions(
         target=target_,
         draft=resolve_draft(target_, draft_, method_),
@@ -346,7 +365,27 @@ def model_options(
         context=context_,
         offload=offload_cfg,
         cache_dir=cache_dir_,
+        draft_vocab=vocab,
     )
+
+
+def draft_vocab_size(value: str | None) -> int | None:
+    """``--draft-vocab`` → ``api.load(draft_vocab=...)``: None (not given: the library's default), 0 (``0`` or
+    ``full``: the whole vocabulary) or an int >= :data:`MIN_DRAFT_VOCAB`."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text in ("full", "0"):
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < MIN_DRAFT_VOCAB:
+        raise ConfigError(
+            "draft_vocab", value, f"must be an integer >= {MIN_DRAFT_VOCAB}, or 0 / 'full' for the whole vocabulary"
+        )
+    return n
 
 
 TARGET_DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -429,6 +468,8 @@ def notice(message: str) -> None:
 
 def notices_before_load(model: Any) -> None:
     """Say (one line each) which given options will have no effect, before the slow load."""
+    if model.draft is None and model.draft_vocab:
+        notice(f"--draft-vocab {model.draft_vocab} has no effect without a draft model")
     off = model.offload
     if off is None or off.gpu_memory_gb is None:
         return

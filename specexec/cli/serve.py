@@ -61,6 +61,7 @@ def serve(
     device: str = o.device(),
     dtype: str = o.dtype(),
     draft_dtype: str | None = o.draft_dtype(),
+    draft_vocab: str | None = o.draft_vocab(),
     offload: str = o.offload(),
     gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
@@ -92,6 +93,8 @@ def serve(
             draft_dtype,
             context,
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
+            cache_dir_=cache_dir,
+            draft_vocab_=draft_vocab,
         )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
