@@ -66,6 +66,29 @@ class Stats:
         return d
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """One decode step as an ``on_step`` hook sees it (called after both sides committed it, before its tokens
+    are yielded). Seconds as in :class:`Stats`: ``draft_s`` proposing, ``target_s`` the target's pass, acceptance
+    and both commits."""
+
+    index: int  # 0-based step number (prefill excluded)
+    tokens: tuple[int, ...]  # tokens committed this step (cut at EOS / the token limit)
+    budget: int  # the proposal size the policy chose (0: no draft; chain: gamma)
+    tree_size: int  # proposed tokens the target verified beside the root (Stats.mean_tree_size's unit)
+    passes: int  # draft passes
+    draft_s: float
+    target_s: float
+
+
+class Cancelled(Exception):
+    """Raised by an ``on_step`` hook (like returning False) to end the generation after the current step, with
+    finish_reason "cancelled" -- the same state as closing the generation between pieces."""
+
+
+OnStep = Callable[[StepInfo], bool | None]  # an on_step hook: False (or Cancelled) cancels
+
+
 def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -149,11 +172,14 @@ def decode(
     stats: Stats,
     verify_chunk: int = 4096,
     draft_logprobs: Callable | None = None,
+    on_step: OnStep | None = None,
 ) -> Generator[list[int], None, None]:
     """Decode up to ``max_new`` tokens after ``state.seq`` (already adopted); yields each step's committed tokens.
 
     The generator may be closed after any yield (a cancel): the caches and ``state.seq`` are consistent there.
-    ``stats`` is filled as the loop runs and finalised when it ends (also on close).
+    ``stats`` is filled as the loop runs and finalised when it ends (also on close). ``on_step(StepInfo)`` is
+    called once per step; returning False or raising :class:`Cancelled` ends the loop after that step's tokens
+    are yielded, with finish_reason "cancelled" (unless the step already ended the generation).
     """
     dev = state.model.device
     gen = make_generator(samp, dev)
@@ -210,9 +236,19 @@ def decode(
             hist[len(out)] += 1
             produced += len(out)
             stats.new_tokens = produced
+            cancel = False
+            if on_step is not None:
+                info = StepInfo(stats.steps - 1, tuple(out), budget, prop.size, prop.passes, tt - td, te - tt)
+                try:
+                    cancel = on_step(info) is False
+                except Cancelled:
+                    cancel = True
             yield out
             if out and out[-1] in eos:
                 stats.finish_reason = "stop"
+                break
+            if cancel and produced < max_new:
+                stats.finish_reason = "cancelled"
                 break
     finally:
         stats.new_tokens = produced

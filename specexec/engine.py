@@ -32,16 +32,16 @@ from specexec.budget import (
     save_calibration,
 )
 from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
-from specexec.decode import Stats, TargetState, decode, pass_timer
+from specexec.decode import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
 from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
-from specexec.text import TextStream, check_stops
+from specexec.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Generation", "Result", "Stats"]
+__all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
 
 CPU_ARMS = (4, 8, 16, 32)  # tree budgets the CPU's measured policy chooses among (besides 0: no draft)
 CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
@@ -88,12 +88,14 @@ class Generation:
         stats: Stats,
         verify_chunk: int,
         stop: Sequence[str] = (),
+        on_step: OnStep | None = None,
     ) -> None:
         self.engine, self.ids, self.max_new = engine, ids, max_new
         self.text = TextStream(engine.tokenizer.tokenizer, engine.tokenizer.eos_ids, stop)
         self.proposer, self.policy, self.samp = proposer, policy, samp
         self.stats = stats
         self.verify_chunk = verify_chunk
+        self.on_step = on_step
         self.tokens: list[int] = []
         self.result: Result | None = None
         self._it: Generator[str, None, None] | None = None
@@ -122,6 +124,7 @@ class Generation:
             e.tokenizer.eos_ids,
             self.stats,
             self.verify_chunk,
+            on_step=self.on_step,
         )
         try:
             for new in steps:
@@ -230,15 +233,11 @@ class Engine:
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         tok = self.tokenizer.tokenizer
-        if chat:
+        if chat:  # the text layer's rendering: the same ids as a chat session's / the server's for one message
             if not getattr(tok, "chat_template", None):
-                raise SpecexecError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
-            return list(
-                tok.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-        return list(tok(prompt, add_special_tokens=True)["input_ids"])
+                raise ChatTemplateError(f"{setting('chat')} needs a chat template, and this tokenizer has none")
+            return render_chat(tok, [{"role": "user", "content": prompt}])
+        return encode_text(tok, prompt)
 
     def stream(
         self,
@@ -252,13 +251,17 @@ class Engine:
         ngram: NGramConfig | None = None,
         policy: BudgetPolicy | None = None,
         stop: Sequence[str] = (),
+        on_step: OnStep | None = None,
     ) -> Generation:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``.
 
         ``ngram``: prompt-lookup settings -- for ``method="ngram"`` the proposals themselves, for ``specexec``
         extra branches merged into the draft's tree (None: none merged). ``policy``: a budget policy to use
         instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``: stop strings; the
-        text ends right before the first one (not included) and finish_reason is "stop".
+        text ends right before the first one (not included) and finish_reason is "stop". ``on_step``: called
+        with a :class:`~specexec.decode.StepInfo` after every step; returning False (or raising
+        :class:`~specexec.decode.Cancelled`) ends the generation after that step, as :meth:`Generation.close` does
+        (finish_reason "cancelled").
         """
         method = method or ("specexec" if self.draft is not None else "ar")
         check_method(method)
@@ -291,7 +294,9 @@ class Engine:
         policy = policy or chosen
         assert self.state is not None
         self.state.adopt(ids)
-        return Generation(self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops)
+        return Generation(
+            self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops, on_step=on_step
+        )
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, **kw: Any) -> Result:
         """Run a generation to the end (see :meth:`stream`)."""
