@@ -268,3 +268,60 @@ def test_profile_draft_cuda(capsys):
         script("profile_draft").main(["--tokens", "4", "--context", "64", "--capacity", "512", "--repeats", "1"]) == 0
     )
     assert "static=True" in capsys.readouterr().out
+
+
+def test_profile_cpu_smoke(tiny_pair, tmp_path, capsys):
+    """Every method's steps are split into parts that add up to the step the engine measured; greedy runs equal AR;
+    --cprofile and --torch-profiler add their tables (and a Chrome trace per method)."""
+    pc = script("profile_cpu")
+    out, traces = tmp_path / "profile.json", tmp_path / "traces"
+    argv = ["--smoke", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--sets", "code,prose"]
+    argv += ["--max-new-tokens", "6", "--out", str(out), "--cprofile", "--torch-profiler", str(traces)]
+    assert pc.main([*argv, "--profile-steps", "2", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    methods = ["ar", "chain:4", "specexec:8", "specexec:32", "ngram", "default"]
+    assert rep["meta"]["smoke"] and rep["meta"]["methods"] == methods and rep["meta"]["prompts"] == 2
+    assert len(rep["runs"]) == 2 * len(methods)
+    for r in rep["runs"]:
+        assert len(r["steps"]) == r["stats_steps"] > 0
+        assert sum(s["tokens"] for s in r["steps"]) == len(r["tokens"])
+        for s in r["steps"]:
+            parts = pc.split(s)
+            assert set(parts) == set(pc.PARTS)
+            assert sum(parts.values()) == pytest.approx(s["draft_s"] + s["target_s"], rel=1e-9, abs=1e-12)
+            assert all(v >= -1e-9 for v in parts.values()), parts  # nested timers: no part is negative
+            if r["method"] == "ar":
+                assert s["passes"] == 0 and s["draft_forward"] == 0 and s["ngram_propose"] == 0
+            if r["method"].startswith(("chain", "specexec")):
+                assert s["draft_forward"] > 0 and s["passes"] >= 1
+            if r["method"] == "ngram":
+                assert s["ngram_propose"] > 0 and s["draft_forward"] == 0
+    for m in methods:
+        summary = rep["methods"][m]
+        assert summary["mismatches_vs_ar"] == 0, m
+        assert summary["step_ms"] == pytest.approx(sum(summary["parts_ms"].values()))
+        assert "cumulative" in summary["cprofile_top"] and "Self CPU" in summary["torch_top"]
+        assert (traces / f"{m.replace(':', '-')}.json").is_file()
+        assert f"| {m} |" in printed
+    assert "SMOKE RUN" in printed and "draft glue" in printed
+
+
+def test_profile_cpu_phase_timer_restores_the_library():
+    """The timers wrap library functions only while the context is open."""
+    from specexec import decode
+    from specexec.model import Transformer
+    from specexec.propose.ngram import NGramDraft
+
+    pc = script("profile_cpu")
+    before = (Transformer.forward, decode.score_tree, decode.accept, decode.TargetState.commit, NGramDraft.propose)
+    with pc.PhaseTimer(None):
+        assert decode.score_tree is not before[1] and Transformer.forward is not before[0]
+    after = (Transformer.forward, decode.score_tree, decode.accept, decode.TargetState.commit, NGramDraft.propose)
+    assert after == before
+
+
+@pytest.mark.parametrize("spec", ["beam", "chain", "specexec:x", "chain:0", "ngram:4", ""])
+def test_profile_cpu_bad_methods(spec):
+    with pytest.raises(SystemExit, match="error: --methods"):
+        script("profile_cpu").parse_methods(spec)
