@@ -73,8 +73,9 @@ class Generation:
     """Iterate to receive text pieces as tokens are accepted; ``result`` is set once iteration ends.
 
     Stopping early is safe between pieces: the engine's caches are consistent there. :meth:`close` cancels
-    explicitly; ``result`` then holds what was generated, with finish_reason ``"cancelled"``. An exception raised
-    inside a step (Ctrl-C) propagates and leaves ``result`` None.
+    explicitly; ``result`` then holds what was generated, with finish_reason ``"cancelled"`` (an ``on_step`` hook
+    that returns False or raises :class:`Cancelled` ends it the same way). An exception raised inside a step
+    (Ctrl-C, or one from the hook) propagates and leaves ``result`` None.
     """
 
     def __init__(
