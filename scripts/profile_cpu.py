@@ -8,6 +8,7 @@ from the standard library) are generated greedily, and every step is split into
   draft fwd      the draft model's forward passes (passes/step x seconds/pass)
   target fwd     the target's forward pass over the tree (inside ``score_tree``)
   draft glue     the rest of proposing: tree growth bookkeeping (top-k, masks, pruning), the budget choice
+                 and (CPU auto policy) trimming the proposal
   n-gram         prompt lookup: ``NGramDraft.propose/merge_into`` while proposing, ``NGramDraft.commit`` after
   verify glue    ``score_tree`` minus the target's forward (ancestry mask, positions)
   accept         the acceptance walk / speculative sampling (``accept``)

@@ -22,6 +22,7 @@ from specexec.config import TreeConfig
 from specexec.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
+    DEFAULT_DRAFT_VOCAB,
     check_tokenizers_match,
     draft_vocab_ids,
     load_model,
@@ -54,9 +55,11 @@ def load(
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
     ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
     cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
-    ``dtype``; also ``int8``: int8 weights on CPU). ``draft_vocab``: restrict the draft's lm_head to that many
-    frequency-ranked token ids plus special ids and the tokens it is fed (CPU; FR-Spec); None or 0: the whole
-    vocabulary. ``context`` is the longest prompt + answer the KV caches hold.
+    ``dtype``; auto on a CPU: int8 weights where this machine runs them faster, measured; also ``int8``).
+    ``draft_vocab``: restrict the draft's lm_head to that many frequency-ranked token ids plus special ids and the
+    tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft whose vocabulary is over twice that (its lm_head
+    is then a large share of each draft pass), else the full vocabulary; 0: the full vocabulary. ``context`` is the
+    longest prompt + answer the KV caches hold.
     ``cache_dir``: specexec's cache root (models, offload layer caches); default :func:`specexec.hub.cache_home`.
 
     Before anything is allocated, the weights (at their loaded dtype, counted from the safetensors headers), both
@@ -116,7 +119,10 @@ def load(
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = None
     if d_path is not None and d_cfg is not None and d_dt is not None:
-        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, draft_vocab) if draft_vocab else None
+        vocab = draft_vocab
+        if vocab is None and dev.type == "cpu" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
+            vocab = DEFAULT_DRAFT_VOCAB
+        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, vocab) if vocab else None
         d_model = _load(d_path, dev, d_dt, int8=d_int8, head_ids=head)
     if plan is not None:
         from offload import load_offloaded

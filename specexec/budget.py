@@ -25,7 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from specexec.propose.tree import GrowCost
+from specexec.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +61,17 @@ class StepRecord:
     draft_s: float  # seconds spent proposing
     target_s: float  # seconds of the target's pass + acceptance
     passes: int  # draft passes
+    size: int = 0  # tokens the target verified (the tree's nodes, root included; 0: unknown)
 
 
 class BudgetPolicy(Protocol):
     def choose(self) -> int: ...
 
     def grow_cost(self, budget: int) -> GrowCost | None: ...
+
+    def trim(self, tree: Tree) -> int:
+        """Drop proposal nodes not worth their verification time (a subtree stays); returns how many."""
+        ...
 
     def update(self, step: StepRecord) -> None: ...
 
@@ -81,6 +89,9 @@ class FixedBudget:
 
     def grow_cost(self, budget: int) -> GrowCost | None:
         return self.costs.grow_cost(budget)
+
+    def trim(self, tree: Tree) -> int:
+        return 0  # a fixed budget is what the user asked for
 
     def update(self, step: StepRecord) -> None:
         predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0) if step.tree_logp else 0.0
@@ -148,6 +159,9 @@ class AutoBudget:
 
     def rate(self, b: int) -> float:
         return self.expected_emitted(b) / self.step_seconds(b)
+
+    def trim(self, tree: Tree) -> int:
+        return 0  # a streamed verifier costs the same for any tree up to the budget
 
     # -- decisions ------------------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -246,6 +260,35 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
 
 
 @dataclass
+class VerifyCosts:
+    """The target's verification seconds by tree size (tokens in the pass, root included), for a compute-bound
+    verifier: a prior (a short calibration, cached per machine) corrected by an EMA of every step's measured
+    time at its size. ``at(size)`` interpolates over the known sizes, never decreasing with size."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    alpha: float = 0.2
+
+    def update(self, size: int, sec: float) -> None:
+        if size < 1 or sec <= 0:
+            return
+        old = self.seconds.get(size)
+        if old is None:  # first sight of this size: start from the curve's value there, if any
+            prior = self.at(size) if len(self.seconds) >= 2 else None
+            old = sec if prior is None else prior
+        self.seconds[size] = _ema(old, sec, self.alpha)
+
+    def at(self, size: int) -> float | None:
+        if not self.seconds:
+            return None
+        return interp(_monotone(self.seconds), size)
+
+    def curve(self, sizes: int) -> list[float]:
+        """Seconds at sizes 1..``sizes`` (requires at least one measurement)."""
+        pts = _monotone(self.seconds)
+        return [interp(pts, k) for k in range(1, sizes + 1)]
+
+
+@dataclass
 class _Arm:
     seconds: float = 0.0  # EMA of a step's seconds (proposal + verification)
     tokens: float = 0.0  # EMA of tokens emitted per step
@@ -273,6 +316,8 @@ class AdaptiveBudget:
     alpha: float = 0.3
     costs: StepCosts = field(default_factory=StepCosts)  # for the tree's early stop
     max_depth: int = 32
+    verify: VerifyCosts = field(default_factory=VerifyCosts)  # for trimming proposals by value
+    _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _stats: dict[int, _Arm] = field(default_factory=dict)
     _step: int = 0
     _current: int | None = None
@@ -316,7 +361,37 @@ class AdaptiveBudget:
     def grow_cost(self, budget: int) -> GrowCost | None:
         return self.costs.grow_cost(budget)
 
+    def trim(self, tree: Tree) -> int:
+        """Keep the proposal's k most probable nodes (an ancestor-closed subtree), with k maximising the step's
+        net value  sum_{i<k} p_i - R * verify_s(k + 1): p_i is node i's chance of being accepted (its path
+        probability exp(logp_i), scaled by the measured actual/predicted acceptance), R the measured tokens/s
+        (what a second of verification is worth elsewhere) and verify_s the measured cost of verifying that many
+        tokens. On a compute-bound verifier a long tail of unlikely nodes (e.g. weak n-gram matches) costs more
+        than it returns; k = 0 is a plain AR step. Needs cost measurements at two sizes or more (else no trim)."""
+        n = tree.size - 1
+        if n <= 0 or self._rate is None or len(self.verify.seconds) < 2:
+            return 0
+        probs = torch.sort(tree.logp[1 : tree.size], descending=True).values.exp().mul_(self.costs.acc_scale)
+        gains = [0.0, *torch.cumsum(probs, 0).tolist()]
+        cost = self.verify.curve(n + 1)  # cost[k] = seconds to verify k + 1 tokens
+        rate = self._rate
+        best_k, best_v = n, -math.inf
+        for k in range(n + 1):
+            v = gains[k] - rate * cost[k]
+            if v > best_v + 1e-12:
+                best_k, best_v = k, v
+        if best_k >= n:
+            return 0
+        tree.keep(tree.top_k_mask(best_k))
+        return n - best_k
+
     def update(self, step: StepRecord) -> None:
+        sec_all = step.draft_s + step.target_s
+        if sec_all > 0:
+            r = step.emitted / sec_all
+            self._rate = r if self._rate is None else _ema(self._rate, r, 0.1)
+        if step.size:
+            self.verify.update(step.size, step.target_s)
         s = self._stats.get(step.budget)
         if s is None:
             return

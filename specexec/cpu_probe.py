@@ -8,7 +8,12 @@ and bf16 (bf16 in both matmul orientations, see :func:`specexec.model.linear`), 
 repeats (other processes only ever add time). It picks bf16 when the 32-row pass is clearly faster
 (:data:`BF16_GAIN`) and the one-row pass is not clearly slower (:data:`ONE_ROW_SLACK`); else fp32.
 
-The result is cached in ``<cache home>/cpu_probe.json``, keyed by CPU model, torch version, thread count and
+It also measures, for the dtype the model will run in, which matmul orientation (``F.linear`` or ``w @ x.T``)
+is faster at each row count from 2 to 64 (:func:`orientation`; a tree verification or draft level has a few
+rows, and the BLAS's kernel choice there varies by CPU and build by 2-3x), and sets
+:func:`specexec.model.linear`'s table from it.
+
+The results are cached in ``<cache home>/cpu_probe.json``, keyed by CPU model, torch version, thread count and
 the shapes, so the second start skips the measurement. Models too small for the dtype to matter (tests' tiny
 models) are not probed: fp32. ``doctor`` shows the cached results (:func:`doctor_lines`).
 """
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specexec.model import ModelConfig, linear, set_cpu_transposed
+from specexec.model import ORIENT_MAX_ROWS, ModelConfig, linear, set_cpu_orientation, set_cpu_transposed
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,9 @@ PROBE_ROWS = (1, 32)
 BF16_GAIN = 0.8  # bf16 is chosen when its 32-row layer cost <= this fraction of fp32's ...
 ONE_ROW_SLACK = 1.15  # ... and its one-row cost <= this multiple of fp32's
 TRANSPOSE_GAIN = 0.9  # bf16 uses ``w @ x.T`` for 8..48 rows when that is at most this fraction of ``F.linear``
+ORIENT_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts timed in both orientations
+ORIENT_GAIN = 0.9  # ``w @ x.T`` is used at a row count when it costs at most this fraction of ``F.linear``
+ORIENT_REPEATS = 3
 MIN_LAYER_PARAMS = 1 << 20  # smaller layers (test models): no probe, fp32
 REPEATS = 5
 CACHE_FILE = "cpu_probe.json"
@@ -97,7 +105,7 @@ def _read_cache() -> dict[str, Any]:
         return {}
 
 
-def _write_cache(result: ProbeResult) -> None:
+def _write_cache(result: ProbeResult | OrientResult | DraftProbe) -> None:
     path = cache_path()
     data = _read_cache()
     data[result.key] = asdict(result)
@@ -190,6 +198,156 @@ def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> P
     return result
 
 
+@dataclass(frozen=True)
+class OrientResult:
+    """Per-layer milliseconds of both matmul orientations by row count, and the row counts that use ``w @ x.T``."""
+
+    key: str
+    dtype: str
+    ms: dict[str, dict[str, float]]  # "linear" / "transposed" -> rows -> ms
+    transposed_rows: list[int]
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        runs: list[str] = []
+        rows = self.transposed_rows
+        i = 0
+        while i < len(rows):
+            j = i
+            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+                j += 1
+            runs.append(str(rows[i]) if i == j else f"{rows[i]}-{rows[j]}")
+            i = j + 1
+        return f"{self.dtype} w @ x.T at rows {', '.join(runs) or 'none'} (else F.linear)"
+
+
+def measure_orientation(
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    rows: tuple[int, ...] = ORIENT_ROWS,
+    repeats: int = ORIENT_REPEATS,
+) -> dict[str, dict[str, float]]:
+    """Per-layer ms (min of ``repeats``) of ``F.linear`` and ``w @ x.T`` over ``shapes`` at each row count."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04).to(dtype) for s in shapes]
+    out: dict[str, dict[str, float]] = {"linear": {}, "transposed": {}}
+    for r in rows:
+        xs = [torch.randn(r, s[1], generator=gen).to(dtype) for s in shapes]
+        out["linear"][str(r)] = _best_ms(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)], repeats)
+        out["transposed"][str(r)] = _best_ms(lambda: [torch.mm(w, x.T).T for x, w in zip(xs, ws)], repeats)
+    return out
+
+
+def decide_orientation(ms: dict[str, dict[str, float]], max_rows: int = ORIENT_MAX_ROWS) -> list[int]:
+    """The row counts (2..max_rows) that use ``w @ x.T``: those whose nearest measured row count at or below them
+    ran it in at most :data:`ORIENT_GAIN` of ``F.linear``'s time. One row always uses ``F.linear``."""
+    measured = sorted(int(r) for r in ms["linear"] if str(r) in ms["transposed"])
+    wins = {r for r in measured if ms["transposed"][str(r)] <= ORIENT_GAIN * ms["linear"][str(r)]}
+    out = []
+    for r in range(2, max_rows + 1):
+        below = [m for m in measured if m <= r]
+        if below and below[-1] in wins:
+            out.append(r)
+    return out
+
+
+def orientation(cfg: ModelConfig, dtype: torch.dtype, use_cache: bool = True) -> OrientResult | None:
+    """Measure (once per machine, dtype and shapes; cached) and apply :func:`specexec.model.linear`'s orientation
+    table for ``cfg``'s layer shapes in ``dtype``. None (nothing changed) for models too small to matter."""
+    shapes = layer_shapes(cfg)
+    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    key = f"orient {name}|{probe_key(shapes)}"
+    cached = _read_cache().get(key) if use_cache else None
+    result = None
+    if cached:
+        try:
+            result = OrientResult(**cached)
+        except TypeError:
+            result = None
+    if result is None:
+        log.info("measuring the CPU's matmul orientations for %s (once; cached in %s)", name, cache_path())
+        t0 = time.perf_counter()
+        ms = measure_orientation(shapes, dtype)
+        result = OrientResult(key, name, ms, decide_orientation(ms), round(time.perf_counter() - t0, 2))
+        log.info("CPU orientation probe: %s", result.summary())
+        _write_cache(result)
+    set_cpu_orientation(dtype, result.transposed_rows)
+    return result
+
+
+INT8_GAIN = 0.75  # an int8 draft is chosen when its layer costs at most this fraction of the dense one ...
+INT8_ROWS = (1, 8)  # ... at each of these row counts (one-row chain steps, a few-beam tree level)
+
+
+@dataclass(frozen=True)
+class DraftProbe:
+    """Per-layer ms of the draft's linears, dense (its compute dtype) vs int8 weights, and the choice."""
+
+    key: str
+    dense: str  # "fp32" / "bf16"
+    ms: dict[str, dict[str, float]]  # "dense" / "int8" -> rows -> ms
+    int8: bool
+    kernel: str
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        d, q = self.ms.get("dense", {}), self.ms.get("int8", {})
+        parts = [f"{r} rows {self.dense} {d[r]:.1f} / int8 {q[r]:.1f} ms" for r in d if r in q]
+        return f"{'int8' if self.int8 else self.dense} weights ({'; '.join(parts)} per layer, {self.kernel} kernel)"
+
+
+def measure_int8(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
+) -> dict[str, dict[str, float]]:
+    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of :class:`Int8Linear` copies."""
+    from specexec.model import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
+    dense = [w.to(dtype) for w in w32]
+    q = [Int8Linear(w) for w in w32]
+    out: dict[str, dict[str, float]] = {"dense": {}, "int8": {}}
+    for r in rows:
+        xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
+        xd = [x.to(dtype) for x in xs]
+        out["dense"][str(r)] = _best_ms(lambda: [linear(x, w) for x, w in zip(xd, dense)], repeats)
+        out["int8"][str(r)] = _best_ms(lambda: [w.linear(x) for x, w in zip(xs, q)], repeats)
+    return out
+
+
+def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
+    """A CPU draft's (compute dtype, int8 weights), measured once per machine and cached: int8 weights when this
+    CPU runs them clearly faster (:data:`INT8_GAIN`) than the dense dtype :func:`choose_dtype` picks, at one row
+    and at a few rows. The draft only proposes, so its format moves speed and acceptance, never the output."""
+    from specexec.model import _int8_kernel
+
+    dense = choose_dtype(cfg)
+    shapes = layer_shapes(cfg)
+    kernel = _int8_kernel()
+    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or kernel == "dequant":
+        return dense, False
+    name = "fp32" if dense == torch.float32 else "bf16"
+    key = f"draft int8 vs {name}|{kernel}|{probe_key(shapes)}"
+    cached = _read_cache().get(key)
+    result = None
+    if cached:
+        try:
+            result = DraftProbe(**cached)
+        except TypeError:
+            result = None
+    if result is None:
+        log.info("measuring int8 vs %s draft weights on this CPU (once; cached in %s)", name, cache_path())
+        t0 = time.perf_counter()
+        ms = measure_int8(shapes, dense)
+        ok = all(ms["int8"][r] <= INT8_GAIN * ms["dense"][r] for r in ms["dense"])
+        result = DraftProbe(key, name, ms, ok, kernel, round(time.perf_counter() - t0, 2))
+        log.info("CPU draft probe: %s", result.summary())
+        _write_cache(result)
+    return (torch.float32, True) if result.int8 else (dense, False)
+
+
 def choose_dtype(cfg: ModelConfig) -> torch.dtype:
     """The CPU compute dtype for ``cfg`` on this machine (fp32 or bf16), measured once and cached."""
     result = probe(cfg)
@@ -226,6 +384,13 @@ def doctor_lines(cfgs: dict[str, ModelConfig] | None = None, run: bool = False) 
         if run or probe_key(shapes) in cache:
             r = probe(cfg)  # type: ignore[assignment]
             lines.append(f"cpu dtype for {name}: {r.summary()}" if r else f"cpu dtype for {name}: fp32")
+            for dt in ("fp32", "bf16"):
+                o = cache.get(f"orient {dt}|{probe_key(shapes)}")
+                if o:
+                    try:
+                        lines.append(f"cpu matmuls for {name}: {OrientResult(**o).summary()}")
+                    except TypeError:
+                        pass
         else:
             lines.append(f"cpu dtype for {name}: not probed yet (the first --dtype auto load on CPU does it)")
     return lines

@@ -53,6 +53,7 @@ class Stats:
     mean_tree_size: float = 0.0
     draft_passes: int = 0
     early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
+    trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
@@ -202,6 +203,8 @@ def decode(
             chosen[budget] += 1
             ctx = StepContext(samp=samp, gen=gen, budget=budget, cost=policy.grow_cost(budget), logprobs=logprobs)
             prop = proposer.propose(state.seq, ctx)
+            if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
+                stats.trimmed += policy.trim(prop.tree)
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
@@ -230,6 +233,7 @@ def decode(
                     draft_s=tt - td,
                     target_s=te - tt,
                     passes=prop.passes,
+                    size=prop.tree.size,
                 )
             )
             tree_total += prop.size

@@ -25,6 +25,7 @@ from specexec.budget import (
     BudgetPolicy,
     FixedBudget,
     StepCosts,
+    VerifyCosts,
     calibrate,
     calibration_key,
     drifted,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
 
 CPU_ARMS = (4, 8, 16, 32)  # tree budgets the CPU's measured policy chooses among (besides 0: no draft)
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
 
@@ -187,6 +189,7 @@ class Engine:
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
         # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
         self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
+        self._verify: VerifyCosts | None = None
         self._static = (static_draft, static_rows)
         self.calibration_dir = calibration_dir
         self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
@@ -319,7 +322,7 @@ class Engine:
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
                 arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
                 stats.budget_auto = True
-                return NGramDraft(dev, ngram), self._adaptive_policy("ngram", arms, tree)
+                return NGramDraft(dev, ngram), self._adaptive_policy("ngram", arms, tree, stats)
             return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
         assert self.draft_model is not None
         if method == "chain":
@@ -334,7 +337,7 @@ class Engine:
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
             proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram))
-            return proposer, self._adaptive_policy("specexec", arms, tree)
+            return proposer, self._adaptive_policy("specexec", arms, tree, stats)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
@@ -348,12 +351,41 @@ class Engine:
             stats.calibration_s = time.perf_counter() - tc
         return proposer, self._auto
 
-    def _adaptive_policy(self, method: str, arms: tuple[int, ...], tree: TreeConfig) -> AdaptiveBudget:
-        """The engine's measured-rate policy for these arms (kept across generations)."""
+    def _adaptive_policy(
+        self, method: str, arms: tuple[int, ...], tree: TreeConfig, stats: Stats | None = None
+    ) -> AdaptiveBudget:
+        """The engine's measured-rate policy for these arms (kept across generations). Its verification-cost
+        curve (shared by all such policies of the engine) starts from a short measurement, cached per machine."""
         key = (method, tuple(sorted(set(arms))))
         if key not in self._adaptive:
-            self._adaptive[key] = AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth)
+            if self._verify is None:
+                tc = time.perf_counter()
+                self._verify = VerifyCosts(self._verify_prior())
+                if stats is not None:
+                    stats.calibration_s = time.perf_counter() - tc
+            self._adaptive[key] = AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth, verify=self._verify)
         return self._adaptive[key]
+
+    def _verify_prior(self) -> dict[int, float]:
+        """Target pass seconds at a few small sizes (what trimming a proposal weighs), measured once per machine
+        and model (cached under the calibration dir). Uses the target cache as scratch: drops the prefix cache."""
+        assert self.state is not None
+        path = None
+        if self.calibration_dir:
+            key = calibration_key(self.target.device, self.target.cfg, self.target.dtype, "verify", VERIFY_SIZES)
+            path = self.calibration_dir / f"verify-{key}.json"
+            cached = load_calibration(path)
+            if cached is not None:
+                return cached[0]
+        t_time = pass_timer(self.target, self.state.cache)
+        t_time(1, 1)  # warm-up
+        sizes = [n for n in VERIFY_SIZES if n <= self.state.cache.capacity]
+        points = {n: t_time(n, 1) for n in sizes}
+        self.reset()
+        if path is not None:
+            save_calibration(path, points, {})
+        log.info("verification cost by size: %s", {k: round(v, 4) for k, v in points.items()})
+        return points
 
     def _measured_policy(self) -> bool:
         """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""

@@ -77,15 +77,25 @@ def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dt
     faster for multi-row passes (:mod:`specexec.cpu_probe`, measured once per machine and cached)."""
     if name == "int8":
         raise SpecexecError("int8 is a draft-only format (--draft-dtype int8); the target's dtype sets the output")
-    if name == "auto" and device.type == "cpu":
+    if device.type == "cpu":
         from specexec import cpu_probe
 
-        return cpu_probe.choose_dtype(cfg)
+        dtype = cpu_probe.choose_dtype(cfg) if name == "auto" else parse_dtype(name, device)
+        cpu_probe.orientation(cfg, dtype)  # which matmul kernel each row count uses (measured once, cached)
+        return dtype
     return parse_dtype(name, device)
 
 
 def resolve_draft(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, bool]:
-    """(compute dtype, int8 weights) for a draft dtype name (auto / fp32 / bf16 / fp16 / int8)."""
+    """(compute dtype, int8 weights) for a draft dtype name (auto / fp32 / bf16 / fp16 / int8). 'auto' on a CPU:
+    int8 weights when this machine runs them clearly faster than the dense dtype (measured once, cached)."""
+    if name == "auto" and device.type == "cpu":
+        from specexec import cpu_probe
+
+        dtype, int8 = cpu_probe.choose_draft(cfg)
+        if not int8:
+            cpu_probe.orientation(cfg, dtype)
+        return dtype, int8
     if name == "int8":
         if device.type != "cpu":
             raise SpecexecError("--draft-dtype int8 is a CPU format; on a GPU use bf16/fp16 (or an NF4 target)")

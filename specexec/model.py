@@ -17,7 +17,7 @@ Per-layer weight names (a mapping ``str -> Tensor | QuantizedLinear``):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -126,34 +126,59 @@ class ResidentLayers:
         pass
 
 
-# CPU dtypes whose 8..48-row passes go through ``w @ x.T`` (see :func:`linear`). fp32 by measurement
-# (scripts/bench_cpu_matmul.py); bf16 only where :mod:`specexec.cpu_probe` measured it faster on this machine
-# (on an AVX2-only CPU bf16 wants ``F.linear``; on AMX / AVX512-BF16 CPUs the probe decides).
-_CPU_TRANSPOSED: set[torch.dtype] = {torch.float32}
-CPU_TRANSPOSED_ROWS = (8, 48)
+# Which CPU passes go through ``w @ x.T`` instead of ``F.linear`` (see :func:`linear`), per dtype, by row count.
+# The BLAS picks its kernel by shape, and which orientation wins depends on the CPU, the build and the row count:
+# on one 2-core EPYC box ``F.linear`` cost 2-3x one row at 2-7 rows while ``w @ x.T`` stayed near one row, and an
+# earlier measurement on the same class found the opposite at 2-5 rows. So :mod:`specexec.cpu_probe` measures both
+# on the model's own layer shapes (:func:`set_cpu_orientation`); until it has, fp32 uses the rule measured first
+# (scripts/bench_cpu_matmul.py: 8..48 rows) and other dtypes ``F.linear``.
+ORIENT_MAX_ROWS = 64  # larger passes (prefill, big trees) always use F.linear
+_DEFAULT_FP32_ROWS = (8, 48)
+_CPU_ORIENT: dict[torch.dtype, tuple[bool, ...]] = {
+    torch.float32: tuple(_DEFAULT_FP32_ROWS[0] <= r <= _DEFAULT_FP32_ROWS[1] for r in range(ORIENT_MAX_ROWS + 1))
+}
+
+
+def set_cpu_orientation(dtype: torch.dtype, transposed_rows: Sequence[int] | None) -> None:
+    """CPU passes in ``dtype`` with a row count in ``transposed_rows`` use ``w @ x.T`` (process-wide); None
+    restores the default rule."""
+    if transposed_rows is None:
+        if dtype == torch.float32:
+            lo, hi = _DEFAULT_FP32_ROWS
+            _CPU_ORIENT[dtype] = tuple(lo <= r <= hi for r in range(ORIENT_MAX_ROWS + 1))
+        else:
+            _CPU_ORIENT.pop(dtype, None)
+        return
+    rows = set(transposed_rows)
+    _CPU_ORIENT[dtype] = tuple(r in rows for r in range(ORIENT_MAX_ROWS + 1))
+
+
+def cpu_orientation(dtype: torch.dtype) -> list[int]:
+    """The row counts whose CPU passes in ``dtype`` use ``w @ x.T``."""
+    table = _CPU_ORIENT.get(dtype, ())
+    return [r for r, on in enumerate(table) if on]
 
 
 def set_cpu_transposed(dtype: torch.dtype, on: bool) -> None:
     """Whether CPU passes of 8..48 rows in ``dtype`` use the ``w @ x.T`` orientation (process-wide)."""
-    if on:
-        _CPU_TRANSPOSED.add(dtype)
-    else:
-        _CPU_TRANSPOSED.discard(dtype)
+    set_cpu_orientation(dtype, range(8, 49) if on else [])
 
 
 def cpu_transposed(x: Tensor) -> bool:
     """Does :func:`linear` run ``x`` (T, in) through ``w @ x.T``?"""
-    lo, hi = CPU_TRANSPOSED_ROWS
-    return x.device.type == "cpu" and x.dim() == 2 and lo <= x.shape[0] <= hi and x.dtype in _CPU_TRANSPOSED
+    if x.device.type != "cpu" or x.dim() != 2:
+        return False
+    table = _CPU_ORIENT.get(x.dtype)
+    r = x.shape[0]
+    return table is not None and r <= ORIENT_MAX_ROWS and table[r]
 
 
 def linear(x: Tensor, w: Any) -> Tensor:
     """x (T, in) @ w.T -> (T, out). ``w`` is a dense tensor or any object with ``.linear(x)`` (e.g. NF4, int8).
 
-    On a CPU, 8..48 rows (tree verification, draft levels) in fp32 go through ``w @ x.T``: the BLAS picks a far
-    better kernel for that orientation (scripts/bench_cpu_matmul.py on the demo shapes: 9 rows 1.1-1.6x faster per
-    weight, a 9-token target pass 1.6x; 2-5 and 64+ rows are slower that way, 1 row the same). bf16 follows the
-    rule only where the CPU probe measured it to pay (:func:`set_cpu_transposed`).
+    On a CPU, passes of a few rows (tree verification, draft levels) may go through ``w @ x.T``: the BLAS often
+    picks a far better kernel for that orientation. Which row counts do is measured per machine and dtype by
+    :mod:`specexec.cpu_probe` (:func:`set_cpu_orientation`; the numbers it saw are in ``doctor``).
     """
     if isinstance(w, Tensor):
         if cpu_transposed(x):

@@ -69,14 +69,20 @@ def test_draft_vocab_in_help(command):
 
 
 def test_help_states_the_library_default():
-    """--draft-vocab's default is api.load's: the help says 'the whole vocabulary', true while api.load's default
-    is None (this fails, as a reminder to update the help, when the library's default changes)."""
+    """--draft-vocab's default is api.load's (None: the option passes nothing); the help states that default as
+    api.load documents it (this fails, as a reminder to update the help, when the library's default changes)."""
     from specexec import api
     from specexec.cli.options import draft_vocab
+    from specexec.loading import DEFAULT_DRAFT_VOCAB
 
     assert inspect.signature(api.load).parameters["draft_vocab"].default is None
+    doc = " ".join((api.load.__doc__ or "").split())
+    assert f"None: on a CPU {DEFAULT_DRAFT_VOCAB} for a draft whose vocabulary is over twice that" in doc
+    assert "else the full vocabulary; 0: the full vocabulary" in doc
     opt = draft_vocab()
-    assert opt.default is None and "Default: the whole vocabulary." in opt.help
+    assert opt.default is None
+    assert f"Default: on a CPU {DEFAULT_DRAFT_VOCAB} for a draft whose vocabulary is over twice that" in opt.help
+    assert "else the whole vocabulary" in opt.help and "0 or 'full': the whole vocabulary" in opt.help
 
 
 @pytest.mark.parametrize(

@@ -303,11 +303,54 @@ def _mid_cfg() -> ModelConfig:
 
 
 @pytest.fixture(autouse=True)
-def _keep_bf16_orientation():
-    """The probe sets the process-wide bf16 orientation; tests leave it as they found it."""
-    was = cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16))
+def _keep_orientation():
+    """The probes set the process-wide orientation tables; tests leave them as they found them."""
+    from specexec.model import cpu_orientation, set_cpu_orientation
+
+    was = {dt: cpu_orientation(dt) for dt in (torch.float32, torch.bfloat16)}
     yield
-    set_cpu_transposed(torch.bfloat16, was)
+    for dt, rows in was.items():
+        set_cpu_orientation(dt, rows)
+
+
+def test_orientation_decision_by_row_count():
+    """Each row count uses the orientation measured at the nearest measured count at or below it."""
+    ms = {
+        "linear": {"2": 10.0, "4": 10.0, "8": 10.0, "16": 10.0},
+        "transposed": {"2": 5.0, "4": 9.5, "8": 8.0, "16": 12.0},
+    }
+    rows = cpu_probe.decide_orientation(ms, max_rows=20)
+    assert rows == [2, 3, 8, 9, 10, 11, 12, 13, 14, 15]  # 4 rows: 0.95x is not a clear win (ORIENT_GAIN 0.9)
+    r = cpu_probe.OrientResult("k", "fp32", ms, rows)
+    assert r.summary() == "fp32 w @ x.T at rows 2-3, 8-15 (else F.linear)"
+
+
+def test_orientation_is_measured_once_and_applied(tmp_path, monkeypatch):
+    from specexec.model import cpu_orientation
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    calls = []
+
+    def fake(shapes, dtype, **kw):  # transposed wins at 2..7 rows only
+        calls.append(dtype)
+        lin = {str(r): 10.0 for r in cpu_probe.ORIENT_ROWS}
+        return {"linear": lin, "transposed": {k: (5.0 if int(k) < 8 else 20.0) for k in lin}}
+
+    monkeypatch.setattr(cpu_probe, "measure_orientation", fake)
+    cfg = _mid_cfg()
+    small = ModelConfig(**{**cfg.__dict__, "hidden_size": 64, "intermediate_size": 128})
+    assert cpu_probe.orientation(small, torch.float32) is None and not calls  # too small: untouched
+    res = cpu_probe.orientation(cfg, torch.float32)
+    assert res is not None and res.transposed_rows == list(range(2, 8)) and calls == [torch.float32]
+    assert cpu_orientation(torch.float32) == list(range(2, 8))
+    assert cpu_probe.orientation(cfg, torch.float32) == res and len(calls) == 1  # cached
+    assert resolve_dtype("fp32", CPU, cfg) == torch.float32 and len(calls) == 1  # explicit dtypes apply it too
+    cpu_probe.orientation(cfg, torch.bfloat16)
+    assert calls == [torch.float32, torch.bfloat16]
+    ms = {k: {"1": 10.0, "32": 10.0} for k in ("fp32", "bf16")}
+    monkeypatch.setattr(cpu_probe, "measure", lambda shapes, **kw: {**ms, "bf16_transposed": {"32": 10.0}})
+    lines = cpu_probe.doctor_lines({"mid": cfg}, run=True)
+    assert "cpu matmuls for mid: fp32 w @ x.T at rows 2-7 (else F.linear)" in lines
 
 
 def test_probe_is_cached_per_machine(tmp_path, monkeypatch):

@@ -49,28 +49,29 @@ def test_config_parses_rope_scaling(tiny_models):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 48, 49, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 48, 49, 64, 65])
 def test_linear_orientation_rule_is_numerically_a_linear(dtype, rows):
-    """Both orientations compute x @ w.T; the rule (8..48 rows; fp32 always, bf16 where the probe says) only
-    picks the kernel."""
-    from specexec.model import CPU_TRANSPOSED_ROWS, cpu_transposed, linear, set_cpu_transposed
+    """Both orientations compute x @ w.T; the per-row-count table (set by the CPU probe) only picks the kernel."""
+    from specexec.model import ORIENT_MAX_ROWS, cpu_orientation, cpu_transposed, linear, set_cpu_orientation
 
     torch.manual_seed(0)
     x, w = torch.randn(rows, 64).to(dtype), torch.randn(96, 64).to(dtype)
     ref = x.float() @ w.float().T
-    was = cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16))
+    was = cpu_orientation(dtype)
     try:
-        for on in (False, True):
-            set_cpu_transposed(torch.bfloat16, on)
-            lo, hi = CPU_TRANSPOSED_ROWS
-            want = lo <= rows <= hi and (dtype == torch.float32 or on)
+        for table in ([], [rows], list(range(2, 40)), None):
+            set_cpu_orientation(dtype, table)
+            if table is None:  # the default rule: fp32 8..48 rows, other dtypes never
+                want = dtype == torch.float32 and 8 <= rows <= 48
+            else:
+                want = rows in table and rows <= ORIENT_MAX_ROWS
             assert cpu_transposed(x) == want
             out = linear(x, w)
             assert out.dtype == dtype and out.shape == (rows, 96)
             tol = 1e-4 if dtype == torch.float32 else 0.1
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     finally:
-        set_cpu_transposed(torch.bfloat16, was)
+        set_cpu_orientation(dtype, was)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

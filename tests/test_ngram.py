@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -190,3 +192,63 @@ def test_measured_policy_is_kept_across_generations(engine):
     engine.generate(ids, 20, method="specexec", tree=TreeConfig(auto=True))
     assert [p for (method, _), p in engine._adaptive.items() if method == "specexec"] == mine
     assert sum(a["steps"] for a in mine[0].summary().values()) > steps_before
+
+
+def _scored_tree(logps):
+    """A chain-free tree: every node a child of the root, with the given cumulative log-probs."""
+    from specexec.tree import Tree
+
+    t = Tree(1, len(logps) + 1, CPU)
+    t.append([0] * len(logps), list(range(2, 2 + len(logps))), [1] * len(logps), list(logps))
+    return t
+
+
+def test_trim_keeps_the_nodes_worth_their_verification_time():
+    from specexec.budget import VerifyCosts
+
+    logps = [math.log(p) for p in (0.9, 0.6, 0.3, 0.05, 0.02, 0.01)]
+    steep = VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})  # a compute-bound verifier: 0.1 s per extra token
+    p = AdaptiveBudget((0, 4), verify=steep)
+    t = _scored_tree(logps)
+    assert p.trim(t) == 0, "no measured rate yet: nothing is trimmed"
+    p._rate = 1.0  # a second is worth one token: a node pays when its chance beats 0.1
+    assert p.trim(t) == 3 and t.size == 4
+    assert sorted(t.n_logp[1:].exp().tolist(), reverse=True) == pytest.approx([0.9, 0.6, 0.3])
+    t.check()
+    flat = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 64: 1.0}))  # a streamed verifier: every node is free
+    flat._rate = 1.0
+    t2 = _scored_tree(logps)
+    assert flat.trim(t2) == 0 and t2.size == 7
+    dear = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 2: 3.0}))  # one more token costs 2 s: plain AR
+    dear._rate = 1.0
+    t3 = _scored_tree(logps)
+    assert dear.trim(t3) == 6 and t3.size == 1
+    few = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0}))  # one size measured: no curve, no trim
+    few._rate = 1.0
+    assert few.trim(_scored_tree(logps)) == 0
+
+
+def test_verify_costs_learn_and_never_decrease_with_size():
+    from specexec.budget import VerifyCosts
+
+    v = VerifyCosts({1: 1.0, 16: 2.0})
+    assert v.at(8) == pytest.approx(1.0 + 7 / 15)
+    v.update(8, 4.0)  # first sight of size 8: starts from the curve, moves towards the measurement
+    assert 1.4 < v.seconds[8] < 4.0
+    assert v.curve(16) == sorted(v.curve(16)), "a bigger pass never looks cheaper"
+    p = AdaptiveBudget((0, 4), verify=v)
+    p.update(StepRecord(budget=4, tree_logp=[], emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
+    assert p._rate == pytest.approx(2.0) and 5 in v.seconds
+
+
+def test_trimmed_proposals_stay_exact(engine):
+    """An auto CPU policy that trims (a steep verification curve) still reproduces AR, and does trim."""
+    from specexec.budget import VerifyCosts
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    ar = engine.generate(prompt, 40, method="ar").tokens
+    pol = AdaptiveBudget((0, 4, 16), verify=VerifyCosts({1: 0.001, 2: 0.002, 8: 0.02, 64: 0.2}))
+    pol._rate = 300.0
+    r = engine.generate(prompt, 40, method="specexec", tree=TreeConfig(auto=True), policy=pol)
+    assert r.tokens == ar
+    assert r.stats.trimmed > 0
