@@ -371,6 +371,9 @@ class Runner:
             "prefill_s": s.prefill_s,
             "ids": list(r.tokens),
         }
+        rec["draft_passes"] = s.draft_passes
+        rec["mean_tree_size"] = round(s.mean_tree_size, 2)
+        rec["trimmed"] = s.trimmed
         if s.budgets:
             rec["budgets"] = {str(k): v for k, v in sorted(s.budgets.items())}
         if s.calibration_s:
@@ -465,6 +468,7 @@ def run_all(
                 log(
                     f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
                     f"{rec['tok_s']:7.2f} tok/s {rec['tokens_per_step']:5.2f} tok/step"
+                    + (f"  budgets {rec['budgets']} trimmed {rec['trimmed']}" if rec.get("budgets") else "")
                 )
             ref = got.get("ours-ar", {}).get("ids")
             for c in configs:
