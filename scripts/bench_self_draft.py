@@ -28,7 +28,7 @@ PROMPTS = {
     "code": [
         "def quicksort(arr):",
         "class LRUCache:\n    def __init__(self, capacity):",
-        "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and",
+        'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and',
     ],
     "prose": [
         "The history of the printing press begins",
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 per_prompt.append(
                     {"kind": kind, "tokens": r.stats.new_tokens, "steps": r.stats.steps, "exact": r.tokens == want}
                 )
-            row = {"draft": label, "method": mname, "per_prompt": per_prompt}
+            row: dict[str, Any] = {"draft": label, "method": mname, "per_prompt": per_prompt}
             for kind in ("code", "prose", "all"):
                 sel = [q for q in per_prompt if kind in ("all", q["kind"])]
                 row[f"tokens_per_step_{kind}"] = sum(q["tokens"] for q in sel) / max(1, sum(q["steps"] for q in sel))

@@ -69,8 +69,6 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-
-
 def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
     """The compute dtype to load ``cfg``'s model in. 'auto' on a CPU: fp32 or bf16, whichever this machine runs
     faster for multi-row passes (:mod:`specexec.cpu_probe`, measured once per machine and cached)."""

@@ -170,7 +170,7 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
 
 
 def _int8_kernel(device: torch.device | None = None) -> str:
-    """The best int8 linear available for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
+    """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
     if device is not None and device.type == "cuda":
         return "bnb"
     ops = getattr(torch.ops, "quantized", None)
