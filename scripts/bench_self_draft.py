@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         methods.append((f"chain g={args.gamma}", dict(method="chain", chain=ChainConfig(gamma=args.gamma))))
         for mname, kw in methods:
-            per_prompt = []
+            per_prompt: list[dict[str, Any]] = []
             for (kind, _), x, want in zip(prompts, ids, ar, strict=True):
                 r = engine.generate(x, args.max_new_tokens, **kw)
                 per_prompt.append(
