@@ -322,17 +322,19 @@ def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtyp
 
 
 def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
-    """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. int8: the lm_head and
-    the embedding are int8 (one object when tied; lookups dequantize rows); nf4: the lm_head is NF4, the embedding
-    stays dense in ``dtype`` (lookups read rows of it)."""
+    """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
+    NF4; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one, which is the
+    int8 lm_head itself (lookups dequantize rows)."""
     shards = _Shards(path)
     tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
     read = torch.float32 if fmt == "int8" else dtype
     embed_w = shards.get("model.embed_tokens.weight")
     embed: Any
-    if fmt == "int8":
-        embed = quantize_weight(embed_w, fmt, device, dtype)
-        lm = embed if tied else quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
+    if fmt == "int8" and tied:
+        embed = lm = quantize_weight(embed_w, fmt, device, dtype)
+    elif fmt == "int8":
+        lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
+        embed = _owned(embed_w, dtype).to(device)
     else:
         lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)
@@ -352,10 +354,10 @@ def load_model(
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
     ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the
-    globals are loaded here. ``int8`` (drafts): every linear, the lm_head and the embedding as
+    globals are loaded here. ``int8`` (drafts): every linear and the lm_head (and a tied embedding) as
     :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
-    kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`),
-    the embedding dense. Activations, norms, biases and the KV cache stay in ``dtype``. ``head_ids``: restrict the
+    kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
+    An untied embedding stays dense. Activations, norms, biases and the KV cache stay in ``dtype``. ``head_ids``: restrict the
     lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only: it changes the logits).
     """
     if int8 and nf4:

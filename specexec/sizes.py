@@ -111,9 +111,9 @@ def _linear_bytes(out: int, inp: int, fmt: str) -> int:
 def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     """Resident bytes of a whole model as :func:`specexec.loading.load_model` holds it, computing at ``itemsize``.
 
-    ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears, the lm_head and the embedding
-    (shared when tied) as int8 + one fp32 scale per output row. ``nf4``: the linears and the lm_head in NF4, the
-    embedding dense. Norms and biases stay at ``itemsize``. Exact for what the loader allocates (a test checks).
+    ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
+    fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4.
+    An untied embedding (and NF4's tied one) stays dense. Norms and biases stay at ``itemsize``. Exact for what the loader allocates (a test checks).
     """
     if fmt == "dense":
         return param_count(cfg) * itemsize
@@ -125,10 +125,7 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     small = 2 * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
     layer = sum(_linear_bytes(o, i, fmt) for o, i in linears) + small * itemsize
     head = _linear_bytes(v, d, fmt)
-    if fmt == "int8":
-        embed = 0 if cfg.tie_word_embeddings else _linear_bytes(v, d, fmt)
-    else:
-        embed = v * d * itemsize
+    embed = 0 if fmt == "int8" and cfg.tie_word_embeddings else v * d * itemsize
     return cfg.num_layers * layer + head + embed + d * itemsize
 
 
