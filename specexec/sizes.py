@@ -113,7 +113,8 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
 
     ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
     fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4.
-    An untied embedding (and NF4's tied one) stays dense. Norms and biases stay at ``itemsize``. Exact for what the loader allocates (a test checks).
+    An untied embedding (and NF4's tied one) stays dense. Norms and biases stay at ``itemsize``. Exact for what
+    the loader allocates (a test checks).
     """
     if fmt == "dense":
         return param_count(cfg) * itemsize
