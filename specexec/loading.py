@@ -358,7 +358,8 @@ def load_model(
     :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
     An untied embedding stays dense. Activations, norms, biases and the KV cache stay in ``dtype``.
-    ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only: it changes the logits).
+    ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
+    it changes the logits).
     """
     if int8 and nf4:
         raise ValueError("int8 and nf4 are exclusive weight formats")
