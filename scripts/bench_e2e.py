@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-layers", type=int, default=6, help="distinct random layers in pinned RAM")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-graphs", action="store_true", help="eager draft passes (for the before/after)")
+    p.add_argument(
+        "--draft-dtype",
+        choices=("bf16", "int8", "nf4"),
+        default="bf16",
+        help="the 7B draft's weights: bf16, or int8 / nf4 through bitsandbytes (frees VRAM for target layers)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/e2e.json"))
     p.add_argument(
         "--recompute",
@@ -148,10 +154,13 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats
 
 
-def build_draft(dev) -> Any:
-    """A Llama-2-7B-shaped bf16 draft, resident, random weights made on the GPU."""
+def build_draft(dev, fmt: str = "dense") -> Any:
+    """A Llama-2-7B-shaped draft computing in bf16, resident, random weights made on the device. ``fmt``
+    int8 / nf4: its linears and lm_head quantized as ``--draft-dtype int8|nf4`` loads them
+    (:func:`specexec.loading.quantize_weight`, layer by layer, so the bf16 copy never exists whole)."""
     import torch
 
+    from specexec.loading import quantize_weight
     from specexec.model import Globals, ResidentLayers, Transformer
 
     cfg = _cfg(LLAMA2_7B)
@@ -162,19 +171,23 @@ def build_draft(dev) -> Any:
     def rnd(*s):
         return torch.randn(*s, generator=g, dtype=torch.bfloat16, device=dev) * 0.02
 
+    def lin(*s):
+        w = rnd(*s)
+        return w if fmt == "dense" else quantize_weight(w, fmt, dev, torch.bfloat16)
+
     layers = [
         {
             "attn_norm": torch.ones(D, dtype=torch.bfloat16, device=dev),
-            "wqkv": rnd(qkv, D),
-            "wo": rnd(D, cfg.num_heads * cfg.head_dim),
+            "wqkv": lin(qkv, D),
+            "wo": lin(D, cfg.num_heads * cfg.head_dim),
             "mlp_norm": torch.ones(D, dtype=torch.bfloat16, device=dev),
-            "w13": rnd(2 * I, D),
-            "w2": rnd(D, I),
+            "w13": lin(2 * I, D),
+            "w2": lin(D, I),
         }
         for _ in range(cfg.num_layers)
     ]
     embed = rnd(cfg.vocab_size, D)
-    glob = Globals(embed=embed, norm=torch.ones(D, dtype=torch.bfloat16, device=dev), lm_head=rnd(cfg.vocab_size, D))
+    glob = Globals(embed=embed, norm=torch.ones(D, dtype=torch.bfloat16, device=dev), lm_head=lin(cfg.vocab_size, D))
     return Transformer(cfg=cfg, globals=glob, layers=ResidentLayers(layers), device=dev, dtype=torch.bfloat16)
 
 
@@ -382,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s; acceptance from {acc_src}", flush=True)
-    draft = build_draft(dev)
-    draft_bytes = (
-        sum(t.numel() * 2 for w in draft.layers.layers for t in w.values()) + 2 * draft.globals.embed.numel() * 2
-    )
+    from specexec import sizes
+
+    fmt = {"bf16": "dense", "int8": "int8", "nf4": "nf4"}[args.draft_dtype]
+    draft = build_draft(dev, fmt)
+    draft_bytes = sizes.model_weight_bytes(draft.cfg, fmt, 2)
+    report["draft_dtype"] = args.draft_dtype
     kv_slots = args.context + 2 * max(budgets) + 256
     t_cfg, d_cfg = _cfg(LLAMA2_70B), draft.cfg
     kv_t = 2 * t_cfg.num_layers * t_cfg.num_kv_heads * t_cfg.head_dim * kv_slots * 2

@@ -23,14 +23,15 @@ from specexec.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
 from specexec.loading import (
     DEFAULT_DRAFT_VOCAB,
+    SELF_DRAFT,
     check_tokenizers_match,
+    draft_format,
     draft_vocab_ids,
     load_model,
     load_tokenizer,
     model_dir,
     parse_device,
     read_config,
-    resolve_draft,
     resolve_dtype,
 )
 
@@ -55,10 +56,19 @@ def load(
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
     ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
     cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
-    ``dtype``; auto on a CPU: int8 weights where this machine runs them faster, measured; also ``int8``).
-    ``draft_vocab``: restrict the draft's lm_head to that many frequency-ranked token ids plus special ids and the
-    tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft whose vocabulary is over twice that (its lm_head
-    is then a large share of each draft pass), else the full vocabulary; 0: the full vocabulary. ``context`` is the
+    ``dtype``; also the low-bit weight formats ``int8`` -- fbgemm on a CPU, bitsandbytes' int8 GEMM on CUDA -- and
+    ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests; see
+    :func:`specexec.loading.draft_format`).
+
+    ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
+    low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
+    target. No second model or tokenizer (the tokenizers trivially match). It shares no weights and no KV prefix
+    with the target: like every draft it keeps its own KV cache (sized and checked like any draft's), and its
+    weight bytes are counted in its low-bit format. ``draft_vocab``: restrict the draft's lm_head to that many
+    frequency-ranked token ids plus special ids and the tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft
+    whose vocabulary is over twice that (its lm_head is then a large share of each draft pass), else the full
+    vocabulary; 0: the full vocabulary. ``draft_dtype`` auto on a CPU: int8 weights where this machine runs them
+    clearly faster than dense ones (measured once, :func:`specexec.cpu_probe.choose_draft`). ``context`` is the
     longest prompt + answer the KV caches hold.
     ``cache_dir``: specexec's cache root (models, offload layer caches); default :func:`specexec.hub.cache_home`.
 
@@ -76,32 +86,35 @@ def load(
     dev = parse_device(device)
     t_path = model_dir(hub.resolve(target, progress=progress, home=home))
     t_tok = load_tokenizer(t_path)
+    self_draft = draft == SELF_DRAFT
     d_path = None
-    if draft is not None:
+    d_tok = t_tok
+    if self_draft:
+        d_path = t_path  # the same checkpoint, loaded below in a low-bit format
+    elif draft is not None:
         d_path = model_dir(hub.resolve(draft, progress=progress, home=home))
         d_tok = load_tokenizer(d_path)
         check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
     t_cfg = read_config(t_path)
     d_cfg = read_config(d_path) if d_path is not None else None
     context = min(context, t_cfg.max_position_embeddings)
-    d_dt, d_int8 = resolve_draft(draft_dtype or dtype, dev, d_cfg) if d_cfg is not None else (None, False)
-    d_isz = (1 if d_int8 else d_dt.itemsize) if d_dt is not None else 4
-    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg) if d_path is not None else None
+    d_dt, d_fmt = draft_format(draft_dtype, dtype, dev, d_cfg, self_draft) if d_cfg is not None else (None, "dense")
+    d_isz = d_dt.itemsize if d_dt is not None else 4  # activations and the draft's KV cache
+    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg, d_fmt) if d_path is not None else None
     plan = None
     if _offloaded(offload, dev):
         from offload.load import plan_offload, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
-        est = sizes.engine_memory(t_cfg, d_cfg, context, t_isz, d_isz, tree, target_weights=0, draft_weights=d_weights)
-        others = est.total - est.weights - est.step.logits - est.step.target_activations
+        res = sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=d_weights)
         plan = plan_offload(
             t_path,
             dev,
             dtype,
             offload,
-            draft_bytes=est.weights,
-            kv_bytes=others,
-            max_tokens=min(sizes.step_room(tree) - 1, tree.verify_chunk),
+            draft_bytes=res.draft_bytes,
+            kv_bytes=res.kv_bytes,
+            max_tokens=res.max_tokens,
         )
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
         t_weights = sizes.globals_bytes(t_cfg, t_isz)
@@ -120,10 +133,12 @@ def load(
     d_model = None
     if d_path is not None and d_cfg is not None and d_dt is not None:
         vocab = draft_vocab
-        if vocab is None and dev.type == "cpu" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
+        if vocab is None and dev.type == "cpu" and d_fmt != "nf4" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
             vocab = DEFAULT_DRAFT_VOCAB
         head = draft_vocab_ids(d_tok, d_cfg.vocab_size, vocab) if vocab else None
-        d_model = _load(d_path, dev, d_dt, int8=d_int8, head_ids=head)
+        what = "self-derived draft (the target's weights)" if self_draft else f"draft {d_path.name}"
+        log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, d_fmt, (d_weights or 0) / 1e9, d_dt)
+        d_model = _load(d_path, dev, d_dt, int8=d_fmt == "int8", nf4=d_fmt == "nf4", head_ids=head)
     if plan is not None:
         from offload import load_offloaded
 

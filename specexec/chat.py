@@ -74,7 +74,13 @@ def load_engine(
 
     vocab = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: the library's default
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
-    d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir) if opts.draft else None
+    from specexec.loading import SELF_DRAFT
+
+    d_path: Any = None
+    if opts.draft == SELF_DRAFT:
+        d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
+    elif opts.draft:
+        d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir)
     with (status or (lambda _msg: nullcontext()))("loading models"):
         return api.load(
             str(t_path),

@@ -45,7 +45,9 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DRAFT_DTYPES = ("auto", *DTYPES, "int8")  # what a draft accepts (int8: weight format, CPU only)
+DRAFT_DTYPES = ("auto", *DTYPES, "int8", "nf4")  # what a draft accepts (int8 / nf4: low-bit weight formats)
+QUANTIZED = ("int8", "nf4")  # draft weight formats besides "dense"
+SELF_DRAFT = "self"  # draft="self": the target's own checkpoint loaded in low bit as its draft (SubSpec-style)
 DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
 
 
@@ -63,13 +65,8 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "int8":
         return torch.float32
     if name not in DTYPES:
-        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16 (a draft also int8)")
+        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16 (a draft also int8, nf4)")
     return DTYPES[name]
-
-
-def weight_bytes(name: str, device: torch.device) -> int:
-    """Bytes per weight for a dtype name (int8: 1; the KV cache and norms stay in the compute dtype)."""
-    return 1 if name == "int8" else parse_dtype(name, device).itemsize
 
 
 def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
@@ -87,20 +84,55 @@ def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dt
 
 
 def resolve_draft(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, bool]:
-    """(compute dtype, int8 weights) for a draft dtype name (auto / fp32 / bf16 / fp16 / int8). 'auto' on a CPU:
-    int8 weights when this machine runs them clearly faster than the dense dtype (measured once, cached)."""
-    if name == "auto" and device.type == "cpu":
+    """(compute dtype, int8 weights) for a dense or int8 draft dtype name; :func:`draft_format` covers nf4 too."""
+    dt, fmt = draft_format(name, name if name in DTYPES else "auto", device, cfg)
+    if fmt == "nf4":
+        raise SpecexecError("nf4 is not an int8-or-dense draft format (see draft_format)")
+    return dt, fmt == "int8"
+
+
+def check_self_draft_dtype(name: str | None) -> None:
+    """A self-derived draft is the target in low bit: only auto (None), int8 and nf4 are accepted."""
+    if name not in (None, "auto", *QUANTIZED):
+        raise ConfigError(
+            "draft_dtype",
+            name,
+            "a self-derived draft is the target in low bit",
+            f"{setting('draft', SELF_DRAFT)} is the target's own weights in low bit: "
+            f"{setting('draft_dtype')} must be auto, int8 or nf4, not {name}",
+        )
+
+
+def draft_format(
+    name: str | None, dtype: str, device: torch.device, cfg: ModelConfig, self_draft: bool = False
+) -> tuple[torch.dtype, str]:
+    """(compute dtype, weight format: dense | int8 | nf4) of a draft.
+
+    ``name`` is the draft dtype (``--draft-dtype``; None: the target's ``dtype``, or ``auto`` for a self-derived
+    draft). Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU
+    (int8: fbgemm's int8 GEMM; nf4: dequantized per pass, correct but slow, meant for tests), the target's 16-bit
+    ``dtype`` on CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8). A self-derived draft
+    (``self_draft``) is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it
+    would be the target itself, at the target's cost).
+    """
+    if self_draft:
+        check_self_draft_dtype(name)
+        if name in (None, "auto"):
+            name = "nf4" if device.type == "cuda" else "int8"
+    name = name or dtype
+    if name == "auto" and device.type == "cpu" and not self_draft:
         from specexec import cpu_probe
 
-        dtype, int8 = cpu_probe.choose_draft(cfg)
-        if not int8:
-            cpu_probe.orientation(cfg, dtype)
-        return dtype, int8
-    if name == "int8":
-        if device.type != "cpu":
-            raise SpecexecError("--draft-dtype int8 is a CPU format; on a GPU use bf16/fp16 (or an NF4 target)")
-        return torch.float32, True
-    return resolve_dtype(name, device, cfg), False
+        dt, int8 = cpu_probe.choose_draft(cfg)  # int8 weights where this CPU runs them clearly faster (measured)
+        if int8:
+            return dt, "int8"
+        cpu_probe.orientation(cfg, dt)
+        return dt, "dense"
+    if name in QUANTIZED:
+        if device.type == "cuda":
+            return parse_dtype(dtype if dtype in ("bf16", "fp16") else "auto", device), name
+        return torch.float32, name
+    return resolve_dtype(name, device, cfg), "dense"
 
 
 def draft_vocab_ids(tokenizer: TokenizerInfo, vocab_size: int, k: int = DEFAULT_DRAFT_VOCAB) -> Tensor:
@@ -281,7 +313,43 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
     return {"embed": embed, "norm": _owned(shards.get("model.norm.weight"), dtype), "lm_head": lm}
 
 
-INT8_KEYS = ("wqkv", "wo", "w13", "w2")
+INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model quantizes
+
+
+def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """A linear weight (out, in) as an int8 (:class:`~specexec.model.Int8Linear`, quantized on the CPU from fp32)
+    or NF4 (:class:`offload.quant.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) weight on
+    ``device`` computing in ``dtype``."""
+    if fmt == "int8":
+        return Int8Linear(w.float()).to(device)
+    if fmt != "nf4":
+        raise ValueError(f"unknown low-bit weight format {fmt!r}")
+    from offload.quant import NF4Linear, nf4_code, quantize_nf4
+    from specexec.sizes import NF4_BLOCKSIZE
+
+    packed, absmax = quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
+    return NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4_code(device))
+
+
+def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
+    """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
+    NF4; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one, which is the
+    int8 lm_head itself (lookups dequantize rows)."""
+    shards = _Shards(path)
+    tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
+    read = torch.float32 if fmt == "int8" else dtype
+    embed_w = shards.get("model.embed_tokens.weight")
+    embed: Any
+    if fmt == "int8" and tied:
+        embed = lm = quantize_weight(embed_w, fmt, device, dtype)
+    elif fmt == "int8":
+        lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
+        embed = _owned(embed_w, dtype).to(device)
+    else:
+        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
+        embed = _owned(embed_w, dtype).to(device)
+    del embed_w
+    return Globals(embed=embed, norm=_owned(shards.get("model.norm.weight"), dtype).to(device), lm_head=lm)
 
 
 def load_model(
@@ -291,39 +359,48 @@ def load_model(
     layers: Any = None,
     int8: bool = False,
     head_ids: Tensor | None = None,
+    nf4: bool = False,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
     ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the
-    globals are loaded here. ``int8`` (CPU, drafts): every linear and the lm_head/embedding as
-    :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading). ``head_ids``: restrict the
-    lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only: it changes the logits).
+    globals are loaded here. ``int8`` (drafts): every linear and the lm_head (and a tied embedding) as
+    :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
+    kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
+    An untied embedding stays dense. Activations, norms, biases and the KV cache stay in ``dtype``.
+    ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
+    it changes the logits).
     """
+    if int8 and nf4:
+        raise ValueError("int8 and nf4 are exclusive weight formats")
+    fmt = "int8" if int8 else "nf4" if nf4 else "dense"
     path = model_dir(path)
     cfg = read_config(path)
     _check_sizes(path)
-    g = read_globals(path, cfg, torch.float32 if int8 else dtype)
-    if int8:
-        if device.type != "cpu":
-            raise SpecexecError("int8 weights are a CPU format")
-        tied = g["lm_head"] is g["embed"]
-        lm: Any = Int8Linear(g["lm_head"])
-        embed: Any = lm if tied else g["embed"].to(dtype)
-        glob = Globals(embed=embed, norm=g["norm"].to(dtype), lm_head=lm)
+    if fmt != "dense":
+        glob = _low_bit_globals(path, cfg, device, dtype, fmt)
     else:
+        g = read_globals(path, cfg, dtype)
         embed = g["embed"].to(device)
         lm = embed if g["lm_head"] is g["embed"] else g["lm_head"].to(device)
         glob = Globals(embed=embed, norm=g["norm"].to(device), lm_head=lm)
-    del g
+        del g
     if head_ids is not None:
         if device.type != "cpu":
             raise SpecexecError("a reduced draft vocabulary is a CPU option (on a GPU the full lm_head is cheap)")
+        if fmt == "nf4":
+            raise SpecexecError("a reduced draft vocabulary needs a dense or int8 draft, not nf4")
         glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
         loaded = []
-        for _, w in iter_layers(path, cfg, torch.float32 if int8 else dtype):
-            if int8:
-                loaded.append({k: Int8Linear(t) if k in INT8_KEYS else t.to(dtype) for k, t in w.items()})
+        for _, w in iter_layers(path, cfg, torch.float32 if fmt == "int8" else dtype):
+            if fmt != "dense":
+                loaded.append(
+                    {
+                        k: quantize_weight(t, fmt, device, dtype) if k in INT8_KEYS else t.to(device, dtype)
+                        for k, t in w.items()
+                    }
+                )
             else:
                 loaded.append({k: t.to(device) for k, t in w.items()})
         layers = ResidentLayers(loaded)

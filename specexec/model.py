@@ -194,8 +194,10 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
     return w.rows(tokens)
 
 
-def _int8_kernel() -> str:
-    """The best int8 linear available in this torch build (see :class:`Int8Linear`)."""
+def _int8_kernel(device: torch.device | None = None) -> str:
+    """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
+    if device is not None and device.type == "cuda":
+        return "bnb"
     ops = getattr(torch.ops, "quantized", None)
     engines = torch.backends.quantized.supported_engines
     if ops is not None and hasattr(ops, "linear_dynamic") and ("fbgemm" in engines or "x86" in engines):
@@ -205,15 +207,23 @@ def _int8_kernel() -> str:
     return "dequant"
 
 
+INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb")
+
+
 class Int8Linear:
     """A linear weight (out, in) as int8 with one fp32 scale per output channel (symmetric, round to nearest).
 
-    ``linear(x)`` runs one of three CPU kernels (``kernel``; default the first available):
+    ``linear(x)`` runs one of four kernels (``kernel``; default: ``bnb`` for weights on CUDA, else the first
+    available CPU one):
 
     - ``dynamic``: fbgemm's ``quantized::linear_dynamic`` (activations quantized per pass to 8 bits as well, int8
       GEMM with fp32 accumulation; the fast AVX2/AVX512 path);
     - ``int8pack``: ``torch._weight_int8pack_mm`` (weight-only, what gpt-fast uses on CPU);
-    - ``dequant``: dequantize to ``x``'s dtype, then the dense :func:`linear`.
+    - ``dequant``: dequantize to ``x``'s dtype, then the dense :func:`linear`;
+    - ``bnb``: bitsandbytes' LLM.int8() matmul without outlier decomposition (threshold 0): activations quantized
+      row-wise to int8, an int8 GEMM (cuBLASLt on CUDA), rescaled by both absmax vectors. The weight's int8 codes
+      and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
+      through fp16 (bitsandbytes' CUDA quantizer takes fp16 only).
 
     Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
     slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
@@ -226,8 +236,8 @@ class Int8Linear:
         self.shape = tuple(w.shape)
         self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (out,) fp32
         self.qweight = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        self.kernel = kernel or _int8_kernel()
-        if self.kernel not in ("dynamic", "int8pack", "dequant"):
+        self.kernel = kernel or _int8_kernel(w.device)
+        if self.kernel not in INT8_KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}")
         self._packed: Any = None
 
@@ -259,8 +269,22 @@ class Int8Linear:
         out.kernel, out._packed = self.kernel, None
         return out
 
+    def to(self, device: torch.device) -> Int8Linear:
+        """The same int8 weight on ``device`` (the kernel re-chosen for it: ``bnb`` on CUDA)."""
+        out = Int8Linear.__new__(Int8Linear)
+        out.shape, out.qweight, out.scale = self.shape, self.qweight.to(device), self.scale.to(device)
+        out.kernel = self.kernel if device.type == self.qweight.device.type else _int8_kernel(device)
+        out._packed = None
+        return out
+
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype."""
+        if self.kernel == "bnb":
+            import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; imported once, then cached)
+
+            a = x.to(torch.float16) if x.device.type == "cuda" else x
+            qa, row_stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(a.contiguous())
+            return torch.ops.bitsandbytes.int8_scaled_mm(qa, self.qweight, row_stats, self.scale * 127.0, dtype=x.dtype)
         if self.kernel == "dynamic":
             y = torch.ops.quantized.linear_dynamic(x.float(), self._prepacked(), True)
             return y.to(x.dtype)

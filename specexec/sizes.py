@@ -29,7 +29,9 @@ from specexec.errors import SpecexecError
 from specexec.model import ModelConfig
 
 GB = 1e9
-NF4_BYTES_PER_PARAM = 0.5 + 4 / 64  # 4-bit codes + one fp32 absmax per 64-element block (bitsandbytes)
+NF4_BLOCKSIZE = 64  # values per NF4 absmax block (bitsandbytes' quantize_4bit, no nested quantization)
+NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCKSIZE  # 4-bit codes + one fp32 absmax per block
+WEIGHT_FORMATS = ("dense", "int8", "nf4")  # how a (draft) model's linears are held: see model_weight_bytes
 
 # safetensors dtype names -> bytes per element
 SAFETENSORS_DTYPE_BYTES = {
@@ -97,6 +99,37 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
     return int((n - small) * NF4_BYTES_PER_PARAM) + 2 * small
 
 
+def _linear_bytes(out: int, inp: int, fmt: str) -> int:
+    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, or NF4 codes (two a byte)
+    + one fp32 absmax per block."""
+    n = out * inp
+    if fmt == "int8":
+        return n + 4 * out
+    return (n + 1) // 2 + 4 * -(-n // NF4_BLOCKSIZE)
+
+
+def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
+    """Resident bytes of a whole model as :func:`specexec.loading.load_model` holds it, computing at ``itemsize``.
+
+    ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
+    fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4.
+    An untied embedding (and NF4's tied one) stays dense. Norms and biases stay at ``itemsize``. Exact for what
+    the loader allocates (a test checks).
+    """
+    if fmt == "dense":
+        return param_count(cfg) * itemsize
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}")
+    d, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    linears = ((q + 2 * kv, d), (d, q), (2 * cfg.intermediate_size, d), (d, cfg.intermediate_size))
+    small = 2 * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    layer = sum(_linear_bytes(o, i, fmt) for o, i in linears) + small * itemsize
+    head = _linear_bytes(v, d, fmt)
+    embed = 0 if fmt == "int8" and cfg.tie_word_embeddings else v * d * itemsize
+    return cfg.num_layers * layer + head + embed + d * itemsize
+
+
 @dataclass(frozen=True)
 class StoredWeights:
     """What a safetensors checkpoint holds, from its headers: elements and bytes per stored dtype."""
@@ -117,10 +150,16 @@ class StoredWeights:
         """The dtype most elements are stored in (``F32``, ``BF16``, ``F16``...)."""
         return max(self.numel, key=lambda k: self.numel[k]) if self.numel else "?"
 
-    def resident_bytes(self, itemsize: int, cfg: ModelConfig | None = None) -> int:
+    def resident_bytes(self, itemsize: int, cfg: ModelConfig | None = None, fmt: str = "dense") -> int:
         """Bytes the weights take once loaded at ``itemsize`` bytes an element (whatever they are stored in),
         plus one transient tensor copy while casting. With ``cfg`` the count is the model's own parameters (a
-        checkpoint of tied embeddings may also store the lm_head copy, which the loader does not keep)."""
+        checkpoint of tied embeddings may also store the lm_head copy, which the loader does not keep).
+        ``fmt`` int8 / nf4 (needs ``cfg``): :func:`model_weight_bytes` plus the largest tensor read in fp32
+        before it is quantized."""
+        if fmt != "dense":
+            if cfg is None:
+                raise ValueError("a low-bit weight count needs the model's config")
+            return model_weight_bytes(cfg, fmt, itemsize) + self.largest * 4
         params = min(self.params, param_count(cfg)) if cfg is not None else self.params
         return params * itemsize + self.largest * itemsize
 
@@ -338,3 +377,32 @@ def engine_memory(
         kv += kv_bytes(draft, context, draft_itemsize)
     step = step_buffers(target, draft, context, tree, chain, target_itemsize, draft_itemsize)
     return EngineMemory(weights=weights, kv_context=kv, step=step)
+
+
+@dataclass(frozen=True)
+class PlanReservations:
+    """What an offloaded target's memory plan (:func:`offload.plan.make_plan`) leaves room for on the GPU before
+    placing target layers, as :func:`specexec.api.load` charges it."""
+
+    draft_bytes: int  # the resident draft's weights (its format's bytes: dense, int8 or nf4)
+    kv_bytes: int  # both KV caches + the step's buffers other than the target's logits and activations
+    max_tokens: int  # rows of the largest target pass (the plan sizes its workspace for it)
+
+
+def plan_reservations(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    context: int,
+    target_itemsize: int,
+    draft_itemsize: int,
+    tree: TreeConfig,
+    draft_weights: int | None = None,
+) -> PlanReservations:
+    """:class:`PlanReservations` for these configs (the plan counts the target's own logits and activations in
+    its workspace). ``draft_weights``: the draft's resident bytes (e.g. :func:`model_weight_bytes` of a low-bit
+    draft); None: its parameters at ``draft_itemsize``."""
+    est = engine_memory(
+        target, draft, context, target_itemsize, draft_itemsize, tree, target_weights=0, draft_weights=draft_weights
+    )
+    others = est.total - est.weights - est.step.logits - est.step.target_activations
+    return PlanReservations(est.weights, others, min(step_room(tree) - 1, tree.verify_chunk))

@@ -121,8 +121,9 @@ def draft() -> Any:
         None,
         "--draft",
         "-d",
-        help=f"Draft model (alias, HF id or path); 'none' for no draft (plain decoding). Default: {DEMO_DRAFT} "
-        "with the default target, else none.",
+        help=f"Draft model (alias, HF id or path); 'none' for no draft (plain decoding); 'self' for the target's "
+        f"own weights in low bit (int8 on a CPU, nf4 on a GPU). Default: {DEMO_DRAFT} with the default target, "
+        "else none.",
     )
 
 
@@ -143,7 +144,8 @@ def draft_dtype() -> Any:
     return typer.Option(
         None,
         "--draft-dtype",
-        help="Draft dtype (default: --dtype): auto, fp32, bf16, fp16, or int8 (int8 weights; CPU only).",
+        help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU): auto, fp32, bf16, "
+        "fp16, or the low-bit weights int8 (CPU and GPU) and nf4 (GPU; bitsandbytes).",
     )
 
 
@@ -357,9 +359,11 @@ def model_options(
         raise ConfigError("context", context_, "must be >= 8 tokens")
     _check_dtype_names(dtype_, draft_dtype_)
     vocab = draft_vocab_size(draft_vocab_)
+    draft_name = resolve_draft(target_, draft_, method_)
+    _check_self_draft(draft_name, draft_dtype_)
     return ModelOptions(
         target=target_,
-        draft=resolve_draft(target_, draft_, method_),
+        draft=draft_name,
         device=device_,
         dtype=dtype_,
         draft_dtype=draft_dtype_,
@@ -390,7 +394,7 @@ def draft_vocab_size(value: str | None) -> int | None:
 
 
 TARGET_DTYPES = ("auto", "fp32", "bf16", "fp16")
-DRAFT_DTYPES = (*TARGET_DTYPES, "int8")
+DRAFT_DTYPES = (*TARGET_DTYPES, "int8", "nf4")
 
 
 def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
@@ -399,6 +403,14 @@ def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
         raise ConfigError("dtype", dtype_, f"must be one of {', '.join(TARGET_DTYPES)} (int8 is for --draft-dtype)")
     if draft_dtype_ is not None and draft_dtype_ not in DRAFT_DTYPES:
         raise ConfigError("draft_dtype", draft_dtype_, f"must be one of {', '.join(DRAFT_DTYPES)}")
+
+
+def _check_self_draft(draft_: str | None, draft_dtype_: str | None) -> None:
+    """``--draft self`` is the target in low bit: a dense ``--draft-dtype`` is refused before anything loads."""
+    from specexec.loading import SELF_DRAFT, check_self_draft_dtype
+
+    if draft_ == SELF_DRAFT:
+        check_self_draft_dtype(draft_dtype_)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
