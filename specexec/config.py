@@ -35,8 +35,13 @@ class TreeConfig:
     # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft,
     # off on a GPU (measured: +15-35 % tok/s on the CPU; on H100 costs it cut code acceptance, see BENCHMARKS.md)
     early_stop: bool | None = None
+    # start each tree from the subtree the last one grew under the accepted path + bonus token (its nodes and draft
+    # keys/values), instead of from the root alone: saves draft passes, never changes the output
+    reuse: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reuse, bool):
+            raise ConfigError("TreeConfig.reuse", self.reuse, "must be True or False")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")
