@@ -144,6 +144,7 @@ class Tree:
         out = Tree(int(self.tokens[node]), m, self.device)
         remap = torch.full((self.size,), -1, dtype=torch.long, device=self.device)
         remap[idx] = torch.arange(m, device=self.device)
+        out.tokens[:] = self.tokens[idx]
         out.parents[1:] = remap[self.parents[idx[1:]]]
         out.depth[:] = self.depth[idx] - self.depth[node]
         out.logp[:] = self.logp[idx] - self.logp[node]

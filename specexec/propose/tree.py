@@ -189,10 +189,11 @@ class TreeDraft:
         return t
 
     def _restart(self, start: Tree, capacity: int, cfg: TreeConfig, budget: int) -> Tree:
-        """The carried subtree as the start of this step's tree: pruned to ``budget``, plus the children its
-        expanded nodes proposed that it lacks (pruned under the old budget) where they now enter the top."""
+        """The carried subtree as the start of this step's tree: pruned to ``budget`` (expanded nodes kept), plus
+        the children its expanded nodes proposed that it lacks (pruned under the old budget) where they now enter
+        the top."""
         if start.size - 1 > budget:
-            start.keep(start.top_k_mask(budget))
+            start.keep(start.top_k_mask(budget) | (start.draft_slot[: start.size] >= 0))
         tree = start.resized(capacity)
         assert self._cand_v is not None and self._cand_t is not None
         exp = (tree.draft_slot[: tree.size] >= 0).nonzero().squeeze(1)  # (k,) expanded nodes, the root first
@@ -237,12 +238,14 @@ class TreeDraft:
         n = len(seq) - 1
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
-        keep_all = cfg.reuse  # keep every grown node (the budget's pruning only chooses what is verified)
-        if keep_all:  # each expansion level adds at most ``budget`` nodes
+        # reuse: pruning keeps every expanded node too (their keys/values are in the draft cache; their other
+        # children are remembered by slot), so the next step can start from any of them; only the best ``budget``
+        # are verified. Expanded nodes outside the top are never open again, so growth itself is unchanged.
+        keep_all = cfg.reuse
+        capacity = 2 * budget + 1 + extra  # live nodes + at most budget candidates (+ n-grams)
+        if keep_all:
             self._ensure_cands(cfg)
-            capacity = 1 + budget * (cfg.max_depth + 1)
-        else:
-            capacity = 2 * budget + 1 + extra  # live nodes + at most budget candidates (+ n-grams)
+            capacity += 1 + cfg.max_depth * cfg.max_beams + (start.size if start is not None else 0)
         self.reused_nodes = self.reused_passes = 0
         if start is None:
             tree = Tree(seq[-1], capacity, dev)
@@ -319,8 +322,8 @@ class TreeDraft:
         tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int, prune: bool = True
     ) -> None:
         """Add the proposed children (k, B) of ``parents`` (their draft log-probs ``vals``, tokens ``toks``) that
-        can enter the top ``budget``; with ``prune``, drop the nodes outside the top ``budget`` (without, they stay:
-        they are below the budget-th best, so they are never expanded, only never verified)."""
+        can enter the top ``budget``; drop the other nodes outside the top ``budget``, except (``prune`` False) the
+        expanded ones (below the budget-th best they are never open again: growth is the same)."""
         cum = tree.logp[parents][:, None] + vals  # (k, B)
         par = parents[:, None].expand_as(toks)
         cum, toks, par = cum.reshape(-1), toks.reshape(-1), par.reshape(-1)
@@ -333,5 +336,8 @@ class TreeDraft:
             cum, toks, par = cum[best], toks[best], par[best]
         if cum.numel():
             tree.add(par, toks, cum)
-        if prune and tree.size - 1 > budget:
-            tree.keep(tree.top_k_mask(budget))
+        if tree.size - 1 > budget:
+            keep = tree.top_k_mask(budget)
+            if not prune:  # and every expanded node (closed under ancestry: an expanded node's ancestors were)
+                keep |= tree.draft_slot[: tree.size] >= 0
+            tree.keep(keep)
