@@ -162,14 +162,13 @@ def test_carried_subtree_is_dropped_when_it_does_not_apply(noisy_pairs):
 
 
 # -- exactness through the engine --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_with_reuse_equals_ar(engines, family):
-    """Many budgets and tree shapes, with and without n-gram merging, limits that cut a step."""
-    e = engines[family]
+def test_greedy_with_reuse_equals_ar(engines):
+    """Every family, many budgets and tree shapes, with and without n-gram merging, limits that cut a step."""
     reused = 0
-    for ids in PROMPTS:
+    for family, ids in ((f, ids) for f in FAMILIES for ids in PROMPTS):
+        e = engines[family]
         ref = _ar(e, ids, 40)
-        for budget, beams in ((4, 2), (16, 4), (16, 8), (64, 16)):
+        for budget, beams in ((4, 2), (16, 4), (64, 16)):
             for ngram in (None, NGramConfig()):
                 for n in (40, 13):
                     e.reset()
@@ -228,11 +227,11 @@ def test_sampling_with_reuse_follows_the_target(tmp_path_factory):
     P = ts.truncate_at_eos(ts.joint(table, samp))
     tree = TreeConfig(budget=8, max_beams=2, **DEEP)
     out, reused, mismatched = [], 0, 0
-    for s in range(1500):
+    for s in range(1000):
         cfg = replace(samp, seed=s)
         r = e.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=tree)
         reused += r.stats.reused_nodes
-        if s < 300:
+        if s < 200:
             mismatched += r.tokens != e.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
         t = r.tokens
         out.append(tuple(t[: t.index(ts.EOS) + 1]) if ts.EOS in t[: ts.NEW] else tuple(t[: ts.NEW]))

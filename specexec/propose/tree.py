@@ -318,9 +318,7 @@ class TreeDraft:
         self._add_children(tree, parents, vals, toks, budget, prune)
 
     @staticmethod
-    def _add_children(
-        tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int, prune: bool = True
-    ) -> None:
+    def _add_children(tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int, prune: bool = True) -> None:
         """Add the proposed children (k, B) of ``parents`` (their draft log-probs ``vals``, tokens ``toks``) that
         can enter the top ``budget``; drop the other nodes outside the top ``budget``, except (``prune`` False) the
         expanded ones (below the budget-th best they are never open again: growth is the same)."""
