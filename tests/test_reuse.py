@@ -168,7 +168,7 @@ def test_greedy_with_reuse_equals_ar(engines):
     for family, ids in ((f, ids) for f in FAMILIES for ids in PROMPTS):
         e = engines[family]
         ref = _ar(e, ids, 40)
-        for budget, beams in ((4, 2), (16, 4), (64, 16)):
+        for budget, beams in ((4, 2), (16, 8), (64, 16)):
             for ngram in (None, NGramConfig()):
                 for n in (40, 13):
                     e.reset()
