@@ -54,6 +54,8 @@ class Stats:
     draft_passes: int = 0
     early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
     trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
+    reused_nodes: int = 0  # specexec: tree nodes carried over from the previous step's tree (subtree reuse)
+    reused_passes: int = 0  # specexec: draft passes those carried-over parts stood for
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
@@ -223,6 +225,8 @@ def decode(
             stats.steps += 1
             stats.draft_passes += prop.passes
             stats.early_stops += prop.stopped_early
+            stats.reused_nodes += prop.reused
+            stats.reused_passes += prop.reused_passes
             if prop.beams:
                 stats.tree_shapes.append(prop.beams)
             policy.update(

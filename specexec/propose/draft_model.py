@@ -3,6 +3,11 @@
 Cache slots: the committed sequence occupies slots [0, n); the root (pending token) sits at slot n; the nodes a
 proposer expands get slots n+1, n+2, ... (pruned nodes leave unused slots behind, harmless: no mask row points at
 them). ``tokens`` are the committed tokens whose keys/values are in the cache (a prefix of the sequence).
+
+Subtree reuse (:class:`~specexec.propose.tree.TreeDraft`): :meth:`commit` may also carry the entries of a grown
+subtree (its root = the next pending token, then its expanded nodes) to slots n', n'+1, ... right behind the new
+committed prefix, so the next tree starts from them without a draft pass. ``epoch`` counts every change of the
+cache by anything else, so a proposer can tell that the entries it left behind are still there.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class DraftModel:
         self.cache: KVCache = model.new_cache(capacity + 1)
         self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
         self._tokens: list[int] = []
+        self.epoch = 0  # bumped by every pass and every change of the committed prefix
         use = model.device.type == "cuda" if static is None else static
         self.static = StaticPasses(model, self.cache, static_rows) if use else None
 
@@ -60,6 +66,7 @@ class DraftModel:
 
     def forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
         """One draft pass (static/graphed when it fits a bucket, else eager). Returns logits (T, V) fp32."""
+        self.epoch += 1
         tokens = self._in_vocab(tokens)
         if self.static is not None and tokens.shape[0] <= self.static.max_rows:
             out = self.static.forward(tokens, pos, slots, mask)
@@ -78,11 +85,15 @@ class DraftModel:
 
     # -- the committed prefix -------------------------------------------------------------------------------------
     def reset(self) -> None:
+        self.epoch += 1
         self._tokens = []
 
     def keep_prefix(self, seq: list[int]) -> None:
         """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
-        del self._tokens[_lcp(self._tokens, seq[:-1]) :]
+        keep = _lcp(self._tokens, seq[:-1])
+        if keep < len(self._tokens):
+            self.epoch += 1
+            del self._tokens[keep:]
 
     def prefill(self, seq: list[int]) -> None:
         """Process every committed token except the pending last one."""
@@ -90,6 +101,7 @@ class DraftModel:
         m, n = self.length, len(seq) - 1
         if m >= n:
             return
+        self.epoch += 1
         dev = self.device
         pos = torch.arange(m, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
@@ -104,6 +116,7 @@ class DraftModel:
         Afterwards seq[:n] is committed in the cache and the root's keys/values sit at slot n (uncommitted).
         """
         self.keep_prefix(seq)
+        self.epoch += 1
         m, n = self.length, len(seq) - 1
         dev = self.device
         toks = torch.tensor(seq[m:], dtype=torch.long, device=dev)
@@ -113,10 +126,17 @@ class DraftModel:
         self._tokens = list(seq[:n])
         return logits
 
-    def commit(self, slots: list[int], seq: list[int]) -> None:
+    def commit(self, slots: list[int], seq: list[int], carry: list[int] | None = None) -> bool:
         """After acceptance: ``slots`` are the draft slots of the accepted path's nodes, root first (-1 where a node
         was never run through the draft). The root is at slot n = len(prefix) already; the run of accepted nodes
-        that were run moves to slots n+1, n+2, ...; ``seq`` is the committed sequence now."""
+        that were run moves to slots n+1, n+2, ...; ``seq`` is the committed sequence now.
+
+        ``carry``: slots of a subtree below the path (its root first: the new pending token seq[-1]) to move right
+        behind the new prefix, to slots n', n'+1, ... (n' = len(seq) - 1). Only done when every path node was run
+        and the path's tokens are all committed (no cut at EOS / the limit): then returns True, else False (the
+        carried entries are dropped). One gather, so overlapping sources and destinations are safe.
+        """
+        self.epoch += 1
         n = self.length
         kept: list[int] = []
         for s in slots:
@@ -124,7 +144,10 @@ class DraftModel:
                 break
             kept.append(s)
         if not kept:
-            return
-        self.cache.compact(torch.tensor(kept[1:], dtype=torch.long), n + 1)
+            return False
         new_len = min(n + len(kept), len(seq) - 1)
+        move = carry is not None and len(kept) == len(slots) and n + len(kept) == len(seq) - 1 and len(carry) > 0
+        src = kept[1:] + (list(carry) if move and carry is not None else [])
+        self.cache.compact(torch.tensor(src, dtype=torch.long), n + 1)
         self._tokens = list(seq[:new_len])
+        return move

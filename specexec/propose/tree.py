@@ -17,6 +17,16 @@ only when even the best case is not worth a pass. Any tree is verified exactly, 
 With an :class:`~specexec.propose.ngram.NGramDraft` attached, the prompt-lookup continuations are merged into the
 grown tree as extra branches (nodes the draft did not propose), so a repeated passage is verified even where the
 draft doubts it.
+
+Subtree reuse (``TreeConfig.reuse``, on by default). When the target accepts the path root→...→a and adds its
+own bonus token b, and the draft had grown and expanded a child c of a carrying b, the subtree under c is a
+best-first tree below the next pending token already: ``commit`` keeps it (re-based: c becomes the root with
+depth 0 and log-prob 0; n-gram nodes dropped, they are merged afresh each step) and moves its draft keys/values
+right behind the new committed prefix (c at slot n', its expanded descendants at n'+1, ...; see
+:meth:`DraftModel.commit`). The next ``propose`` starts growth from it, skipping the root's catch-up pass: the
+top children every expanded node proposed are remembered (by draft slot), so those the old budget pruned can
+enter the new tree, which is then exactly what best-first growth with the same expansions would hold. A tree
+that is already full may need no draft pass at all. Any tree is verified exactly, so reuse only moves speed.
 """
 
 from __future__ import annotations
@@ -59,22 +69,37 @@ class TreeDraft:
 
     def __init__(self, draft: DraftModel, cfg: TreeConfig, ngram: NGramDraft | None = None) -> None:
         self.draft, self.cfg, self.ngram = draft, cfg, ngram
+        self._next: Tree | None = None  # the subtree carried to the next step (root = its pending token)
+        self._next_epoch = -1  # the draft cache's epoch right after the carried entries were placed
+        # the last proposal: (its tree, k: its nodes [0, k) were grown (the rest merged in), the full grown tree
+        # including what the budget pruned, (k,) index of each grown proposal node in the full tree)
+        self._grown: tuple[Tree, int, Tree, Tensor] | None = None
+        # per draft slot of an expanded node: its top ``max_branch`` children (draft log-prob, token)
+        self._cand_v: Tensor | None = None
+        self._cand_t: Tensor | None = None
+        self._full: tuple[Tree, Tensor] | None = None  # set by grow with reuse: (full tree, index of kept nodes)
+        self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
+        self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
 
     def max_nodes(self) -> int:
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         return self.cfg.largest + extra
 
     def begin(self, seq: list[int]) -> None:
+        self._next = None
         self.draft.prefill(seq)
         if self.ngram is not None:
             self.ngram.begin(seq)
 
     def reset(self) -> None:
+        self._next = None
         self.draft.reset()
         if self.ngram is not None:
             self.ngram.reset()
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
+        start = self._take(seq)  # the subtree the last step carried over, if it still applies
+        self._grown = None
         if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
             if self.ngram is None:
                 return Proposal(Tree(seq[-1], 1, self.draft.device), budget=0, source=self.name)
@@ -83,43 +108,160 @@ class TreeDraft:
             return prop
         cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
         tree, passes, beams, early = self.grow(
-            seq, replace(self.cfg, budget=ctx.budget), ctx.logprobs or default_logprobs, cost
+            seq, replace(self.cfg, budget=ctx.budget), ctx.logprobs or default_logprobs, cost, start=start
         )
+        if self._full is not None:
+            self._grown = (tree, tree.size, *self._full)
+        self._full = None
         if self.ngram is not None:
             self.ngram.merge_into(tree, seq)
-        return Proposal(tree, passes=passes, beams=beams, stopped_early=early, budget=ctx.budget, source=self.name)
+        return Proposal(
+            tree,
+            passes=passes,
+            beams=beams,
+            stopped_early=early,
+            budget=ctx.budget,
+            source=self.name,
+            reused=self.reused_nodes,
+            reused_passes=self.reused_passes,
+        )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
-        if proposal.passes == 0:  # no draft pass ran: the draft cache catches up at its next proposal
+        self._next = None
+        tree = proposal.tree
+        if int(tree.draft_slot[0]) < 0:  # no draft pass ran: the draft cache catches up at its next proposal
             if self.ngram is not None:
                 self.ngram.commit(proposal, path, seq)
             return
-        slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()
-        self.draft.commit(slots, seq)
+        slots = tree.draft_slot[torch.tensor(path, device=tree.device)].tolist()
+        c = self._carried_child(tree, path, seq)
+        sub, carry = None, None
+        if c is not None and self._grown is not None:
+            sub = self._grown[2].subtree(c)
+            carry = sub.draft_slot[: sub.size][sub.draft_slot[: sub.size] >= 0]  # (m,) root first: it was expanded
+        moved = self.draft.commit(slots, seq, carry.tolist() if carry is not None else None)
+        if moved and sub is not None and carry is not None:
+            n1 = len(seq) - 1
+            new = torch.arange(n1, n1 + carry.shape[0], device=carry.device)
+            if self._cand_v is not None and self._cand_t is not None:  # gathered first: overlaps are safe
+                self._cand_v[new] = self._cand_v[carry]
+                self._cand_t[new] = self._cand_t[carry]
+            live = sub.draft_slot[: sub.size]
+            live[live >= 0] = new
+            self._next, self._next_epoch = sub, self.draft.epoch
         if self.ngram is not None:
             self.ngram.commit(proposal, path, seq)
 
+    # -- reuse ------------------------------------------------------------------------------------------------------
+    def _carried_child(self, tree: Tree, path: list[int], seq: list[int]) -> int | None:
+        """The node of the grown tree (all the draft grew, :attr:`_grown`) that is an expanded child of the path's
+        last node carrying the bonus token seq[-1], when the step's tokens were committed whole (no cut at EOS /
+        the limit); else None. The verified tree never holds it (the walk would have moved there): it is a node
+        the budget pruned after the draft had expanded it."""
+        if not self.cfg.reuse or self._grown is None or self._grown[0] is not tree:
+            return None
+        n = self.draft.length  # the root's position (before this commit)
+        if int(tree.draft_slot[0]) != n or len(seq) != n + len(path) + 1:
+            return None
+        if seq[n : n + len(path)] != tree.tokens[torch.tensor(path, device=tree.device)].tolist():
+            return None
+        _, grown, full, index = self._grown
+        if path[-1] >= grown:  # an n-gram node: nothing was grown below it
+            return None
+        a = int(index[path[-1]])  # the path's last node in the full tree
+        n_full = full.size
+        hit = ((full.parents[:n_full] == a) & (full.tokens[:n_full] == seq[-1])).nonzero()
+        if hit.numel() == 0:
+            return None
+        c = int(hit[0, 0])
+        return c if int(full.draft_slot[c]) >= 0 else None
+
+    def _take(self, seq: list[int]) -> Tree | None:
+        """The carried subtree if it still belongs below ``seq`` (same pending token, draft cache untouched)."""
+        t, self._next = self._next, None
+        if t is None or not self.cfg.reuse or self.draft.epoch != self._next_epoch:
+            return None
+        n = len(seq) - 1
+        if int(t.tokens[0]) != seq[-1] or int(t.draft_slot[0]) != n or self.draft.length != n:
+            return None
+        if self.draft.tokens != seq[:-1]:
+            return None
+        return t
+
+    def _restart(self, start: Tree, capacity: int, cfg: TreeConfig, budget: int) -> Tree:
+        """The carried subtree as the start of this step's tree: pruned to ``budget`` (expanded nodes kept), plus
+        the children its expanded nodes proposed that it lacks (pruned under the old budget) where they now enter
+        the top."""
+        if start.size - 1 > budget:
+            start.keep(start.top_k_mask(budget) | (start.draft_slot[: start.size] >= 0))
+        tree = start.resized(capacity)
+        assert self._cand_v is not None and self._cand_t is not None
+        exp = (tree.draft_slot[: tree.size] >= 0).nonzero().squeeze(1)  # (k,) expanded nodes, the root first
+        vals = self._cand_v[tree.draft_slot[exp]]  # (k, B)
+        toks = self._cand_t[tree.draft_slot[exp]]
+        if tree.size > 1:  # children already in the tree are not added twice
+            row = torch.full((tree.size,), -1, dtype=torch.long, device=tree.device)
+            row[exp] = torch.arange(exp.shape[0], device=tree.device)
+            r = row[tree.parents[1 : tree.size]]  # every grown node's parent was expanded
+            eq = (toks[r] == tree.tokens[1 : tree.size, None]).float()  # (N-1, B)
+            present = torch.zeros_like(vals).index_add_(0, r, eq) > 0
+            vals = vals.masked_fill(present, float("-inf"))
+        self._add_children(tree, exp, vals, toks, budget, prune=False)
+        return tree
+
+    def _ensure_cands(self, cfg: TreeConfig) -> None:
+        branch = min(cfg.max_branch, self.draft.model.cfg.vocab_size)
+        rows = self.draft.usable + 1
+        if self._cand_v is None or self._cand_v.shape != (rows, branch):
+            dev = self.draft.device
+            self._cand_v = torch.full((rows, branch), float("-inf"), device=dev)
+            self._cand_t = torch.zeros((rows, branch), dtype=torch.long, device=dev)
+
     # -- growth -----------------------------------------------------------------------------------------------------
     def grow(
-        self, seq: list[int], cfg: TreeConfig, logprobs=default_logprobs, cost: GrowCost | None = None
+        self,
+        seq: list[int],
+        cfg: TreeConfig,
+        logprobs=default_logprobs,
+        cost: GrowCost | None = None,
+        start: Tree | None = None,
     ) -> tuple[Tree, int, list[int], bool]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
         ``cost`` enables the early stop (when ``cfg.early_stop``, by default on a CPU only); None grows up to
-        ``max_depth`` levels. Returns (tree, draft passes, tokens per pass, stopped early).
+        ``max_depth`` levels. ``start``: a carried subtree rooted at seq[-1] whose expanded nodes' draft entries are
+        in the cache (see :meth:`commit`); growth continues from it without the root's pass. Returns (tree, draft
+        passes, tokens per pass, stopped early); ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
         d = self.draft
         dev = d.device
         n = len(seq) - 1
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
-        tree = Tree(seq[-1], 2 * budget + 1 + extra, dev)  # live nodes + at most budget candidates (+ n-grams)
-        beams_log = [len(seq) - d.length]
-        root_lq = logprobs(d.catch_up(seq))  # (1, V)
-        passes = 1
-        tree.draft_slot[0] = n
-        next_slot = n + 1
-        self._add_children(tree, torch.zeros(1, dtype=torch.long, device=dev), root_lq, cfg, budget)
+        # reuse: pruning keeps every expanded node too (their keys/values are in the draft cache; their other
+        # children are remembered by slot), so the next step can start from any of them; only the best ``budget``
+        # are verified. Expanded nodes outside the top are never open again, so growth itself is unchanged.
+        keep_all = cfg.reuse
+        capacity = 2 * budget + 1 + extra  # live nodes + at most budget candidates (+ n-grams)
+        if keep_all:
+            self._ensure_cands(cfg)
+            capacity += 1 + cfg.max_depth * cfg.max_beams + (start.size if start is not None else 0)
+        self.reused_nodes = self.reused_passes = 0
+        if start is None:
+            tree = Tree(seq[-1], capacity, dev)
+            beams_log = [len(seq) - d.length]
+            root_lq = logprobs(d.catch_up(seq))  # (1, V)
+            passes = 1
+            tree.draft_slot[0] = n
+            next_slot = n + 1
+            self._expand(tree, torch.zeros(1, dtype=torch.long, device=dev), root_lq, cfg, budget, not keep_all)
+        else:
+            expanded = start.draft_slot[: start.size] >= 0
+            self.reused_passes = int(start.depth[: start.size][expanded].unique().numel())
+            tree = self._restart(start, capacity, cfg, budget)
+            self.reused_nodes = tree.size - 1
+            beams_log, passes = [], 0
+            next_slot = int(tree.draft_slot[: tree.size].max()) + 1
         early = cfg.early_stop if cfg.early_stop is not None else dev.type == "cpu"
         stop = cost if early else None
         stopped = False
@@ -149,7 +291,11 @@ class TreeDraft:
             lq = logprobs(d.forward(tree.tokens[beams], pos, slots, mask))  # (k, V)
             passes += 1
             beams_log.append(k)
-            self._add_children(tree, beams, lq, cfg, budget)
+            self._expand(tree, beams, lq, cfg, budget, not keep_all)
+        if keep_all:  # the proposal: the best ``budget``; the whole tree stays for the next step's reuse
+            out, index = tree.select(tree.top_k_mask(budget), budget + 1 + extra)
+            self._full = (tree, index)
+            return out, passes, beams_log, stopped
         tree.keep(tree.top_k_mask(budget))
         return tree, passes, beams_log, stopped
 
@@ -160,11 +306,22 @@ class TreeDraft:
         mask[:, :n] = True
         return tree.ancestor_slots(rows, length, base=mask)
 
-    @staticmethod
-    def _add_children(tree: Tree, parents: Tensor, lq: Tensor, cfg: TreeConfig, budget: int) -> None:
-        """Propose each parent's top ``max_branch`` children; add those that can enter the top ``budget``; prune."""
+    def _expand(self, tree: Tree, parents: Tensor, lq: Tensor, cfg: TreeConfig, budget: int, prune: bool) -> None:
+        """The draft's log-probs ``lq`` (k, V) at the just-expanded ``parents``: propose each one's top
+        ``max_branch`` children (remembered by draft slot when reuse is on)."""
         branch = min(cfg.max_branch, lq.shape[-1])
         vals, toks = torch.topk(lq, branch, dim=-1)  # (k, B)
+        if self._cand_v is not None and self._cand_t is not None and self._cand_v.shape[1] == branch:
+            slots = tree.draft_slot[parents]
+            self._cand_v[slots] = vals
+            self._cand_t[slots] = toks
+        self._add_children(tree, parents, vals, toks, budget, prune)
+
+    @staticmethod
+    def _add_children(tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int, prune: bool = True) -> None:
+        """Add the proposed children (k, B) of ``parents`` (their draft log-probs ``vals``, tokens ``toks``) that
+        can enter the top ``budget``; drop the other nodes outside the top ``budget``, except (``prune`` False) the
+        expanded ones (below the budget-th best they are never open again: growth is the same)."""
         cum = tree.logp[parents][:, None] + vals  # (k, B)
         par = parents[:, None].expand_as(toks)
         cum, toks, par = cum.reshape(-1), toks.reshape(-1), par.reshape(-1)
@@ -178,4 +335,7 @@ class TreeDraft:
         if cum.numel():
             tree.add(par, toks, cum)
         if tree.size - 1 > budget:
-            tree.keep(tree.top_k_mask(budget))
+            keep = tree.top_k_mask(budget)
+            if not prune:  # and every expanded node (closed under ancestry: an expanded node's ancestors were)
+                keep |= tree.draft_slot[: tree.size] >= 0
+            tree.keep(keep)
