@@ -262,9 +262,12 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
 @dataclass
 class VerifyCosts:
     """The target's verification seconds by tree size (tokens in the pass, root included), for a compute-bound
-    verifier: a prior (a short calibration, cached per machine) corrected by an EMA of every step's measured
-    time at its size. ``at(size)`` interpolates over the known sizes, never decreasing with size."""
+    verifier. ``prior``: a short calibration (cached per machine); ``seconds``: EMAs of what steps measured at
+    each size. A size measured online uses its EMA; any other size uses the prior's curve scaled by the median
+    measured/prior ratio, so a calibration taken while the machine was busy (or idle) is corrected everywhere by
+    the steps, not only at the sizes the policy happens to verify. ``at(size)`` never decreases with size."""
 
+    prior: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     alpha: float = 0.2
 
@@ -272,19 +275,33 @@ class VerifyCosts:
         if size < 1 or sec <= 0:
             return
         old = self.seconds.get(size)
-        if old is None:  # first sight of this size: start from the curve's value there, if any
-            prior = self.at(size) if len(self.seconds) >= 2 else None
-            old = sec if prior is None else prior
-        self.seconds[size] = _ema(old, sec, self.alpha)
+        self.seconds[size] = sec if old is None else _ema(old, sec, self.alpha)
+
+    def scale(self) -> float:
+        """Median measured / prior ratio over the sizes measured online (1.0 when none)."""
+        if not self.prior:
+            return 1.0
+        pts = _monotone(self.prior)
+        ratios = sorted(v / interp(pts, k) for k, v in self.seconds.items())
+        return ratios[len(ratios) // 2] if ratios else 1.0
+
+    def known(self) -> bool:
+        """Enough to draw a curve: a prior, or online measurements at two sizes or more."""
+        return bool(self.prior) or len(self.seconds) >= 2
+
+    def points(self) -> dict[int, float]:
+        pts = {k: v * self.scale() for k, v in self.prior.items()}
+        pts.update(self.seconds)
+        return _monotone(pts)
 
     def at(self, size: int) -> float | None:
-        if not self.seconds:
+        if not self.prior and not self.seconds:
             return None
-        return interp(_monotone(self.seconds), size)
+        return interp(self.points(), size)
 
     def curve(self, sizes: int) -> list[float]:
-        """Seconds at sizes 1..``sizes`` (requires at least one measurement)."""
-        pts = _monotone(self.seconds)
+        """Seconds at sizes 1..``sizes`` (requires a prior or a measurement)."""
+        pts = self.points()
         return [interp(pts, k) for k in range(1, sizes + 1)]
 
 
@@ -318,6 +335,7 @@ class AdaptiveBudget:
     max_depth: int = 32
     verify: VerifyCosts = field(default_factory=VerifyCosts)  # for trimming proposals by value
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
+    _exploring: bool = False  # this step tries an arm other than the best measured one
     _stats: dict[int, _Arm] = field(default_factory=dict)
     _step: int = 0
     _current: int | None = None
@@ -354,6 +372,7 @@ class AdaptiveBudget:
             if untried:
                 choice = untried[0]
         self._stats[choice].last = self._step
+        self._exploring = choice != best
         self._current = choice
         self.history.append(choice)
         return choice
@@ -367,9 +386,10 @@ class AdaptiveBudget:
         probability exp(logp_i), scaled by the measured actual/predicted acceptance), R the measured tokens/s
         (what a second of verification is worth elsewhere) and verify_s the measured cost of verifying that many
         tokens. On a compute-bound verifier a long tail of unlikely nodes (e.g. weak n-gram matches) costs more
-        than it returns; k = 0 is a plain AR step. Needs cost measurements at two sizes or more (else no trim)."""
+        than it returns; k = 0 is a plain AR step. No trim without a cost curve, nor on exploration steps (they
+        also keep the cost curve measured at the sizes trimming would avoid)."""
         n = tree.size - 1
-        if n <= 0 or self._rate is None or len(self.verify.seconds) < 2:
+        if n <= 0 or self._rate is None or not self.verify.known() or self._exploring:
             return 0
         probs = torch.sort(tree.logp[1 : tree.size], descending=True).values.exp().mul_(self.costs.acc_scale)
         gains = [0.0, *torch.cumsum(probs, 0).tolist()]

@@ -42,7 +42,7 @@ ONE_ROW_SLACK = 1.15  # ... and its one-row cost <= this multiple of fp32's
 TRANSPOSE_GAIN = 0.9  # bf16 uses ``w @ x.T`` for 8..48 rows when that is at most this fraction of ``F.linear``
 ORIENT_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts timed in both orientations
 ORIENT_GAIN = 0.9  # ``w @ x.T`` is used at a row count when it costs at most this fraction of ``F.linear``
-ORIENT_REPEATS = 3
+ORIENT_REPEATS = 4
 MIN_LAYER_PARAMS = 1 << 20  # smaller layers (test models): no probe, fp32
 REPEATS = 5
 CACHE_FILE = "cpu_probe.json"
@@ -116,6 +116,22 @@ def _write_cache(result: ProbeResult | OrientResult | DraftProbe) -> None:
         tmp.replace(path)
     except OSError as e:  # a read-only cache costs a re-probe next start, nothing else
         log.warning("could not save the CPU dtype probe to %s: %s", path, e)
+
+
+def _best_ms_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Best-of-``repeats`` ms of two alternatives timed alternately (A, B, A, B, ...), so a busy spell on the
+    machine slows both rather than biasing the comparison; the minimum discards the interrupted repeats."""
+    a()
+    b()
+    best_a = best_b = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a()
+        best_a = min(best_a, time.perf_counter() - t)
+        t = time.perf_counter()
+        b()
+        best_b = min(best_b, time.perf_counter() - t)
+    return best_a * 1e3, best_b * 1e3
 
 
 def _best_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -233,8 +249,11 @@ def measure_orientation(
     out: dict[str, dict[str, float]] = {"linear": {}, "transposed": {}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen).to(dtype) for s in shapes]
-        out["linear"][str(r)] = _best_ms(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)], repeats)
-        out["transposed"][str(r)] = _best_ms(lambda: [torch.mm(w, x.T).T for x, w in zip(xs, ws)], repeats)
+        out["linear"][str(r)], out["transposed"][str(r)] = _best_ms_pair(
+            lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)],
+            lambda: [torch.mm(w, x.T).T for x, w in zip(xs, ws)],
+            repeats,
+        )
     return out
 
 
@@ -312,8 +331,9 @@ def measure_int8(
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
         xd = [x.to(dtype) for x in xs]
-        out["dense"][str(r)] = _best_ms(lambda: [linear(x, w) for x, w in zip(xd, dense)], repeats)
-        out["int8"][str(r)] = _best_ms(lambda: [w.linear(x) for x, w in zip(xs, q)], repeats)
+        out["dense"][str(r)], out["int8"][str(r)] = _best_ms_pair(
+            lambda: [linear(x, w) for x, w in zip(xd, dense)], lambda: [w.linear(x) for x, w in zip(xs, q)], repeats
+        )
     return out
 
 

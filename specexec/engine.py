@@ -380,7 +380,7 @@ class Engine:
         t_time = pass_timer(self.target, self.state.cache)
         t_time(1, 1)  # warm-up
         sizes = [n for n in VERIFY_SIZES if n <= self.state.cache.capacity]
-        points = {n: t_time(n, 1) for n in sizes}
+        points = {n: t_time(n, 2) for n in sizes}
         self.reset()
         if path is not None:
             save_calibration(path, points, {})

@@ -223,7 +223,7 @@ def test_trim_keeps_the_nodes_worth_their_verification_time():
     dear._rate = 1.0
     t3 = _scored_tree(logps)
     assert dear.trim(t3) == 6 and t3.size == 1
-    few = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0}))  # one size measured: no curve, no trim
+    few = AdaptiveBudget((0, 4), verify=VerifyCosts(seconds={1: 1.0}))  # no prior, one size measured: no trim
     few._rate = 1.0
     assert few.trim(_scored_tree(logps)) == 0
 
@@ -233,12 +233,30 @@ def test_verify_costs_learn_and_never_decrease_with_size():
 
     v = VerifyCosts({1: 1.0, 16: 2.0})
     assert v.at(8) == pytest.approx(1.0 + 7 / 15)
-    v.update(8, 4.0)  # first sight of size 8: starts from the curve, moves towards the measurement
-    assert 1.4 < v.seconds[8] < 4.0
+    v.update(1, 3.0)  # the calibration ran on an idle machine; steps now take 3x: the whole prior curve scales
+    assert v.scale() == pytest.approx(3.0) and v.at(16) == pytest.approx(6.0)
+    v.update(16, 4.0)  # a size measured online uses its own measurement
+    assert v.at(16) == pytest.approx(4.0) and v.at(1) == pytest.approx(3.0)
     assert v.curve(16) == sorted(v.curve(16)), "a bigger pass never looks cheaper"
     p = AdaptiveBudget((0, 4), verify=v)
     p.update(StepRecord(budget=4, tree_logp=[], emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
     assert p._rate == pytest.approx(2.0) and 5 in v.seconds
+
+
+def test_no_trim_on_exploration_steps():
+    from specexec.budget import VerifyCosts
+
+    p = AdaptiveBudget((0, 4, 16), explore_every=2, verify=VerifyCosts({1: 1.0, 2: 3.0}))
+    p._rate = 1.0
+    _feed(p, 0, 1, 1.0, 3)
+    _feed(p, 4, 1, 2.0, 3)  # arm 0 is the best
+    logps = [math.log(0.5)] * 3
+    trimmed = []
+    for _ in range(6):
+        arm = p.choose()
+        trimmed.append((arm, p.trim(_scored_tree(logps))))
+    assert any(a != 0 and t == 0 for a, t in trimmed), "an exploration step verifies its whole proposal"
+    assert all(t == 3 for a, t in trimmed if a == 0), "best-arm steps trim what costs more than it returns"
 
 
 def test_trimmed_proposals_stay_exact(engine):
