@@ -244,7 +244,7 @@ class _Shards:
             buf = torch.empty(hi - lo, dtype=torch.uint8)
             with open(f, "rb") as fh:
                 fh.seek(base + lo)
-                got = fh.readinto(memoryview(buf.numpy()))
+                got = fh.readinto(buf.numpy().data)
             if got != hi - lo:
                 raise ValueError(f"{name}: read {got} of {hi - lo} bytes")
         except (KeyError, ValueError, TypeError, OSError) as e:
