@@ -180,7 +180,9 @@ def peak_rss() -> tuple[int, int]:
     ru_maxrss is a high-water mark kept by the kernel (kilobytes on Linux, bytes on macOS): deterministic for a
     given sequence of allocations, not a sample. Children are counted one by one (the largest), not summed: the
     slow tests that spawn model-loading processes run before this process loads a model (see
-    pytest_collection_modifyitems), so a child's peak and this process's peak never coincide.
+    pytest_collection_modifyitems), so a child's peak and this process's peak never coincide. A child's figure
+    starts from what it shared with this process when it was forked (Linux counts those pages in its RSS until
+    the exec): it can overstate a child, never understate it.
     """
     import resource
     import sys
@@ -188,11 +190,16 @@ def peak_rss() -> tuple[int, int]:
     scale = 1 if sys.platform == "darwin" else 1024
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
-    return own, kids
+    return max(own, _PEAK_BEFORE_RESET[0]), kids
+
+
+_PEAK_BEFORE_RESET = [0]  # the session's peak up to the last _reset_peak_rss (which resets ru_maxrss too)
 
 
 def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM (Linux: "5" to /proc/self/clear_refs), so the next peak is measured afresh."""
+    """Reset this process's VmHWM (Linux: "5" to /proc/self/clear_refs), so the next peak is measured afresh. The
+    kernel's ru_maxrss is the same counter: the session's peak so far is kept for :func:`peak_rss` first."""
+    _PEAK_BEFORE_RESET[0] = peak_rss()[0]
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
