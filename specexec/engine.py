@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
 
-CPU_ARMS = (4, 8, 16, 32)  # tree budgets the CPU's measured policy chooses among (besides 0: no draft)
+# tree budgets the CPU's measured policy chooses among (besides 0: no draft). On the 2-core demo box verifying
+# 9 tokens cost 2-3x one token and budget 8 lost to 4 on code, prose and grounded prompts (scripts/profile_cpu.py,
+# docs/BENCHMARKS.md), so the arms stay small; bigger ones would only cost exploration steps there.
+CPU_ARMS = (2, 4, 8, 16)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
