@@ -324,7 +324,8 @@ class AdaptiveBudget:
     ``explore_every`` steps next to the current best is tried once (so a change of text -- a repeated passage, a
     switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the calibrated cost model,
     when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
-    speed depends on it.
+    speed depends on it. An arm is a proposal size: 0 no draft, b > 0 a tree of budget b, -g a chain of g draft
+    tokens (with a proposer that offers chains, :class:`~specexec.propose.tree.TreeDraft` with a ChainDraft).
     """
 
     arms: tuple[int, ...]

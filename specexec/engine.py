@@ -47,7 +47,10 @@ __all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
 # tree budgets the CPU's measured policy chooses among (besides 0: no draft). On the 2-core demo box verifying
 # 9 tokens cost 2-3x one token and budget 8 lost to 4 on code, prose and grounded prompts (scripts/profile_cpu.py,
 # docs/BENCHMARKS.md), so the arms stay small; bigger ones would only cost exploration steps there.
-CPU_ARMS = (2, 4, 8, 16)
+CPU_ARMS = (4, 8)
+# chains of these lengths are arms too (negative in the policy's terms): on that box chain-3 beat every tree
+# (1.9x AR vs 1.5x for budget 4 on a code prompt): a chain's passes are one token each and it verifies no siblings
+CPU_CHAINS = (2, 3, 4)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
@@ -338,8 +341,9 @@ class Engine:
         if self._measured_policy():
             # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
-            arms = (0, *(b for b in CPU_ARMS if b <= tree.max_budget))
-            proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram))
+            arms = (0, *(-g for g in CPU_CHAINS), *(b for b in CPU_ARMS if b <= tree.max_budget))
+            chains = ChainDraft(self.draft_model, max(CPU_CHAINS))
+            proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram), chains)
             return proposer, self._adaptive_policy("specexec", arms, tree, stats)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)

@@ -270,3 +270,19 @@ def test_trimmed_proposals_stay_exact(engine):
     r = engine.generate(prompt, 40, method="specexec", tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ar
     assert r.stats.trimmed > 0
+
+
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=5)])
+def test_chain_arms_of_the_cpu_policy_are_exact(engine, samp):
+    """Negative arms are chains of the draft's argmax, verified by the tree walk: the same tokens as AR for the
+    same seed, also when sampling, and the policy really ran them."""
+    from specexec.budget import VerifyCosts
+
+    for ids in (_prompt(engine), [40, 41, 42]):
+        engine.reset()
+        ref = engine.generate(ids, 40, method="ar", sampling_cfg=samp).tokens
+        engine.reset()
+        pol = AdaptiveBudget((-3, -2), verify=VerifyCosts({1: 1.0, 64: 1.0}))
+        r = engine.generate(ids, 40, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
+        assert r.tokens == ref
+        assert set(r.stats.budgets) <= {-3, -2} and r.stats.draft_passes > 0

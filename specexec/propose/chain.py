@@ -42,10 +42,14 @@ class ChainDraft:
         tree.draft_slot[0] = n
         qs: list[Tensor | None] = []
         passes = 1
+        cum = torch.zeros(1, device=dev)
         for i in range(gamma):
             tok, q = draft_choice(logits, ctx.samp, ctx.gen)
             qs.append(q)
-            tree.add(torch.tensor([i], device=dev), tok, torch.zeros(1, device=dev))
+            # the path's draft log-probability, as every tree holds (the budget policy's estimates use it)
+            probs = q if q is not None else torch.softmax(logits.float(), dim=-1)
+            cum = cum + probs.gather(-1, tok.view(1, 1)).view(1).clamp_min(1e-30).log()
+            tree.add(torch.tensor([i], device=dev), tok, cum)
             if i == gamma - 1:
                 break
             slot = n + 1 + i

@@ -36,11 +36,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from specexec.config import TreeConfig
+from specexec.config import SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
+from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
+
+GREEDY = SamplingConfig()
 
 
 def default_logprobs(logits: Tensor) -> Tensor:
@@ -63,12 +66,19 @@ class GrowCost:
 
 
 class TreeDraft:
-    """Best-first tree proposals from a draft model (``ctx.budget`` draft tokens per tree)."""
+    """Best-first tree proposals from a draft model (``ctx.budget`` draft tokens per tree).
+
+    With a :class:`~specexec.propose.chain.ChainDraft` attached, a negative ``ctx.budget`` -g asks for a chain of
+    g draft tokens instead (what a compute-bound verifier's policy picks when a tree's siblings and extra draft
+    passes cost more than they add; the chain's own acceptance rule applies), and 0 for no draft pass.
+    """
 
     name = "specexec"
 
-    def __init__(self, draft: DraftModel, cfg: TreeConfig, ngram: NGramDraft | None = None) -> None:
-        self.draft, self.cfg, self.ngram = draft, cfg, ngram
+    def __init__(
+        self, draft: DraftModel, cfg: TreeConfig, ngram: NGramDraft | None = None, chain: ChainDraft | None = None
+    ) -> None:
+        self.draft, self.cfg, self.ngram, self.chain = draft, cfg, ngram, chain
         self._next: Tree | None = None  # the subtree carried to the next step (root = its pending token)
         self._next_epoch = -1  # the draft cache's epoch right after the carried entries were placed
         # the last proposal: (its tree, k: its nodes [0, k) were grown (the rest merged in), the full grown tree
@@ -83,7 +93,7 @@ class TreeDraft:
 
     def max_nodes(self) -> int:
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
-        return self.cfg.largest + extra
+        return max(self.cfg.largest + extra, self.chain.max_nodes() if self.chain is not None else 0)
 
     def begin(self, seq: list[int]) -> None:
         self._next = None
@@ -100,6 +110,14 @@ class TreeDraft:
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         start = self._take(seq)  # the subtree the last step carried over, if it still applies
         self._grown = None
+        if ctx.budget < 0:  # a chain of -budget draft tokens
+            if self.chain is None:
+                raise ValueError(f"budget {ctx.budget} asks for a chain, but this tree proposer has none")
+            # the draft's argmax chain, verified by the tree walk also when sampling: exact for any tree, and the
+            # walk draws from the target as AR does, so a seed gives the same text whichever arm each step takes
+            prop = self.chain.propose(seq, replace(ctx, budget=-ctx.budget, samp=GREEDY, gen=None))
+            prop.budget = ctx.budget
+            return prop
         if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
             if self.ngram is None:
                 return Proposal(Tree(seq[-1], 1, self.draft.device), budget=0, source=self.name)
@@ -128,6 +146,11 @@ class TreeDraft:
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._next = None
+        if proposal.source == "chain" and self.chain is not None:
+            self.chain.commit(proposal, path, seq)
+            if self.ngram is not None:
+                self.ngram.commit(proposal, path, seq)
+            return
         tree = proposal.tree
         if int(tree.draft_slot[0]) < 0:  # no draft pass ran: the draft cache catches up at its next proposal
             if self.ngram is not None:
