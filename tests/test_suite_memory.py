@@ -38,7 +38,8 @@ def test_peak_rss_reads_the_kernels_high_water_marks():
 def test_real_pair_load_costs_its_weights_once(real_pair):
     """The shared pair's load (bf16 target + draft, the session fixture) peaks at its weights plus one transient
     tensor (sizes.resident_bytes) and the slack above -- the old loader's mapped file pages (~2.5 GB) fail this --
-    and the whole process stays under the budget with the pair resident."""
+    and the process holds less than the budget with the pair resident (the session's peak is reported by conftest;
+    the fp32 exactness test's target takes it over 8 GB at one point, see pytest_sessionfinish)."""
     from specexec import hub, sizes
     from specexec.loading import read_config
 
@@ -53,4 +54,4 @@ def test_real_pair_load_costs_its_weights_once(real_pair):
     if load["peak"]:  # 0 where VmHWM could not be reset (not Linux)
         peak = load["peak"] - load["rss_before"]
         assert peak < weights + LOAD_SLACK, f"loading the pair peaked {peak / 1e9:.2f} GB above its start"
-    assert rss_now() < RSS_BUDGET and peak_rss()[0] < RSS_BUDGET, peak_rss()
+    assert rss_now() < RSS_BUDGET, (rss_now(), peak_rss())  # the pair resident beside everything else
