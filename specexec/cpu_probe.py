@@ -118,6 +118,17 @@ def _write_cache(result: ProbeResult | OrientResult | DraftProbe) -> None:
         log.warning("could not save the CPU dtype probe to %s: %s", path, e)
 
 
+def _cached(key: str, cls: Any, use_cache: bool = True) -> Any:
+    """The cached result under ``key`` as a ``cls`` instance, or None (absent, disabled, or from an older format)."""
+    data = _read_cache().get(key) if use_cache else None
+    if not data:
+        return None
+    try:
+        return cls(**data)
+    except TypeError:
+        return None
+
+
 def _best_ms_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
     """Best-of-``repeats`` ms of two alternatives timed alternately (A, B, A, B, ...), so a busy spell on the
     machine slows both rather than biasing the comparison; the minimum discards the interrupted repeats."""
@@ -185,13 +196,7 @@ def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> P
     if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
         return None
     key = probe_key(shapes)
-    cached = _read_cache().get(key) if use_cache else None
-    result = None
-    if cached:
-        try:
-            result = ProbeResult(**cached)
-        except TypeError:
-            result = None
+    result = _cached(key, ProbeResult, use_cache)
     if result is None:
         log.info("measuring fp32 vs bf16 matmuls on this CPU (once; cached in %s)", cache_path())
         t0 = time.perf_counter()
@@ -278,13 +283,7 @@ def orientation(cfg: ModelConfig, dtype: torch.dtype, use_cache: bool = True) ->
         return None
     name = "fp32" if dtype == torch.float32 else "bf16"
     key = f"orient {name}|{probe_key(shapes)}"
-    cached = _read_cache().get(key) if use_cache else None
-    result = None
-    if cached:
-        try:
-            result = OrientResult(**cached)
-        except TypeError:
-            result = None
+    result = _cached(key, OrientResult, use_cache)
     if result is None:
         log.info("measuring the CPU's matmul orientations for %s (once; cached in %s)", name, cache_path())
         t0 = time.perf_counter()
@@ -350,13 +349,7 @@ def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
         return dense, False
     name = "fp32" if dense == torch.float32 else "bf16"
     key = f"draft int8 vs {name}|{kernel}|{probe_key(shapes)}"
-    cached = _read_cache().get(key)
-    result = None
-    if cached:
-        try:
-            result = DraftProbe(**cached)
-        except TypeError:
-            result = None
+    result = _cached(key, DraftProbe)
     if result is None:
         log.info("measuring int8 vs %s draft weights on this CPU (once; cached in %s)", name, cache_path())
         t0 = time.perf_counter()
