@@ -148,9 +148,9 @@ def _one_thread_for_tiny_models(request):
 # loaded ONCE per session by the `real_pair` fixture below (target and draft in bf16: ~4.8 GB of weights) and freed
 # at the end. A test that needs the target or the draft takes `real_pair` (or its `.target` / `.draft`); a
 # transformers oracle is built with `hf_view` (its parameters are views of our tensors: no second copy). The fp32
-# target (7.1 GB by itself; with any draft the pair is over 8 GB) is loaded only by the function-scoped
-# `real_target_fp32`, freed after its one test. Slow tests that load models of their own (CLI subprocesses,
-# `real_target_fp32`) must not take `real_pair`: they run first (see pytest_collection_modifyitems), before the
+# target (7.1 GB by itself; with any draft the pair is over 8 GB) is loaded only in a child process of its own by
+# test_real_pair.test_fp32_target_exact. Slow tests that load models of their own (CLI subprocesses, that child)
+# must not take `real_pair`: they run first (see pytest_collection_modifyitems), before the
 # shared copy exists. The session's peak RSS is reported (and checked) at its end: see pytest_sessionfinish.
 
 REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -221,8 +221,8 @@ def _pull_demo() -> None:
 def real_pair():
     """The demo pair as one Engine, target and draft in bf16 (4.8 GB; the CPU-default fp32 target alone is 7.1 GB:
     the fp32 pair, 9.2 GB, does not fit the suite's 8 GB). Exactness is tested relative to the target in the dtype
-    it runs in (greedy == the same bf16 target's AR greedy); the fp32 target has its own test
-    (`real_target_fp32`). Loaded once per session, freed at its end; what the load cost is kept in REAL_PAIR_LOAD
+    it runs in (greedy == the same bf16 target's AR greedy); the fp32 target has its own test,
+    in a child process. Loaded once per session, freed at its end; what the load cost is kept in REAL_PAIR_LOAD
     (tests/test_suite_memory.py checks it)."""
     import gc
 
@@ -242,29 +242,13 @@ def real_pair():
     gc.collect()
 
 
-@pytest.fixture
-def real_target_fp32():
-    """The demo target alone in fp32 (the CPU default dtype; 7.1 GB), for the one fp32 exactness test. Function
-    scope: freed right after that test, before the shared bf16 pair is loaded (it never takes `real_pair`)."""
-    import gc
-
-    from specexec import api
-
-    _pull_demo()
-    engine = api.load(REAL_TARGET, None, device="cpu", dtype="fp32", context=REAL_CONTEXT, progress=False)
-    yield engine
-    engine.reset()
-    del engine
-    gc.collect()
-
-
 def pytest_sessionfinish(session, exitstatus):
-    """Issue 15's budget, measured where it matters: pytest_terminal_summary prints the session's peak RSS (this
-    process, or any one child) for every session; with SPECEXEC_TEST_RSS_STRICT=1 a session over RSS_BUDGET fails.
-    Not strict by default yet: the full suite peaked at 8.38 GB on 2026-11-23 (the fp32 exactness test's 7.1 GB
-    target on top of what earlier tests left resident), so the budget is not met everywhere."""
+    """Issue 15's budget, measured where it matters: a session whose peak RSS (this process, or any one child)
+    exceeds RSS_BUDGET fails; pytest_terminal_summary prints the figures. The fp32 exactness test's 7.1 GB target
+    runs in a child process of its own, so it never stacks on what this process holds. SPECEXEC_TEST_RSS_STRICT=0
+    turns the failure into the printed report only (for a machine whose allocator keeps more resident)."""
     own, kids = peak_rss()
-    strict = os.environ.get("SPECEXEC_TEST_RSS_STRICT") == "1"
+    strict = os.environ.get("SPECEXEC_TEST_RSS_STRICT", "1") != "0"
     if strict and max(own, kids) > RSS_BUDGET and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

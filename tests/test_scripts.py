@@ -325,3 +325,25 @@ def test_profile_cpu_phase_timer_restores_the_library():
 def test_profile_cpu_bad_methods(spec):
     with pytest.raises(SystemExit, match="error: --methods"):
         script("profile_cpu").parse_methods(spec)
+
+
+def test_bench_before_after_runs_both_revisions_and_compares_tokens(tiny_pair, tmp_path):
+    """The refactor check: the old revision's and this checkout's `specexec bench` on the same tiny pair, tokens
+    compared across revisions (the old loop and the new one agree token for token)."""
+    import subprocess
+
+    ba = script("bench_before_after")
+    known = subprocess.run(["git", "cat-file", "-e", ba.BEFORE + "^{commit}"], cwd=ROOT, capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"revision {ba.BEFORE} is not in this clone (shallow?)")
+    target, draft = tiny_pair
+    out = tmp_path / "ba.json"
+    bench = ["--target", str(target), "--draft", str(draft), "--methods", "ar,chain,specexec", "--budgets", "4"]
+    bench += ["--gammas", "2", "--num-prompts", "1", "-n", "4", "--context", "256"]
+    rc = ba.main(["--order", "AB", "--out", str(out), "--", *bench])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["mismatches"] == []
+    assert {r["config"] for r in report["rows"]} == {"ar", "chain 2", "specexec 4"}
+    assert report["token_comparisons"] == 2 * 2 * 3  # 2 revisions x 3 configs x (vs first run, vs own AR)
+    assert report["cross_revision_runs"] == 3  # the same prompt names in both: tokens compared across revisions
+    assert all(r["before_tok_s"] and r["after_tok_s"] for r in report["rows"])
