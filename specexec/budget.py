@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from specexec.propose.chain import ChainStop
 from specexec.propose.tree import GrowCost
 from specexec.tree import Tree
 
@@ -67,7 +68,7 @@ class StepRecord:
 class BudgetPolicy(Protocol):
     def choose(self) -> int: ...
 
-    def grow_cost(self, budget: int) -> GrowCost | None: ...
+    def grow_cost(self, budget: int) -> GrowCost | ChainStop | None: ...
 
     def trim(self, tree: Tree) -> int:
         """Drop proposal nodes not worth their verification time (a subtree stays); returns how many."""
@@ -378,7 +379,13 @@ class AdaptiveBudget:
         self.history.append(choice)
         return choice
 
-    def grow_cost(self, budget: int) -> GrowCost | None:
+    def grow_cost(self, budget: int) -> GrowCost | ChainStop | None:
+        """A tree's early-stop costs; for a chain arm (budget -g), its per-token stop (once a draft pass and the
+        verification curve have been measured)."""
+        if budget < 0:
+            if self.costs.pass_s is None or not self.verify.known():
+                return None
+            return ChainStop(self.costs.pass_s, self.verify.curve(-budget + 2), self.costs.acc_scale)
         return self.costs.grow_cost(budget)
 
     def trim(self, tree: Tree) -> int:
@@ -423,7 +430,7 @@ class AdaptiveBudget:
             s.seconds = _ema(s.seconds, sec, self.alpha)
             s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
         s.n += 1
-        if step.budget > 0 and step.passes > 0:
+        if step.budget != 0 and step.passes > 0:  # trees and chains: the draft's pass cost and calibration
             predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
             self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 

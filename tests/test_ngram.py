@@ -286,3 +286,43 @@ def test_chain_arms_of_the_cpu_policy_are_exact(engine, samp):
         r = engine.generate(ids, 40, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
         assert r.tokens == ref
         assert set(r.stats.budgets) <= {-3, -2} and r.stats.draft_passes > 0
+
+
+def test_chain_stop_weighs_the_next_token_against_its_pass():
+    """ChainStop (a chain arm's per-token stop): a confident chain goes on, an unsure token ends it, a dear
+    verification or draft pass ends it sooner, and no cost is guessed beyond the measured curve."""
+    import math
+
+    from specexec.propose.chain import ChainStop
+
+    flat = [0.5] * 8  # verify seconds by size: every extra token free
+    cheap = ChainStop(pass_s=0.05, verify_s=flat)
+    sure = [math.log(0.95 ** (i + 1)) for i in range(4)]
+    assert cheap.more(sure[:1], 1) and cheap.more(sure, 4)
+    unsure = [math.log(0.9), math.log(0.9 * 0.2)]  # the second token was a coin toss: its successor likely fails
+    assert not cheap.more(unsure, 2)
+    assert not ChainStop(pass_s=2.0, verify_s=flat).more(sure[:1], 1)  # a draft pass as dear as 4 target passes
+    steep = [0.5 * (k + 1) for k in range(8)]  # each verified token costs a whole target pass
+    assert not ChainStop(pass_s=0.05, verify_s=steep).more(sure[:2], 2)
+    assert not cheap.more([math.log(0.99)] * 7, 7)  # the curve ends at 8 tokens: no guess beyond it
+    assert ChainStop(pass_s=0.05, verify_s=flat, acc_scale=0.3).more(sure[:1], 1) is True
+    assert not ChainStop(pass_s=0.05, verify_s=flat, acc_scale=0.05).more(sure[:1], 1)  # an overconfident draft
+
+
+def test_chain_arms_stop_per_token_and_stay_exact(engine):
+    """Once a pass cost is measured the policy hands chain arms a ChainStop: chains end early where the draft is
+    unsure (early_stops counts them), and the tokens are still AR's."""
+    from specexec.budget import VerifyCosts
+    from specexec.propose.chain import ChainStop
+
+    pol = AdaptiveBudget((-6,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
+    assert pol.grow_cost(-6) is None  # nothing measured yet: full chains
+    prompt = _prompt(engine)
+    engine.reset()
+    ref = engine.generate(prompt, 48, method="ar").tokens
+    engine.reset()
+    r = engine.generate(prompt, 48, method="specexec", tree=TreeConfig(auto=True), policy=pol)
+    assert r.tokens == ref
+    stop = pol.grow_cost(-6)
+    assert isinstance(stop, ChainStop) and len(stop.verify_s) == 8
+    assert r.stats.early_stops > 0 and r.stats.draft_passes < 6 * r.stats.steps

@@ -4,6 +4,9 @@ sampling with those q (the ``"chain"`` acceptance rule)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -14,8 +17,35 @@ from specexec.propose.draft_model import DraftModel
 from specexec.tree import Tree
 
 
+@dataclass
+class ChainStop:
+    """A chain's per-token stop (measured costs from the budget policy): draft one more token only while it is
+    expected to raise the step's tokens per second, the rule the tree's early stop uses (GrowCost.more) applied
+    to a chain. After n tokens with path probability p and last conditional probability q, one more pass costs
+    ``pass_s`` plus the verification of one more token (``verify_s`` is seconds by verified size) and is expected
+    to add ``acc_scale * p * q`` tokens (q, the draft's confidence in its last token, predicts its next: confident
+    stretches of code run long, an uncertain word ends the chain). Continue iff gain * T >= E * cost, with E the
+    expected emitted tokens now and T the step's seconds now. Only speed depends on it: any chain is exact."""
+
+    pass_s: float  # seconds per draft pass
+    verify_s: list[float]  # verify_s[k] = seconds to verify k + 1 tokens
+    acc_scale: float = 1.0  # actual / predicted tokens (the draft's over- or under-confidence)
+
+    def more(self, logps: list[float], passes: int) -> bool:
+        """One more draft pass after the chain's tokens so far (``logps``: their cumulative log-probabilities)?"""
+        n = len(logps)
+        if n + 1 >= len(self.verify_s):  # no cost known for a longer chain
+            return False
+        p = math.exp(logps[-1])
+        q = math.exp(logps[-1] - (logps[-2] if n > 1 else 0.0))
+        expected = 1.0 + self.acc_scale * sum(math.exp(x) for x in logps)
+        seconds = passes * self.pass_s + self.verify_s[n]
+        cost = self.pass_s + self.verify_s[n + 1] - self.verify_s[n]
+        return self.acc_scale * p * q * seconds >= expected * cost
+
+
 class ChainDraft:
-    """``ctx.budget`` (gamma) draft tokens per step."""
+    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`ChainStop` as ``ctx.cost``, up to gamma."""
 
     name = "chain"
 
@@ -43,6 +73,8 @@ class ChainDraft:
         qs: list[Tensor | None] = []
         passes = 1
         cum = torch.zeros(1, device=dev)
+        stop = ctx.cost if isinstance(ctx.cost, ChainStop) else None
+        logps: list[float] = []
         for i in range(gamma):
             tok, q = draft_choice(logits, ctx.samp, ctx.gen)
             qs.append(q)
@@ -52,6 +84,10 @@ class ChainDraft:
             tree.add(torch.tensor([i], device=dev), tok, cum)
             if i == gamma - 1:
                 break
+            if stop is not None:
+                logps.append(float(cum))
+                if not stop.more(logps, passes):
+                    break
             slot = n + 1 + i
             tree.draft_slot[i + 1] = slot
             pos = torch.tensor([slot], device=dev)
@@ -68,6 +104,7 @@ class ChainDraft:
             beams=beams,
             budget=gamma,
             source=self.name,
+            stopped_early=tree.size - 1 < gamma,
         )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
