@@ -34,6 +34,7 @@ from typing import Any
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.engine import Engine, Generation, Result, Stats
 from specexec.errors import ConfigError, SpecexecError, setting
+from specexec.text import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -295,15 +296,9 @@ class ChatSession:
         return out
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        """The conversation through the chat template, ready for the assistant's answer → token ids."""
-        import jinja2
-
-        tok = self.engine.tokenizer.tokenizer
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise SpecexecError(f"the model's chat template rejected the conversation: {e}") from None
-        return [int(t) for t in ids]
+        """The conversation through the chat template, ready for the assistant's answer → token ids (the text
+        layer's render_chat: the same rendering generate and the server use)."""
+        return render_chat(self.engine.tokenizer.tokenizer, messages)
 
     # -- transcripts --------------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

@@ -61,6 +61,19 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation (``n`` tokens) of ``ids``: the oracle our AR is compared with."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            num_beams=1,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids) :].tolist()
+
+
 def _assert_same_or_near_tie(engine, prompt: str, ref: list[int], got: list[int]) -> None:
     i = _first_diff(ref, got)
     if i is None:
@@ -100,16 +113,7 @@ def test_ar_equals_transformers_greedy(engine, ar_outputs):
 
     hf = hf_view(engine.target, hub.local_path(TARGET))  # the same weights, transformers' code: no second copy
     for p in PROMPTS[:3]:
-        ids = engine.encode(p)
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]),
-                max_new_tokens=32,
-                do_sample=False,
-                num_beams=1,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )
-        theirs = out[0, len(ids) :].tolist()
+        theirs = _hf_greedy(hf, engine.encode(p), 32)
         _assert_same_or_near_tie(engine, p, theirs, ar_outputs[p][: len(theirs)])
 
 
@@ -225,16 +229,7 @@ def fp32_check() -> None:
     for prompt in (PROMPTS[0], p):
         engine.reset()
         ar = engine.generate(prompt, 48, method="ar").tokens
-        ids = engine.encode(prompt)
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]),
-                max_new_tokens=32,
-                do_sample=False,
-                num_beams=1,
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            )
-        theirs = out[0, len(ids) :].tolist()
+        theirs = _hf_greedy(hf, engine.encode(prompt), 32)
         _assert_same_or_near_tie(engine, prompt, theirs, ar[: len(theirs)])
         engine.reset()
         r = engine.generate(prompt, 48, method="ngram", tree=TreeConfig(auto=False), ngram=NGramConfig())
