@@ -154,7 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specexec-before-") as tmp:
         work = Path(tmp)
         before_dir = work / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before_dir), args.before], cwd=ROOT, check=True)
+        known = subprocess.run(["git", "cat-file", "-e", f"{args.before}^{{commit}}"], cwd=ROOT, capture_output=True)
+        if known.returncode != 0:
+            print(f"error: --before {args.before}: no such commit in this clone (a shallow clone lacks history)")
+            return 2
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(before_dir), args.before],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         try:
             runs: list[tuple[str, dict[str, Any]]] = []
             for i, which in enumerate(args.order):

@@ -333,17 +333,23 @@ def test_bench_before_after_runs_both_revisions_and_compares_tokens(tiny_pair, t
     import subprocess
 
     ba = script("bench_before_after")
+    # the pre-refactor revision where this clone has it; a shallow clone compares HEAD with itself (same logic)
     known = subprocess.run(["git", "cat-file", "-e", ba.BEFORE + "^{commit}"], cwd=ROOT, capture_output=True)
-    if known.returncode != 0:
-        pytest.skip(f"revision {ba.BEFORE} is not in this clone (shallow?)")
+    before = ba.BEFORE if known.returncode == 0 else "HEAD"
     target, draft = tiny_pair
     out = tmp_path / "ba.json"
     bench = ["--target", str(target), "--draft", str(draft), "--methods", "ar,chain,specexec", "--budgets", "4"]
     bench += ["--gammas", "2", "--num-prompts", "1", "-n", "4", "--context", "256"]
-    rc = ba.main(["--order", "AB", "--out", str(out), "--", *bench])
+    rc = ba.main(["--before", before, "--order", "AB", "--out", str(out), "--", *bench])
     report = json.loads(out.read_text())
     assert rc == 0 and report["mismatches"] == []
     assert {r["config"] for r in report["rows"]} == {"ar", "chain 2", "specexec 4"}
     assert report["token_comparisons"] == 2 * 2 * 3  # 2 revisions x 3 configs x (vs first run, vs own AR)
     assert report["cross_revision_runs"] == 3  # the same prompt names in both: tokens compared across revisions
     assert all(r["before_tok_s"] and r["after_tok_s"] for r in report["rows"])
+
+
+def test_bench_before_after_unknown_revision_is_one_clean_line(capsys):
+    assert script("bench_before_after").main(["--before", "no-such-rev-0000", "--", "--num-prompts", "1"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: --before no-such-rev-0000: no such commit") and "Traceback" not in out
