@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -440,8 +441,30 @@ def load_model(
                 )
             else:
                 loaded.append({k: t.to(device) for k, t in w.items()})
+            del w
+            release_freed_memory()  # per layer: the temporaries' pages must not pile up into the load's peak
         layers = ResidentLayers(loaded)
-    return Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
+    model = Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed while loading back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Loading converts and fuses weights through temporaries (fp16 -> fp32 copies, q/k/v and gate/up before their
+    ``torch.cat``); glibc keeps the freed pages of the smaller ones in its arenas, so without this a loaded fp32
+    demo target (7.2 GB of tensors) held 8.6 GB of RSS, and peaked there while loading. A few ms per call."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim): nothing to release
+        pass
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def _one_thread_for_tiny_models(request):
 # loaded ONCE per session by the `real_pair` fixture below (target and draft in bf16: ~4.8 GB of weights) and freed
 # at the end. A test that needs the target or the draft takes `real_pair` (or its `.target` / `.draft`); a
 # transformers oracle is built with `hf_view` (its parameters are views of our tensors: no second copy). The fp32
-# target (7.1 GB by itself; with any draft the pair is over 8 GB) is loaded only in a child process of its own by
+# target (7.2 GB by itself; with any draft the pair is over 8 GB) is loaded only in a child process of its own by
 # test_real_pair.test_fp32_target_exact. Slow tests that load models of their own (CLI subprocesses, that child)
 # must not take `real_pair`: they run first (see pytest_collection_modifyitems), before the
 # shared copy exists. The session's peak RSS is reported (and checked) at its end: see pytest_sessionfinish.
@@ -243,13 +243,14 @@ def real_pair():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Issue 15's budget, measured where it matters: pytest_terminal_summary prints the session's peak RSS (this
-    process, or any one child, with the test after which that child's peak appeared); with
-    SPECEXEC_TEST_RSS_STRICT=1 a session over RSS_BUDGET fails. The fp32 exactness test's 7.1 GB target runs in a
-    child process of its own (this process peaked at 6.57 GB in the full run of 2026-11-23), but that run's
-    largest child peaked at 8.86 GB (the fp32 child alone: 7.75 GB), so the budget is not enforced by default yet."""
+    """Issue 15's budget, measured where it matters and enforced: pytest_terminal_summary prints the session's
+    peak RSS (this process, or any one child, with the test after which that child's peak appeared), and a session
+    over RSS_BUDGET fails (SPECEXEC_TEST_RSS_STRICT=0 only reports, for machines whose allocator behaves
+    differently). The fp32 exactness test's 7.2 GB target runs in a child process of its own: its peak varied
+    7.75-8.86 GB until loading handed its temporaries' heap pages back layer by layer
+    (loading.release_freed_memory); measured alone since then, 7.53 GB."""
     own, kids = peak_rss()
-    strict = os.environ.get("SPECEXEC_TEST_RSS_STRICT") == "1"
+    strict = os.environ.get("SPECEXEC_TEST_RSS_STRICT", "1") != "0"
     if strict and max(own, kids) > RSS_BUDGET and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
