@@ -344,8 +344,10 @@ class Engine:
             # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(-g for g in CPU_CHAINS), *(b for b in CPU_ARMS if b <= tree.max_budget))
-            chains = ChainDraft(self.draft_model, max(CPU_CHAINS))
-            proposer = TreeDraft(self.draft_model, tree, NGramDraft(dev, ngram), chains)
+            # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
+            lookup = NGramDraft(dev, ngram)
+            chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
+            proposer = TreeDraft(self.draft_model, tree, lookup, chains)
             return proposer, self._adaptive_policy("specexec", arms, tree, stats)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)

@@ -326,3 +326,44 @@ def test_chain_arms_stop_per_token_and_stay_exact(engine):
     stop = pol.grow_cost(-6)
     assert isinstance(stop, ChainStop) and len(stop.verify_s) == 8
     assert r.stats.early_stops > 0 and r.stats.draft_passes < 6 * r.stats.steps
+
+
+def test_chain_stop_leaves_to_a_following_continuation():
+    """A chain whose next token an n-gram continuation proposes anyway (``covered``) is worth fewer passes."""
+    from specexec.propose.chain import ChainStop
+
+    cheap = ChainStop(pass_s=0.05, verify_s=[0.5] * 8)
+    sure = [math.log(0.95)]
+    assert cheap.more(sure, 1, covered=0.0)
+    assert cheap.more(sure, 1, covered=0.5)
+    assert not cheap.more(sure, 1, covered=0.98)
+
+
+def test_follow_tracks_the_continuations_a_chain_still_matches():
+    from specexec.propose.chain import _Follow
+
+    f = _Follow([(3, [1, 2, 3, 4]), (2, [1, 9])], acc=0.7)
+    assert f.step(1) == 0.7  # both still followed, and they go on
+    assert f.step(2) == 0.7  # [1, 2, 3, 4] goes on after 2
+    assert f.step(3) == 0.7
+    assert f.step(4) == 0.0  # it ends here: the next pass adds a token no continuation proposes
+    g = _Follow([(2, [1, 2])], acc=0.7)
+    assert g.step(5) == 0.0 and g.step(2) == 0.0  # left the continuation: never followed again
+
+
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)])
+def test_chain_arms_run_on_along_ngram_continuations_exactly(engine, samp):
+    """A chain arm's tree holds the n-gram continuations too: on text that repeats itself a step emits more than
+    the chain's draft tokens + 1 (the continuation ran on past the chain at no draft cost), the chain stops
+    earlier once costs are known, and the tokens are AR's for the same seed, greedy or sampled."""
+    from specexec.budget import VerifyCosts
+
+    prompt = _prompt(engine)
+    engine.reset()
+    ref = engine.generate(prompt, 48, method="ar", sampling_cfg=samp).tokens
+    engine.reset()
+    pol = AdaptiveBudget((-2,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
+    r = engine.generate(prompt, 48, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
+    assert r.tokens == ref
+    assert set(r.stats.budgets) == {-2}
+    assert max(r.stats.accepted_hist) > 3, r.stats.accepted_hist  # a chain of 2 + the bonus token is 3 at most

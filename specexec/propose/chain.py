@@ -14,6 +14,7 @@ from specexec import sampling
 from specexec.config import SamplingConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
+from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
 
 
@@ -31,8 +32,10 @@ class ChainStop:
     verify_s: list[float]  # verify_s[k] = seconds to verify k + 1 tokens
     acc_scale: float = 1.0  # actual / predicted tokens (the draft's over- or under-confidence)
 
-    def more(self, logps: list[float], passes: int) -> bool:
-        """One more draft pass after the chain's tokens so far (``logps``: their cumulative log-probabilities)?"""
+    def more(self, logps: list[float], passes: int, covered: float = 0.0) -> bool:
+        """One more draft pass after the chain's tokens so far (``logps``: their cumulative log-probabilities)?
+        ``covered``: the chance that the token this pass would add is proposed anyway (an n-gram continuation of
+        the chain, merged in after it): only the rest of the pass's expected token is its gain."""
         n = len(logps)
         if n + 1 >= len(self.verify_s):  # no cost known for a longer chain
             return False
@@ -41,19 +44,27 @@ class ChainStop:
         expected = 1.0 + self.acc_scale * sum(math.exp(x) for x in logps)
         seconds = passes * self.pass_s + self.verify_s[n]
         cost = self.pass_s + self.verify_s[n + 1] - self.verify_s[n]
-        return self.acc_scale * p * q * seconds >= expected * cost
+        return self.acc_scale * p * q * (1.0 - covered) * seconds >= expected * cost
 
 
 class ChainDraft:
-    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`ChainStop` as ``ctx.cost``, up to gamma."""
+    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`ChainStop` as ``ctx.cost``, up to gamma.
+
+    With ``lookup`` (an :class:`~specexec.propose.ngram.NGramDraft`; greedy chains verified by the tree walk only,
+    as :class:`~specexec.propose.tree.TreeDraft` asks for them) the prompt-lookup continuations are merged into
+    the chain's tree: where the text copies from its context (an edit, a translation, a summary of given text), a
+    continuation runs on past the chain's last draft token at no draft cost, and alternatives branch off it. A
+    chain whose tokens so far follow a continuation stops earlier (ChainStop's ``covered``): the draft pass would
+    mostly repeat what the continuation proposes. The tree walk verifies any tree exactly.
+    """
 
     name = "chain"
 
-    def __init__(self, draft: DraftModel, gamma: int) -> None:
-        self.draft, self.gamma = draft, gamma
+    def __init__(self, draft: DraftModel, gamma: int, lookup: NGramDraft | None = None) -> None:
+        self.draft, self.gamma, self.lookup = draft, gamma, lookup
 
     def max_nodes(self) -> int:
-        return self.gamma
+        return self.gamma + (self.lookup.max_nodes() if self.lookup is not None else 0)
 
     def begin(self, seq: list[int]) -> None:
         self.draft.prefill(seq)
@@ -66,7 +77,10 @@ class ChainDraft:
         dev = d.device
         gamma = ctx.budget
         n = len(seq) - 1
-        tree = Tree(seq[-1], gamma + 1, dev)
+        # n-gram continuations only where the tree walk verifies (greedy draft tokens, no q to keep aligned)
+        lookup = self.lookup if self.lookup is not None and ctx.samp.greedy else None
+        follow = _Follow(lookup.continuations(seq), lookup.acc) if lookup is not None else None
+        tree = Tree(seq[-1], gamma + 1 + (lookup.max_nodes() if lookup is not None else 0), dev)
         beams = [len(seq) - d.length]
         logits = d.catch_up(seq)
         tree.draft_slot[0] = n
@@ -84,9 +98,10 @@ class ChainDraft:
             tree.add(torch.tensor([i], device=dev), tok, cum)
             if i == gamma - 1:
                 break
+            covered = follow.step(int(tok)) if follow is not None else 0.0
             if stop is not None:
                 logps.append(float(cum))
-                if not stop.more(logps, passes):
+                if not stop.more(logps, passes, covered):
                     break
             slot = n + 1 + i
             tree.draft_slot[i + 1] = slot
@@ -96,6 +111,9 @@ class ChainDraft:
             passes += 1
             beams.append(1)
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
+        drafted = tree.size - 1
+        if lookup is not None:
+            lookup.merge_into(tree, seq)
         return Proposal(
             tree,
             rule="chain" if q_all is not None else "tree",
@@ -104,12 +122,28 @@ class ChainDraft:
             beams=beams,
             budget=gamma,
             source=self.name,
-            stopped_early=tree.size - 1 < gamma,
+            stopped_early=drafted < gamma,
         )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()
         self.draft.commit(slots, seq)
+
+
+class _Follow:
+    """Which n-gram continuations the chain's tokens still follow, and the chance that the next one is proposed
+    by them anyway: the n-gram acceptance estimate when some followed continuation goes on, else 0."""
+
+    def __init__(self, conts: list[tuple[int, list[int]]], acc: float) -> None:
+        self.live = [c for _, c in conts]
+        self.acc = acc
+        self.i = 0
+
+    def step(self, tok: int) -> float:
+        i = self.i
+        self.live = [c for c in self.live if len(c) > i and c[i] == tok]
+        self.i = i + 1
+        return self.acc if any(len(c) > i + 1 for c in self.live) else 0.0
 
 
 def draft_choice(logits: Tensor, samp: SamplingConfig, gen: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
