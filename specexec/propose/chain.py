@@ -79,7 +79,8 @@ class ChainDraft:
         n = len(seq) - 1
         # n-gram continuations only where the tree walk verifies (greedy draft tokens, no q to keep aligned)
         lookup = self.lookup if self.lookup is not None and ctx.samp.greedy else None
-        follow = _Follow(lookup.continuations(seq), lookup.acc) if lookup is not None else None
+        conts = lookup.continuations(seq) if lookup is not None else []
+        follow = _Follow(conts, lookup.acc) if lookup is not None else None
         tree = Tree(seq[-1], gamma + 1 + (lookup.max_nodes() if lookup is not None else 0), dev)
         beams = [len(seq) - d.length]
         logits = d.catch_up(seq)
@@ -113,7 +114,7 @@ class ChainDraft:
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
         drafted = tree.size - 1
         if lookup is not None:
-            lookup.merge_into(tree, seq)
+            lookup.merge_into(tree, seq, conts)  # looked up once per step
         return Proposal(
             tree,
             rule="chain" if q_all is not None else "tree",

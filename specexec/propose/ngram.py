@@ -149,9 +149,10 @@ class NGramDraft:
                 tree.append(parents, tokens, depths, logp)
         return Proposal(tree, budget=ctx.budget, source=self.name)
 
-    def merge_into(self, tree: Tree, seq: list[int]) -> int:
-        """Add the continuations' nodes the tree lacks (draft slot -1: never run through a draft). Returns how many."""
-        conts = self.continuations(seq)
+    def merge_into(self, tree: Tree, seq: list[int], conts: list[tuple[int, list[int]]] | None = None) -> int:
+        """Add the continuations' nodes the tree lacks (draft slot -1: never run through a draft). Returns how many.
+        ``conts``: the continuations of ``seq`` when the caller has them already."""
+        conts = self.continuations(seq) if conts is None else conts
         if not conts:
             return 0
         n = tree.size
