@@ -6,8 +6,9 @@ Two exact rules; with either, the emitted tokens are distributed exactly as the 
 - Tree walk (AR, SpecExec at any budget, and every greedy method): at each visited node the target chooses
   its token x ~ p(.|node) (argmax when greedy); if a child carries x the walk moves there, else x is emitted
   as the bonus token and the step ends. Each emitted token is a draw from the target's conditional given the
-  emitted prefix. The draw at output position ``pos`` uses the uniform ``sampling.uniforms(seed, pos)``
-  (inverse CDF), so it does not depend on the tree: same seed, same text for AR and SpecExec.
+  emitted prefix. The draw at output position ``pos`` is the Gumbel-max draw with the noise
+  ``sampling.gumbels(seed, pos)``, so it does not depend on the tree: same seed, same text for AR and SpecExec
+  (and a draft that draws with the same noise proposes the target's own draw whenever p and q are close).
 - Speculative sampling along a chain (Leviathan et al. 2023, Alg. 1 / Thm. 1; Chen et al. 2023): draft token
   x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is
   drawn from norm(max(p_i - q_i, 0)); if all gamma are accepted a bonus is drawn from p_{gamma+1}.
@@ -39,7 +40,7 @@ def accept(
     ``logits`` (N, V): the target's logits at every tree node. ``proposal.q`` (gamma, Vq): the draft
     distributions the chain's tokens were drawn from (chain rule only). ``n``: the root's (pending token's)
     position, so node i's choice is the token at position n + 1 + depth(i). ``gen``: the generation's generator;
-    its seed keys the tree walk's uniforms, its stream drives chain acceptance.
+    its seed keys the tree walk's noise, its stream drives chain acceptance.
     """
     tree, q = proposal.tree, proposal.q
     if proposal.rule == "tree" or samp.greedy:
@@ -56,8 +57,8 @@ def accept(
 
 
 def tree_choices(tree: Tree, logits: Tensor, samp: SamplingConfig, seed: int | np.ndarray, n: int) -> Tensor:
-    """The target's choice at every tree node: argmax when greedy, else the inverse-CDF draw from p(.|node)
-    with the uniform ``sampling.uniforms(seed, n + 1 + depth)`` of the node's output position.
+    """The target's choice at every tree node: argmax when greedy, else the Gumbel-max draw from p(.|node) with
+    the noise ``sampling.gumbels(seed, n + 1 + depth)`` of the node's output position.
 
     logits (N, V). ``seed`` an int gives (N,); an array of S seeds gives (S, N): S independent samples that
     share this tree (the statistical tests use that; the engine passes one seed).
@@ -65,10 +66,12 @@ def tree_choices(tree: Tree, logits: Tensor, samp: SamplingConfig, seed: int | n
     if samp.greedy:
         return logits.argmax(-1)
     pos = (n + 1 + tree.n_depth).cpu().numpy()  # (N,)
-    u = sampling.uniforms(seed, pos) if isinstance(seed, int) else sampling.uniforms(np.asarray(seed)[:, None], pos)
-    p = sampling.probs(logits, samp)  # (N, V)
-    x = sampling.inverse_cdf(p.expand(*u.shape[:-1], *p.shape).reshape(-1, p.shape[-1]), u.reshape(-1))
-    return x.view(u.shape)
+    lp = sampling.logprobs(logits, samp)  # (N, V), -inf where filtered
+    V = lp.shape[-1]
+    if isinstance(seed, int):
+        return sampling.gumbel_max(lp, sampling.gumbels(seed, pos, V))
+    g = sampling.gumbels(np.asarray(seed)[:, None], pos[None, :], V)  # (S, N, V)
+    return sampling.gumbel_max(lp[None], g)
 
 
 def speculative_accept(p: Tensor, q: Tensor, tokens: Tensor, gen: torch.Generator | None) -> tuple[Tensor, Tensor]:

@@ -157,7 +157,7 @@ def sync(device: torch.device) -> None:
 
 
 def make_generator(samp: SamplingConfig, device: torch.device) -> torch.Generator | None:
-    """The generation's random stream (None when greedy); the seed keys the tree walk's uniforms."""
+    """The generation's random stream (None when greedy); the seed keys the tree walk's noise."""
     if samp.greedy:
         return None
     gen = torch.Generator(device=device)
@@ -186,6 +186,7 @@ def decode(
     """
     dev = state.model.device
     gen = make_generator(samp, dev)
+    seed = int(gen.initial_seed()) if gen is not None else None  # keys the walk's noise (and coupled drafts)
     t0 = time.perf_counter()
     proposer.begin(state.seq)
     stats.prefill_tokens = state.prefill()
@@ -203,7 +204,9 @@ def decode(
             td = time.perf_counter()
             budget = policy.choose()
             chosen[budget] += 1
-            ctx = StepContext(samp=samp, gen=gen, budget=budget, cost=policy.grow_cost(budget), logprobs=logprobs)
+            ctx = StepContext(
+                samp=samp, gen=gen, budget=budget, cost=policy.grow_cost(budget), logprobs=logprobs, seed=seed
+            )
             prop = proposer.propose(state.seq, ctx)
             if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
                 stats.trimmed += policy.trim(prop.tree)

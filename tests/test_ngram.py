@@ -274,8 +274,8 @@ def test_trimmed_proposals_stay_exact(engine):
 
 @pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=5)])
 def test_chain_arms_of_the_cpu_policy_are_exact(engine, samp):
-    """Negative arms are chains of the draft's argmax, verified by the tree walk: the same tokens as AR for the
-    same seed, also when sampling, and the policy really ran them."""
+    """Negative arms are chains of the draft's argmax (sampling: its coupled draws), verified by the tree walk: the
+    same tokens as AR for the same seed, also when sampling, and the policy really ran them."""
     from specexec.budget import VerifyCosts
 
     for ids in (_prompt(engine), [40, 41, 42]):
@@ -351,11 +351,12 @@ def test_follow_tracks_the_continuations_a_chain_still_matches():
     assert g.step(5) == 0.0 and g.step(2) == 0.0  # left the continuation: never followed again
 
 
-@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)])
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=0.3, seed=3)])
 def test_chain_arms_run_on_along_ngram_continuations_exactly(engine, samp):
     """A chain arm's tree holds the n-gram continuations too: on text that repeats itself a step emits more than
     the chain's draft tokens + 1 (the continuation ran on past the chain at no draft cost), the chain stops
-    earlier once costs are known, and the tokens are AR's for the same seed, greedy or sampled."""
+    earlier once costs are known, and the tokens are AR's for the same seed, greedy or sampled (at a temperature
+    low enough that the sampled text follows the cycle too: a hot sample of a tiny random model does not repeat)."""
     from specexec.budget import VerifyCosts
 
     prompt = _prompt(engine)
@@ -367,3 +368,39 @@ def test_chain_arms_run_on_along_ngram_continuations_exactly(engine, samp):
     assert r.tokens == ref
     assert set(r.stats.budgets) == {-2}
     assert max(r.stats.accepted_hist) > 3, r.stats.accepted_hist  # a chain of 2 + the bonus token is 3 at most
+
+
+def test_coupled_chains_when_sampling(tiny_models, tmp_path):
+    """Sampling, a chain arm's draft tokens are coupled draws (the walk's own noise): with a draft that IS the
+    target every draft token is the target's draw, so every full step keeps the whole chain -- an argmax chain
+    at temperature 1 would not -- and the tokens are AR's for the same seed."""
+    eng = _engine(tiny_models["llama"], tiny_models["llama"])
+    samp = SamplingConfig(temperature=1.0, seed=21)
+    prompt = [5, 6, 7]
+    ref = eng.generate(prompt, 40, method="ar", sampling_cfg=samp).tokens
+    eng.reset()
+    pol = AdaptiveBudget((-3,))  # no costs known: full chains of 3
+    r = eng.generate(prompt, 40, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
+    assert r.tokens == ref
+    full = {k: v for k, v in r.stats.accepted_hist.items()}
+    assert len(ref) == 40 and full.get(4, 0) >= r.stats.steps - 1, full  # the last step may be cut at the limit
+
+
+def test_coupling_raises_acceptance_over_the_argmax():
+    """The coupled draw matches the target's Gumbel-max draw more often than the draft's argmax does, for a draft
+    close to the target (deterministic: fixed logits, seeds 0..1999)."""
+    from specexec import sampling
+
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(64, 50, generator=gen) * 2.0
+    q_logits = p_logits + 0.5 * torch.randn(64, 50, generator=gen)  # a noisy copy
+    samp = SamplingConfig(temperature=1.0)
+    lp = sampling.logprobs(p_logits, samp)
+    coupled = argmax = 0
+    for seed in range(2000):
+        pos = list(range(seed % 7, seed % 7 + 64))
+        target = sampling.gumbel_max(lp, sampling.gumbels(seed, pos, 50))
+        coupled += int((sampling.coupled_choice(q_logits, samp, seed, pos) == target).sum())
+        argmax += int((q_logits.argmax(-1) == target).sum())
+    n = 2000 * 64
+    assert coupled / n > argmax / n + 0.1, (coupled / n, argmax / n)

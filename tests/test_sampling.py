@@ -462,14 +462,28 @@ def test_top_k_and_min_p_and_greedy():
     torch.testing.assert_close(hot, torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]]))
 
 
-def test_inverse_cdf_and_uniforms():
-    p = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
-    for u, want in ((0.0, 1), (0.49, 1), (0.5, 3), (1 - 2**-53, 3)):
-        assert int(sampling.inverse_cdf(p, torch.tensor([u], dtype=torch.float64))) == want
-    u = sampling.uniforms(np.arange(50_000), 3).numpy()
-    assert stats.kstest(u, "uniform").pvalue > ALPHA
-    assert sampling.uniforms(5, [7, 8]).tolist() == sampling.uniforms(5, np.array([7, 8])).tolist()
-    assert sampling.uniforms(5, 7).tolist() != sampling.uniforms(6, 7).tolist()
+def test_gumbel_noise_and_draws():
+    """The walk's noise is standard Gumbel, a pure function of (seed, position, token); Gumbel-max draws follow p
+    (never a zero-probability token); a draft drawing with the same noise from q == p proposes the target's draw."""
+    g = sampling.gumbels(np.arange(50_000), 3, 1).view(-1).numpy()
+    assert stats.kstest(g, "gumbel_r").pvalue > ALPHA
+    assert torch.equal(sampling.gumbels(5, [7, 8], 10), sampling.gumbels(np.array(5), np.array([7, 8]), 10))
+    assert not torch.equal(sampling.gumbels(5, 7, 10), sampling.gumbels(6, 7, 10))
+    assert not torch.equal(sampling.gumbels(5, 7, 10), sampling.gumbels(5, 8, 10))
+    assert torch.equal(sampling.gumbels(5, 7, 10), sampling.gumbels(5, 7, 12)[..., :10])  # a prefix of the stream
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
+    n = 20_000
+    x = sampling.gumbel_max(p.log()[None], sampling.gumbels(np.arange(n), 9, 5)).view(-1)
+    counts = np.bincount(x.numpy(), minlength=5)
+    assert counts[0] == counts[2] == 0
+    assert stats.chisquare(counts[[1, 3, 4]], n * p[[1, 3, 4]].numpy()).pvalue > ALPHA
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    samp = SamplingConfig(temperature=0.8)
+    for seed in range(50):
+        mine = sampling.coupled_choice(logits, samp, seed, list(range(10, 16)))
+        walk_draw = sampling.gumbel_max(sampling.logprobs(logits, samp), sampling.gumbels(seed, np.arange(10, 16), 5))
+        assert torch.equal(mine, walk_draw)
+    assert torch.equal(sampling.coupled_choice(logits, SamplingConfig(), 0, [0] * 6), logits.argmax(-1))
 
 
 def test_accept_pads_a_narrower_draft_vocabulary():

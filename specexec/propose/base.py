@@ -24,6 +24,10 @@ class StepContext:
     budget: int  # tree proposers: nodes to propose (the policy's choice); chain: gamma
     cost: object | None = None  # tree proposers: a GrowCost for the early stop, or None
     logprobs: Callable[[Tensor], Tensor] | None = None  # logits (T, V) -> draft log-probs under ``samp``
+    seed: int | None = None  # sampling: the key of the tree walk's noise (sampling.gumbels); None when greedy
+    # chain proposers: verify by the tree walk also when sampling, the draft's tokens being coupled draws (drawn
+    # with the walk's own noise, sampling.coupled_choice) instead of x ~ q under the chain rule
+    walk: bool = False
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Chain speculative decoding's proposer (Leviathan et al. 2023; Chen et al. 2023): gamma draft tokens, one at a
 time. Greedy: the draft's argmax, verified by the exact tree walk. Sampling: x_i ~ q_i, verified by speculative
-sampling with those q (the ``"chain"`` acceptance rule)."""
+sampling with those q (the ``"chain"`` acceptance rule); or, with ``StepContext.walk`` (the CPU policy's chain
+arms), coupled draws -- x_i drawn from q_i with the Gumbel noise the tree walk uses at that position
+(:func:`specexec.sampling.coupled_choice`) -- verified by the exact tree walk, so the same seed gives AR's text."""
 
 from __future__ import annotations
 
@@ -77,8 +79,10 @@ class ChainDraft:
         dev = d.device
         gamma = ctx.budget
         n = len(seq) - 1
-        # n-gram continuations only where the tree walk verifies (greedy draft tokens, no q to keep aligned)
-        lookup = self.lookup if self.lookup is not None and ctx.samp.greedy else None
+        # verified by the tree walk: greedy, or (ctx.walk) coupled draws when sampling; else the chain rule with q
+        walk = ctx.samp.greedy or (ctx.walk and ctx.seed is not None)
+        # n-gram continuations only where the tree walk verifies (no q to keep aligned)
+        lookup = self.lookup if self.lookup is not None and walk else None
         conts = lookup.continuations(seq) if lookup is not None else []
         follow = _Follow(conts, lookup.acc) if lookup is not None else None
         tree = Tree(seq[-1], gamma + 1 + (lookup.max_nodes() if lookup is not None else 0), dev)
@@ -91,10 +95,15 @@ class ChainDraft:
         stop = ctx.cost if isinstance(ctx.cost, ChainStop) else None
         logps: list[float] = []
         for i in range(gamma):
-            tok, q = draft_choice(logits, ctx.samp, ctx.gen)
+            if walk and not ctx.samp.greedy:  # coupled: the walk's draw at this position whenever p is close to q
+                assert ctx.seed is not None
+                lq = sampling.coupled_logprobs(sampling.logprobs(logits, ctx.samp), ctx.seed, [n + 1 + i])
+                tok, q, probs = lq.argmax(-1), None, lq.exp()
+            else:
+                tok, q = draft_choice(logits, ctx.samp, ctx.gen)
+                probs = q if q is not None else torch.softmax(logits.float(), dim=-1)
             qs.append(q)
             # the path's draft log-probability, as every tree holds (the budget policy's estimates use it)
-            probs = q if q is not None else torch.softmax(logits.float(), dim=-1)
             cum = cum + probs.gather(-1, tok.view(1, 1)).view(1).clamp_min(1e-30).log()
             tree.add(torch.tensor([i], device=dev), tok, cum)
             if i == gamma - 1:

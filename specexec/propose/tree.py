@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from specexec import sampling
 from specexec.config import SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.chain import ChainDraft
@@ -113,9 +114,10 @@ class TreeDraft:
         if ctx.budget < 0:  # a chain of -budget draft tokens
             if self.chain is None:
                 raise ValueError(f"budget {ctx.budget} asks for a chain, but this tree proposer has none")
-            # the draft's argmax chain, verified by the tree walk also when sampling: exact for any tree, and the
-            # walk draws from the target as AR does, so a seed gives the same text whichever arm each step takes
-            prop = self.chain.propose(seq, replace(ctx, budget=-ctx.budget, samp=GREEDY, gen=None))
+            # verified by the tree walk also when sampling (the draft's tokens are then coupled draws): exact for
+            # any tree, and the walk draws from the target as AR does, so a seed gives the same text whichever arm
+            # each step takes
+            prop = self.chain.propose(seq, replace(ctx, budget=-ctx.budget, walk=True))
             prop.budget = ctx.budget
             return prop
         if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
@@ -126,7 +128,12 @@ class TreeDraft:
             return prop
         cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
         tree, passes, beams, early = self.grow(
-            seq, replace(self.cfg, budget=ctx.budget), ctx.logprobs or default_logprobs, cost, start=start
+            seq,
+            replace(self.cfg, budget=ctx.budget),
+            ctx.logprobs or default_logprobs,
+            cost,
+            start=start,
+            seed=None if ctx.samp.greedy else ctx.seed,
         )
         if self._full is not None:
             self._grown = (tree, tree.size, *self._full)
@@ -248,13 +255,17 @@ class TreeDraft:
         logprobs=default_logprobs,
         cost: GrowCost | None = None,
         start: Tree | None = None,
+        seed: int | None = None,
     ) -> tuple[Tree, int, list[int], bool]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
-        ``cost`` enables the early stop (when ``cfg.early_stop``, by default on a CPU only); None grows up to
-        ``max_depth`` levels. ``start``: a carried subtree rooted at seq[-1] whose expanded nodes' draft entries are
-        in the cache (see :meth:`commit`); growth continues from it without the root's pass. Returns (tree, draft
-        passes, tokens per pass, stopped early); ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
+        ``seed`` (sampling): children are ranked and scored by the draft's log-probs perturbed by the walk's noise
+        (:func:`specexec.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw, the
+        token the target's walk draws wherever p is close to q. ``cost`` enables the early stop (when
+        ``cfg.early_stop``, by default on a CPU only); None grows up to ``max_depth`` levels. ``start``: a carried
+        subtree rooted at seq[-1] whose expanded nodes' draft entries are in the cache (see :meth:`commit`); growth
+        continues from it without the root's pass. Returns (tree, draft passes, tokens per pass, stopped early);
+        ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
         d = self.draft
         dev = d.device
@@ -274,6 +285,8 @@ class TreeDraft:
             tree = Tree(seq[-1], capacity, dev)
             beams_log = [len(seq) - d.length]
             root_lq = logprobs(d.catch_up(seq))  # (1, V)
+            if seed is not None:
+                root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
             passes = 1
             tree.draft_slot[0] = n
             next_slot = n + 1
@@ -312,6 +325,8 @@ class TreeDraft:
             mask = self._tree_mask(tree, beams, n, next_slot)
             pos = n + tree.depth[beams]
             lq = logprobs(d.forward(tree.tokens[beams], pos, slots, mask))  # (k, V)
+            if seed is not None:  # the children's output positions
+                lq = sampling.coupled_logprobs(lq, seed, pos + 1)
             passes += 1
             beams_log.append(k)
             self._expand(tree, beams, lq, cfg, budget, not keep_all)
