@@ -65,12 +65,12 @@ def tree_choices(tree: Tree, logits: Tensor, samp: SamplingConfig, seed: int | n
     """
     if samp.greedy:
         return logits.argmax(-1)
-    pos = (n + 1 + tree.n_depth).cpu().numpy()  # (N,)
+    pos = n + 1 + tree.n_depth  # (N,)
     lp = sampling.logprobs(logits, samp)  # (N, V), -inf where filtered
     V = lp.shape[-1]
     if isinstance(seed, int):
-        return sampling.gumbel_max(lp, sampling.gumbels(seed, pos, V))
-    g = sampling.gumbels(np.asarray(seed)[:, None], pos[None, :], V)  # (S, N, V)
+        return sampling.gumbel_max(lp, *sampling.noise_at(seed, pos, V))
+    g = sampling.gumbels(np.asarray(seed)[:, None], pos.cpu().numpy()[None, :], V)  # (S, N, V)
     return sampling.gumbel_max(lp[None], g)
 
 

@@ -140,23 +140,38 @@ def _gumbel(kp: np.ndarray, vocab: int) -> Tensor:
     return torch.from_numpy(-np.log(-np.log(u)))
 
 
-def gumbel_max(logp: Tensor, noise: Tensor) -> Tensor:
-    """argmax over the last dim of log-probabilities (-inf: never chosen) plus Gumbel noise of the same shape (its
-    last dim may be longer: only the first ``logp.shape[-1]`` tokens are used)."""
+def gumbel_max(logp: Tensor, noise: Tensor, index: Tensor | None = None, chunk: int = 256) -> Tensor:
+    """argmax over the last dim of log-probabilities ``logp`` (..., V) (-inf: never chosen) plus Gumbel noise (its
+    last dim may be longer: only the first V tokens are used). ``index`` (R,): row r of a 2-d ``logp`` (R, V) uses
+    noise row index[r] (positions shared by many tree nodes are drawn once); without it the shapes broadcast.
+    Rows are done ``chunk`` at a time (bounded memory for big trees and vocabularies)."""
     V = logp.shape[-1]
-    return (logp.double() + noise[..., :V].to(logp.device)).argmax(-1)
+    noise = noise[..., :V].to(logp.device)
+    if index is None:
+        return (logp.double() + noise).argmax(-1)
+    out = torch.empty(logp.shape[0], dtype=torch.long, device=logp.device)
+    for s in range(0, logp.shape[0], chunk):
+        out[s : s + chunk] = (logp[s : s + chunk].double() + noise[index[s : s + chunk]]).argmax(-1)
+    return out
 
 
-def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int] | np.ndarray) -> Tensor:
+def noise_at(seed: int, positions: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """The walk's noise for output ``positions`` (T,): (rows (D, vocab) float64 on the positions' device, one per
+    distinct position; index (T,) of each position's row)."""
+    uniq, inv = torch.unique(positions, return_inverse=True)
+    return gumbels(seed, uniq.cpu().numpy(), vocab).to(positions.device), inv
+
+
+def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int]) -> Tensor:
     """A draft's log-probs ``lq`` (T, V) (after the sampling filters) perturbed by the walk's noise at output
     ``positions`` (T,) and renormalised: log softmax(log q + g). Its argmax is the coupled draw; as a score it
     predicts the target's agreement far better than q itself (demo pair, temperature 0.7, prose: the coupled token
     was the target's draw at 0.20 / 0.26 / 0.43 / 0.65 / 0.93 of positions where this probability fell in
     [0, .2) / [.2, .4) / [.4, .6) / [.6, .8) / [.8, 1], against 0.45 / 0.53 / 0.49 / 0.51 / 0.93 by q(token); the
     runner-up likewise), so best-first trees and chain stops use it as their draft log-probabilities."""
-    pos = positions.cpu().numpy() if isinstance(positions, Tensor) else np.asarray(positions)
-    V = lq.shape[-1]
-    return torch.log_softmax(lq.double() + gumbels(seed, pos, V).to(lq.device), dim=-1).float()
+    pos = positions if isinstance(positions, Tensor) else torch.tensor(positions, dtype=torch.long)
+    rows, inv = noise_at(seed, pos.to(lq.device), lq.shape[-1])
+    return torch.log_softmax(lq.double() + rows[inv], dim=-1).float()
 
 
 def coupled_choice(logits: Tensor, cfg: SamplingConfig, seed: int, positions: Tensor | list[int]) -> Tensor:
@@ -164,8 +179,9 @@ def coupled_choice(logits: Tensor, cfg: SamplingConfig, seed: int, positions: Te
     q = :func:`probs` with the noise the target's walk will use there (greedy: the argmax)."""
     if cfg.greedy:
         return logits.argmax(-1)
-    pos = positions.cpu().numpy() if isinstance(positions, Tensor) else np.asarray(positions)
-    return gumbel_max(logprobs(logits, cfg), gumbels(seed, pos, logits.shape[-1]))
+    pos = positions if isinstance(positions, Tensor) else torch.tensor(positions, dtype=torch.long)
+    rows, inv = noise_at(seed, pos.to(logits.device), logits.shape[-1])
+    return gumbel_max(logprobs(logits, cfg), rows, inv)
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:

@@ -484,6 +484,12 @@ def test_gumbel_noise_and_draws():
         walk_draw = sampling.gumbel_max(sampling.logprobs(logits, samp), sampling.gumbels(seed, np.arange(10, 16), 5))
         assert torch.equal(mine, walk_draw)
     assert torch.equal(sampling.coupled_choice(logits, SamplingConfig(), 0, [0] * 6), logits.argmax(-1))
+    # many rows sharing few positions (a big tree): drawn in chunks, one noise row per distinct position
+    lp = torch.log_softmax(torch.randn(600, 5, generator=torch.Generator().manual_seed(2)), -1)
+    pos = torch.arange(600) % 7 + 30
+    rows, index = sampling.noise_at(3, pos, 5)
+    assert rows.shape == (7, 5)
+    assert torch.equal(sampling.gumbel_max(lp, rows, index), sampling.gumbel_max(lp, sampling.gumbels(3, pos, 5)))
 
 
 def test_accept_pads_a_narrower_draft_vocabulary():
