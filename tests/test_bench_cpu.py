@@ -121,5 +121,9 @@ def test_smoke_run_sampling(bench, tiny_pair, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["meta"]["temperature"] == 0.7 and list(rep["sets"]) == ["grounded"]
     assert len(rep["runs"]) == 2 + len(bench.HF_CONFIGS)
-    assert not any("match_ar" in r for r in rep["runs"])  # sampling: tok/s only
-    assert "mismatches" not in rep["sets"]["grounded"]["configs"]["ours-default"]
+    # sampling: our tree-walk methods are compared with our AR for the same seed (fp32 here: the same tokens);
+    # transformers' sampled runs are not comparable
+    runs = {r["config"]: r for r in rep["runs"]}
+    assert runs["ours-default"]["match_ar"] is True
+    assert not any("match_ar" in r for r in rep["runs"] if r["config"].startswith("hf-"))
+    assert rep["sets"]["grounded"]["configs"]["ours-default"]["mismatches"] == 0
