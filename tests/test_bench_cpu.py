@@ -127,3 +127,25 @@ def test_smoke_run_sampling(bench, tiny_pair, tmp_path):
     assert runs["ours-default"]["match_ar"] is True
     assert not any("match_ar" in r for r in rep["runs"] if r["config"].startswith("hf-"))
     assert rep["sets"]["grounded"]["configs"]["ours-default"]["mismatches"] == 0
+
+
+def test_recheck_flags_a_real_divergence(bench, tiny_pair, tmp_path):
+    """--recheck adds the near-tie check to mismatched runs of an earlier report: a made-up divergence (the run
+    agreed with AR) sits at a whole-logit gap on the tiny fp32 target, so it is a real mismatch, not a near-tie,
+    and the verdict fails; the summary counts it."""
+    target, draft = tiny_pair
+    out = tmp_path / "bench.json"
+    common = ["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--sets", "code", "--dtype", "fp32"]
+    assert bench.main([*common, "--max-new-tokens", "6", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    row = next(r for r in rep["runs"] if r["config"] == "ours-default")
+    assert row["match_ar"] is True
+    row["match_ar"], row["first_diff"] = False, 2
+    out.write_text(json.dumps(rep))
+    assert bench.main(["--quiet", "--recheck", str(out)]) == 1
+    rep = json.loads(out.read_text())
+    row = next(r for r in rep["runs"] if r["config"] == "ours-default")
+    assert row["near_tie"] is False and row["first_diff_gap"] > bench.NEAR_TIE["float32"]
+    s = rep["sets"]["code"]["configs"]["ours-default"]
+    assert s["mismatches"] == 1 and s["near_ties"] == 0
+    assert rep["meta"]["near_tie_recheck"].startswith("1 mismatched run")

@@ -353,3 +353,55 @@ def test_bench_before_after_unknown_revision_is_one_clean_line(capsys):
     assert script("bench_before_after").main(["--before", "no-such-rev-0000", "--", "--num-prompts", "1"]) == 2
     out = capsys.readouterr().out
     assert out.startswith("error: --before no-such-rev-0000: no such commit") and "Traceback" not in out
+
+
+def test_plan_draft_tradeoff(tmp_path):
+    """The memory plan's placements: a lighter draft never leaves fewer target layers resident, a bigger cap never
+    fewer, the streamed bytes follow the resident layers, and a draft that cannot fit is reported, not placed."""
+    mod = script("plan_draft_tradeoff")
+    out = tmp_path / "t.json"
+    assert mod.main(["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(mod.PAIRS) * 2 * len(mod.CAPS) * len(mod.DRAFT_FORMATS)
+
+    def resident(r):
+        return r["resident_layers"] if r["fits"] else -1
+
+    by = {(r["target"], r["target_format"], r["cap_gb"], r["draft_format"]): r for r in rows}
+    for (t, tf, cap, df), r in by.items():
+        assert r["draft_gb"] > 0
+        if r["fits"]:
+            assert 0 <= r["resident_layers"] <= r["layers"]
+            streamed = (r["layers"] - r["resident_layers"]) * r["layer_gb"]
+            assert abs(r["streamed_gb_per_pass"] - streamed) < 1e-6
+            assert r["floor_s_pcie4"] > r["floor_s_h100"] or r["streamed_gb_per_pass"] == 0
+        lighter = {"bf16": "int8", "int8": "nf4"}.get(df)
+        if lighter:
+            assert resident(by[(t, tf, cap, lighter)]) >= resident(r)
+            assert by[(t, tf, cap, lighter)]["draft_gb"] < r["draft_gb"]
+        for bigger in mod.CAPS:
+            if bigger > cap:
+                assert resident(by[(t, tf, bigger, df)]) >= resident(r)
+    # a 13.5 GB bf16 7B draft cannot sit under a 12 GB cap; NF4 layers of a 70B: some stay resident at 24 GB
+    assert not by[("llama2-70b", "nf4", 12.0, "bf16")]["fits"]
+    assert (
+        by[("llama2-70b", "nf4", 24.0, "nf4")]["resident_layers"]
+        > by[("llama2-70b", "nf4", 24.0, "bf16")]["resident_layers"]
+    )
+
+
+def test_bench_coupling_smoke(tiny_pair, tmp_path):
+    """scripts/bench_coupling.py end to end on the tiny pair: rates in [0, 1] per set, score bins that count every
+    coupled token, and greedy refused (nothing to couple)."""
+    target, draft = tiny_pair
+    mod = script("bench_coupling")
+    out = tmp_path / "c.json"
+    args = ["--smoke", "--target", str(target), "--draft", str(draft), "--sets", "prose,code", "--out", str(out)]
+    assert mod.main(args) == 0
+    rep = json.loads(out.read_text())
+    for d in rep["sets"].values():
+        assert d["positions"] > 0
+        assert all(0.0 <= d[k] <= 1.0 for k in ("argmax", "coupled", "chain_rule"))
+        assert sum(b["tokens"] for b in d["coupled_score_bins"]) == d["positions"] * rep["meta"]["noise_draws"]
+    with pytest.raises(SystemExit):
+        mod.main(["--smoke", "--target", str(target), "--draft", str(draft), "--temperature", "0"])
