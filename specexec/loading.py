@@ -341,10 +341,18 @@ def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tu
 
 
 def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent), each its own aligned copy."""
+    """embed, norm and lm_head on CPU (lm_head is embed when tied or absent), each its own aligned copy.
+
+    An untied embedding stored in 16 bits stays in its stored dtype under an fp32 model: a lookup upcasts the rows
+    it reads (``Transformer.forward``), which is bit-identical to upcasting the table (every bf16/fp16 value is
+    exact in fp32) and saves half the table (0.47 GB on the demo target)."""
     shards = _Shards(path)
-    embed = _owned(shards.get("model.embed_tokens.weight"), dtype)
-    if cfg.tie_word_embeddings or not shards.has("lm_head.weight"):
+    raw = shards.get("model.embed_tokens.weight")
+    tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
+    keep = not tied and dtype == torch.float32 and raw.dtype in (torch.bfloat16, torch.float16)
+    embed = raw if keep else _owned(raw, dtype)
+    del raw
+    if tied:
         lm = embed  # a tied checkpoint's stored lm_head copy is not loaded
     else:
         lm = _owned(shards.get("lm_head.weight"), dtype)

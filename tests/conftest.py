@@ -307,6 +307,8 @@ def hf_view(model, path: Path):
 
     g = model.globals
     put(hf.model.embed_tokens, "weight", g.embed)
+    if g.embed.dtype != model.dtype:  # a 16-bit table under an fp32 model: the looked-up rows are upcast, as ours
+        hf.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.to(model.dtype))
     put(hf.model.norm, "weight", g.norm)
     put(hf.lm_head, "weight", g.lm_head)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -86,3 +86,26 @@ def test_bf16_logits_track_fp32(tiny_models, family):
     lb = b.forward(ids, t, t, _causal(0, 16, 16), b.new_cache(16))
     assert lb.dtype == torch.float32  # logits always come back in fp32
     assert (la - lb).abs().max() < 0.1 * la.abs().max()
+
+
+def test_fp32_model_keeps_a_16_bit_untied_embedding(tiny_models, tmp_path):
+    """An untied embedding stored in bf16 stays bf16 under an fp32 model (half the table's memory): the rows a
+    lookup reads are upcast, so the logits are bit-identical to those of the same model with the table upcast."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "bf16"
+    shutil.copytree(tiny_models["llama"], src)
+    for f in src.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    m = load_model(src, torch.device("cpu"), torch.float32)
+    assert m.globals.embed.dtype == torch.bfloat16 and m.globals.lm_head.dtype == torch.float32
+    ref = load_model(src, torch.device("cpu"), torch.float32)
+    ref.globals.embed = ref.globals.embed.float()
+    toks = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    pos = torch.arange(8)
+    mask = pos[None, :] <= pos[:, None]
+    a = m.forward(toks, pos, pos, mask, m.new_cache(8))
+    b = ref.forward(toks, pos, pos, mask, ref.new_cache(8))
+    assert torch.equal(a, b)
