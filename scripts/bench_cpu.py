@@ -367,7 +367,7 @@ class Runner:
         t = self.args.temperature
         scores = logits.double()
         if t > 0 and seed is not None:
-            lp = sampling.logprobs(logits[None], replace_seed(self.samp, seed))[0]
+            lp = sampling.logprobs(logits[None], self.samp)[0]  # the seed plays no part in the log-probs
             scores = lp.double() + sampling.gumbels(seed, [len(prefix)], lp.shape[-1])[0]
         top2 = torch.topk(scores, 2).values
         gap = float(top2[0] - top2[1])
@@ -474,12 +474,6 @@ class Runner:
             "ttft_s": (steps.first - t) if steps.first is not None else None,
             "ids": new,
         }
-
-
-def replace_seed(samp: Any, seed: int) -> Any:
-    from dataclasses import replace
-
-    return replace(samp, seed=seed)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -832,8 +826,16 @@ def _verdict(sets: dict[str, Any]) -> int:
 def recheck(path: Path, args: argparse.Namespace) -> int:
     """Add the near-tie check to an earlier report's mismatched runs of ours (our AR is re-run, deterministically
     for the seed, up to the first differing token), then re-summarise and rewrite it."""
-    report = json.loads(path.read_text())
-    m = report["meta"]
+    try:
+        report = json.loads(path.read_text())
+        m = report["meta"]
+        m["configs"], m["prompts"], report["runs"]  # noqa: B018 - a report of this script has these
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(
+            f"error: --recheck {path}: not a readable bench_cpu.py report ({e.__class__.__name__}: {e})",
+            file=sys.stderr,
+        )
+        return 2
     args.target, args.draft, args.temperature, args.seed = m["target"], m["draft"], m["temperature"], m["seed"]
     args.dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(m["dtype"], args.dtype)  # as run
     configs = [Config(**c) for c in m["configs"]]
