@@ -69,7 +69,7 @@ def tree_choices(tree: Tree, logits: Tensor, samp: SamplingConfig, seed: int | n
     lp = sampling.logprobs(logits, samp)  # (N, V), -inf where filtered
     V = lp.shape[-1]
     if isinstance(seed, int):
-        return sampling.gumbel_max(lp, *sampling.noise_at(seed, pos, V))
+        return sampling.draw(lp, seed, pos)
     g = sampling.gumbels(np.asarray(seed)[:, None], pos.cpu().numpy()[None, :], V)  # (S, N, V)
     return sampling.gumbel_max(lp[None], g)
 

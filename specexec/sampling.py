@@ -37,9 +37,6 @@ from torch import Tensor
 from specexec.config import SamplingConfig
 
 _M64 = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
@@ -83,41 +80,71 @@ def choose(p: Tensor, greedy: bool, gen: torch.Generator | None) -> Tensor:
     return torch.multinomial(p, 1, generator=gen).squeeze(-1)
 
 
-_NOISE: OrderedDict[tuple[int, int, int], Tensor] = OrderedDict()  # (seed, pos, vocab) -> (vocab,) Gumbel row
+_NOISE: OrderedDict[tuple[int, int, int], Tensor] = OrderedDict()  # (seed, pos, vocab) -> (vocab,) Gumbel row (CPU)
 _NOISE_ROWS = 48  # rows kept (a step needs its tree's depth of positions; rejected positions come back next step)
+DEVICE_CHUNK = 64  # rows of noise made at once on an accelerator (int64 + float64 temporaries: 64 x V x 16 bytes)
 
 
-def gumbels(seed: int | np.ndarray, positions: int | np.ndarray | Tensor, vocab: int) -> Tensor:
-    """Standard Gumbel noise g(seed, pos, v) float64 for tokens v < ``vocab``: shape (*broadcast, vocab).
+def gumbels(seed: int | np.ndarray, positions: int | np.ndarray | list[int] | Tensor, vocab: int) -> Tensor:
+    """Standard Gumbel noise g(seed, pos, v) float64 for tokens v < ``vocab``: shape (*broadcast, vocab), on the
+    device of ``positions`` (a tensor) or the CPU.
 
-    A pure function of its arguments, identical on every device: output ``v`` of a SplitMix64 stream keyed by
-    (seed, pos), mapped through -log(-log(u)) with u in (0, 1). With an int ``seed`` the rows are computed once
-    per (seed, pos) and cached (the draft and the target's walk need the same rows, a step after step); an
-    array of seeds (the statistical tests: many samples sharing one tree) broadcasts against ``positions``.
+    A pure function of its arguments: output ``v`` of a SplitMix64 stream keyed by (seed, pos) -- the same integer
+    bits on every device (wrapping int64 tensor arithmetic) -- mapped through -log(-log(u)) with u in (0, 1). With
+    an int ``seed`` on the CPU the rows are computed once per (seed, pos) and cached (the draft and the target's
+    walk need the same rows, step after step); on an accelerator they are made where they are used, with no host
+    work or copy. An array of seeds (the statistical tests: many samples sharing one tree) broadcasts against
+    ``positions``.
     """
-    pos = positions.cpu().numpy() if isinstance(positions, Tensor) else positions
-    pos = np.asarray(pos, dtype=np.int64)
+    if isinstance(positions, Tensor):
+        pos = positions.long()
+    else:
+        pos = torch.from_numpy(np.asarray(positions, dtype=np.int64))
     if isinstance(seed, int):
-        flat = pos.reshape(-1).tolist()
-        rows = [_noise_row(seed, int(p), vocab) for p in flat]
-        out = torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
-        return out.view(*pos.shape, vocab)
-    return _gumbel(_stream_keys(np.asarray(seed), pos), vocab)
+        if pos.device.type == "cpu":
+            flat = pos.reshape(-1).tolist()
+            rows = [_noise_row(seed, int(p), vocab) for p in flat]
+            out = torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
+            return out.view(*pos.shape, vocab)
+        return _gumbel(_stream_keys(torch.full_like(pos, _signed(seed)), pos), vocab)
+    s = torch.from_numpy(np.asarray(seed).astype(np.int64)).to(pos.device)  # uint64 bit patterns, wrapped
+    s, pos = torch.broadcast_tensors(s, pos)
+    return _gumbel(_stream_keys(s, pos), vocab)
 
 
-def _stream_keys(seed: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """The SplitMix64 stream key of each (seed, pos) pair (numpy broadcasting; int64 seeds wrap modulo 2**64)."""
-    s, p = np.broadcast_arrays(seed.astype(np.uint64), pos.astype(np.uint64))
-    shape = s.shape
-    s, p = np.ascontiguousarray(s).reshape(-1), np.ascontiguousarray(p).reshape(-1)  # 1-d: wrapping, no warnings
-    return _mix64(_mix64(s) + (p + np.uint64(1)) * _GOLDEN).reshape(shape)
+def _signed(x: int) -> int:
+    """The int64 whose bits are ``x`` modulo 2**64."""
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _srl(z: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 tensors read as uint64 (torch's ``>>`` on int64 is arithmetic)."""
+    return (z >> k).bitwise_and_((1 << (64 - k)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """The SplitMix64 finaliser on int64 tensors holding uint64 bits (two's-complement wrapping arithmetic)."""
+    z = (z ^ _srl(z, 30)).mul_(_MIX1)  # a new tensor (``z`` may be a broadcast view); in place from here on
+    z.bitwise_xor_(_srl(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_srl(z, 31))
+
+
+def _stream_keys(seed: Tensor, pos: Tensor) -> Tensor:
+    """The SplitMix64 stream key of each (seed, pos) pair (int64 tensors of one shape)."""
+    return _mix64(_mix64(seed) + (pos + 1) * _GOLDEN)
 
 
 def _noise_row(seed: int, pos: int, vocab: int) -> Tensor:
     k = (seed & _M64, pos, vocab)
     row = _NOISE.get(k)
     if row is None:
-        row = _gumbel(_stream_keys(np.array([seed & _M64], dtype=np.uint64), np.array([pos])), vocab)[0]
+        row = _gumbel(_stream_keys(torch.tensor([_signed(seed)]), torch.tensor([pos])), vocab)[0]
         _NOISE[k] = row
         while len(_NOISE) > _NOISE_ROWS:
             _NOISE.popitem(last=False)
@@ -126,18 +153,18 @@ def _noise_row(seed: int, pos: int, vocab: int) -> Tensor:
     return row
 
 
-_TOKENS: dict[int, np.ndarray] = {}
+_TOKENS: dict[tuple[int, torch.device], Tensor] = {}
 
 
-def _gumbel(kp: np.ndarray, vocab: int) -> Tensor:
-    """-log(-log(u)) for u from the SplitMix64 streams keyed ``kp`` (any shape), outputs 0..vocab-1:
-    shape (*kp.shape, vocab)."""
-    steps = _TOKENS.get(vocab)
+def _gumbel(keys: Tensor, vocab: int) -> Tensor:
+    """-log(-log(u)) for u from the SplitMix64 streams keyed ``keys`` (int64, any shape), outputs 0..vocab-1:
+    shape (*keys.shape, vocab) float64 on the keys' device."""
+    steps = _TOKENS.get((vocab, keys.device))
     if steps is None:
-        steps = _TOKENS[vocab] = (np.arange(vocab, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
-    z = _mix64((kp.reshape(-1, 1) + steps).reshape(-1)).reshape(*kp.shape, vocab)
-    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1): both logs finite
-    return torch.from_numpy(-np.log(-np.log(u)))
+        steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_GOLDEN)
+        _TOKENS[vocab, keys.device] = steps
+    u = _srl(_mix64(keys.unsqueeze(-1) + steps), 11).double().add_(0.5).mul_(2.0**-53)  # in (0, 1): logs finite
+    return u.log_().neg_().log_().neg_()
 
 
 def gumbel_max(logp: Tensor, noise: Tensor, index: Tensor | None = None, chunk: int = 256) -> Tensor:
@@ -155,11 +182,35 @@ def gumbel_max(logp: Tensor, noise: Tensor, index: Tensor | None = None, chunk: 
     return out
 
 
+def draw(logp: Tensor, seed: int, positions: Tensor, cache: bool | None = None) -> Tensor:
+    """The Gumbel-max draws (R,) for rows of log-probabilities ``logp`` (R, V) at output ``positions`` (R,) with
+    the walk's noise for ``seed``: what ``gumbel_max(logp, gumbels(seed, positions, V))`` gives, in bounded memory.
+
+    ``cache`` (default: on a CPU): one cached noise row per distinct position (:func:`noise_at`). Otherwise (an
+    accelerator) the noise of :data:`DEVICE_CHUNK` rows at a time is made on the device next to its logits: no
+    ``torch.unique``, no host work, no host synchronisation.
+    """
+    pos = positions.to(logp.device)
+    if cache is None:
+        cache = logp.device.type == "cpu"
+    if cache:
+        return gumbel_max(logp, *noise_at(seed, pos, logp.shape[-1]))
+    V = logp.shape[-1]
+    out = torch.empty(logp.shape[0], dtype=torch.long, device=logp.device)
+    s = _signed(seed)
+    for a in range(0, logp.shape[0], DEVICE_CHUNK):
+        p = pos[a : a + DEVICE_CHUNK]
+        g = _gumbel(_stream_keys(torch.full_like(p, s), p), V)
+        out[a : a + DEVICE_CHUNK] = g.add_(logp[a : a + DEVICE_CHUNK]).argmax(-1)
+    return out
+
+
 def noise_at(seed: int, positions: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     """The walk's noise for output ``positions`` (T,): (rows (D, vocab) float64 on the positions' device, one per
-    distinct position; index (T,) of each position's row)."""
+    distinct position; index (T,) of each position's row). ``torch.unique`` synchronises with an accelerator:
+    the engine's paths there use :func:`draw` and :func:`coupled_logprobs`, which make the rows in place."""
     uniq, inv = torch.unique(positions, return_inverse=True)
-    return gumbels(seed, uniq.cpu().numpy(), vocab).to(positions.device), inv
+    return gumbels(seed, uniq.cpu(), vocab).to(positions.device), inv
 
 
 def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int]) -> Tensor:
@@ -168,10 +219,16 @@ def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int]) -> Te
     predicts the target's agreement (``scripts/bench_coupling.py``, demo pair, temperature 0.7, prose: the coupled
     token was the target's draw at 0.28 / 0.29 / 0.47 / 0.58 / 0.88 of positions where this probability fell in
     [0, .2) / [.2, .4) / [.4, .6) / [.6, .8) / [.8, 1]), so best-first trees and chain stops use it as their draft
-    log-probabilities."""
+    log-probabilities. On a CPU one cached row per distinct position; on an accelerator a row per draft row, made
+    on the device (T is one level of draft rows: no host synchronisation)."""
     pos = positions if isinstance(positions, Tensor) else torch.tensor(positions, dtype=torch.long)
-    rows, inv = noise_at(seed, pos.to(lq.device), lq.shape[-1])
-    return torch.log_softmax(lq.double() + rows[inv], dim=-1).float()
+    pos = pos.to(lq.device)
+    if lq.device.type == "cpu":
+        rows, inv = noise_at(seed, pos, lq.shape[-1])
+        g = rows[inv]
+    else:
+        g = gumbels(seed, pos, lq.shape[-1])
+    return torch.log_softmax(g.add_(lq), dim=-1).float()
 
 
 def coupled_choice(logits: Tensor, cfg: SamplingConfig, seed: int, positions: Tensor | list[int]) -> Tensor:
@@ -180,12 +237,4 @@ def coupled_choice(logits: Tensor, cfg: SamplingConfig, seed: int, positions: Te
     if cfg.greedy:
         return logits.argmax(-1)
     pos = positions if isinstance(positions, Tensor) else torch.tensor(positions, dtype=torch.long)
-    rows, inv = noise_at(seed, pos.to(logits.device), logits.shape[-1])
-    return gumbel_max(logprobs(logits, cfg), rows, inv)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """The SplitMix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    return draw(logprobs(logits, cfg), seed, pos)

@@ -492,6 +492,80 @@ def test_gumbel_noise_and_draws():
     assert torch.equal(sampling.gumbel_max(lp, rows, index), sampling.gumbel_max(lp, sampling.gumbels(3, pos, 5)))
 
 
+_U64 = np.uint64
+
+
+def _mix_reference(z: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finaliser in numpy uint64 arrays (wrapping): the reference for the int64 tensor version."""
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def _gumbel_reference(seed: int, pos: int, vocab: int) -> np.ndarray:
+    golden = np.array([0x9E3779B97F4A7C15], dtype=np.uint64)
+    key = _mix_reference(_mix_reference(np.array([seed % 2**64], dtype=np.uint64)) + np.array([pos + 1], _U64) * golden)
+    z = _mix_reference(key + (np.arange(vocab, dtype=np.uint64) + _U64(1)) * golden)
+    u = ((z >> _U64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return -np.log(-np.log(u))
+
+
+def test_noise_bits_match_a_uint64_reference():
+    """The noise is made with int64 tensor arithmetic (so it runs on any device): its integers are SplitMix64's,
+    bit for bit, for every 64-bit pattern (shifts logical, products wrapping), and the Gumbel rows match a numpy
+    uint64 reference for seeds of every sign and size; rows made on the fly (the accelerator path) equal the
+    CPU's cached rows."""
+    x = np.random.default_rng(0).integers(0, 2**64, size=4096, dtype=np.uint64, endpoint=False)
+    x[:4] = [0, 1, 2**63, 2**64 - 1]
+    got = sampling._mix64(torch.from_numpy(x.view(np.int64))).numpy().view(np.uint64)
+    assert np.array_equal(got, _mix_reference(x))
+    for seed, pos in [(0, 0), (5, 7), (2**63 + 11, 3), (-3, 40), (2**64 - 1, 2**40)]:
+        want = _gumbel_reference(seed, pos, 1000)
+        np.testing.assert_allclose(sampling.gumbels(seed, pos, 1000).numpy(), want, rtol=1e-14, atol=0)
+        keys = sampling._stream_keys(torch.tensor([sampling._signed(seed)]), torch.tensor([pos]))
+        assert torch.equal(sampling._gumbel(keys, 1000)[0], sampling.gumbels(seed, pos, 1000))
+    # many seeds at once (the statistical tests' path) agree with the per-seed cached rows
+    many = sampling.gumbels(np.array([[4], [9]]), np.array([[1, 2, 3]]), 20)
+    assert many.shape == (2, 3, 20)
+    assert torch.equal(many[1, 2], sampling.gumbels(9, 3, 20))
+
+
+def test_draws_without_the_cache_equal_the_cached_draws():
+    """:func:`sampling.draw` makes noise per chunk of rows on an accelerator (no torch.unique, no host sync) and
+    uses one cached row per distinct position on a CPU: the same draws, rows with -inf (filtered tokens)
+    included, across more rows than one chunk."""
+    gen = torch.Generator().manual_seed(4)
+    lp = torch.log_softmax(torch.randn(300, 50, generator=gen), -1)
+    lp[:, 7] = float("-inf")
+    pos = torch.randint(20, 40, (300,), generator=gen)
+    for seed in (0, 123, 2**63 + 1):
+        cached = sampling.draw(lp, seed, pos, cache=True)
+        assert torch.equal(sampling.draw(lp, seed, pos, cache=False), cached)
+        assert torch.equal(cached, sampling.gumbel_max(lp, sampling.gumbels(seed, pos, 50)))
+        assert not (cached == 7).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_noise_is_made_on_the_device_and_equals_the_cpus():
+    """On CUDA the walk's and the draft's noise are made on the device (no copy, no unique): the same integers as
+    on the CPU, the same Gumbel values up to the last bits of the device's log, the same draws."""
+    pos = torch.arange(30, 60)
+    keys = sampling._stream_keys(torch.full_like(pos, 5), pos)
+    assert torch.equal(sampling._mix64(keys.cuda()).cpu(), sampling._mix64(keys))
+    g_cpu = sampling.gumbels(5, pos, 4096)
+    g_gpu = sampling.gumbels(5, pos.cuda(), 4096)
+    assert g_gpu.is_cuda
+    torch.testing.assert_close(g_gpu.cpu(), g_cpu, rtol=1e-13, atol=0)
+    lp = torch.log_softmax(torch.randn(200, 4096, generator=torch.Generator().manual_seed(0)), -1)
+    ppos = torch.randint(30, 60, (200,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sampling.draw(lp.cuda(), 5, ppos.cuda()).cpu(), sampling.draw(lp, 5, ppos))
+    lq = lp[:16]
+    torch.testing.assert_close(
+        sampling.coupled_logprobs(lq.cuda(), 5, ppos[:16].cuda()).cpu(), sampling.coupled_logprobs(lq, 5, ppos[:16])
+    )
+
+
 def test_accept_pads_a_narrower_draft_vocabulary():
     """q with fewer columns than p (Qwen2.5-0.5B vs 72B) or more: no shape error, no out-of-range token."""
     gen = torch.Generator().manual_seed(0)
