@@ -490,9 +490,15 @@ def _walk_verified(c: Config) -> bool:
 
 
 def run_all(
-    runner: Runner, prompts: dict[str, list[Prompt]], configs: list[Config], max_new: int, log: Callable[[str], None]
+    runner: Runner,
+    prompts: dict[str, list[Prompt]],
+    configs: list[Config],
+    max_new: int,
+    log: Callable[[str], None],
+    done: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every configuration on each prompt, back to back; the order rotates by one per prompt."""
+    """Every configuration on each prompt, back to back; the order rotates by one per prompt. ``done`` gets the
+    records so far after each prompt (the partial report a long run leaves behind if it is stopped)."""
     greedy = runner.args.temperature == 0
     records = []
     k = 0
@@ -529,6 +535,8 @@ def run_all(
                     if d is not None and d < len(ref):
                         row.update(runner.tie_check(ids, ref, d, seed))
                 records.append(row)
+            if done is not None:
+                done(records)
     return records
 
 
@@ -628,7 +636,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{m['machine']}; torch {m['torch']} ({m['threads']} threads), transformers {m['transformers']}; "
         f"our dtype {m['dtype']}; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
         f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
-        + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else ""),
+        + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else "")
+        + (f" **PARTIAL: the run stopped after {m['partial']}.**" if m.get("partial") else ""),
         "",
         "tok/s = new tokens / seconds of the whole call (prefill included, same clock for every row); "
         "decode tok/s excludes our prefill. Ratios: against our AR and against the best of transformers' "
@@ -790,15 +799,22 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         runner.run(c, ids, 2 if args.smoke else 4, args.seed)
     log("warm-up done")
-    records = run_all(runner, prompts, configs, args.max_new_tokens, log)
+    meta = _meta(args, runner, configs, prompts)  # the commit and date the run starts from
+    total = sum(len(ps) for ps in prompts.values())
+
+    def checkpoint(records: list[dict[str, Any]]) -> None:  # a stopped run still leaves its finished prompts
+        if args.out:
+            n = len({(r["set"], r["prompt"]) for r in records})
+            _write_report(args.out, {"meta": {**meta, "partial": f"{n} of {total} prompts"}, "runs": records})
+
+    records = run_all(runner, prompts, configs, args.max_new_tokens, log, checkpoint)
     greedy = args.temperature == 0
     sets = summarize(records, configs, greedy)
-    report = {"meta": _meta(args, runner, configs, prompts), "sets": sets, "goals": goals(sets), "runs": records}
+    report = {"meta": meta, "sets": sets, "goals": goals(sets), "runs": records}
     md = markdown(report)
     print(md)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        _write_report(args.out, report)
         log(f"wrote {args.out}")
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)
@@ -807,6 +823,14 @@ def main(argv: list[str] | None = None) -> int:
             f.write(sep + md)
         log(f"appended the tables to {args.md}")
     return _verdict(sets)
+
+
+def _write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write the JSON report whole (a temporary file renamed over it: a reader never sees half a report)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def _verdict(sets: dict[str, Any]) -> int:
@@ -865,7 +889,7 @@ def recheck(path: Path, args: argparse.Namespace) -> int:
     report["sets"], report["goals"] = sets, goals(sets)
     checked = sum("near_tie" in r for r in report["runs"])
     m["near_tie_recheck"] = f"{checked} mismatched runs checked afterwards (scripts/bench_cpu.py --recheck)"
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    _write_report(path, report)
     print(markdown(report))
     return _verdict(sets)
 

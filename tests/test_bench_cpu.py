@@ -129,6 +129,34 @@ def test_smoke_run_sampling(bench, tiny_pair, tmp_path):
     assert rep["sets"]["grounded"]["configs"]["ours-default"]["mismatches"] == 0
 
 
+def test_a_long_run_leaves_a_partial_report_after_each_prompt(bench, tiny_pair, tmp_path, monkeypatch):
+    """After every prompt the report so far is written (marked partial, so a run stopped by a session's end keeps
+    its finished prompts); the finished report replaces it, unmarked; the commit is the one the run started on."""
+    target, draft = tiny_pair
+    out = tmp_path / "bench.json"
+    writes: list[dict] = []
+    real = bench._write_report
+
+    def spy(path, report):
+        writes.append(json.loads(json.dumps(report)))
+        real(path, report)
+
+    monkeypatch.setattr(bench, "_write_report", spy)
+    argv = ["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--sets", "code,prose"]
+    assert bench.main([*argv, "--hf", "hf-lookup", "--out", str(out)]) == 0
+    assert [w["meta"].get("partial") for w in writes] == ["1 of 2 prompts", "2 of 2 prompts", None]
+    assert [len(w["runs"]) for w in writes] == [3, 6, 6]  # ours-ar, ours-default, hf-lookup per prompt
+    assert "sets" not in writes[0] and "sets" in writes[-1]
+    assert writes[0]["meta"]["commit"] == writes[-1]["meta"]["commit"]
+    final = json.loads(out.read_text())
+    assert "partial" not in final["meta"] and not list(tmp_path.glob("*.tmp"))
+    partial = {
+        **writes[0],
+        "sets": bench.summarize(writes[0]["runs"], [bench.Config(**c) for c in writes[0]["meta"]["configs"]], True),
+    }
+    assert "PARTIAL: the run stopped after 1 of 2 prompts" in bench.markdown(partial)
+
+
 def test_recheck_adds_the_near_tie_check(bench, tiny_pair, tmp_path):
     """--recheck adds the near-tie check to the mismatched runs of an earlier report (here a made-up divergence),
     re-summarises and gives the verdict: 0 only when every divergence is a near-tie."""
