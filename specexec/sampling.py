@@ -106,7 +106,7 @@ def gumbels(seed: int | np.ndarray, positions: int | np.ndarray | list[int] | Te
             rows = [_noise_row(seed, int(p), vocab) for p in flat]
             out = torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
             return out.view(*pos.shape, vocab)
-        return _gumbel(_stream_keys(torch.full_like(pos, _signed(seed)), pos), vocab)
+        return _rows(seed, pos, vocab)
     s = torch.from_numpy(np.asarray(seed).astype(np.int64)).to(pos.device)  # uint64 bit patterns, wrapped
     s, pos = torch.broadcast_tensors(s, pos)
     return _gumbel(_stream_keys(s, pos), vocab)
@@ -133,6 +133,11 @@ def _mix64(z: Tensor) -> Tensor:
     z = (z ^ _srl(z, 30)).mul_(_MIX1)  # a new tensor (``z`` may be a broadcast view); in place from here on
     z.bitwise_xor_(_srl(z, 27)).mul_(_MIX2)
     return z.bitwise_xor_(_srl(z, 31))
+
+
+def _rows(seed: int, pos: Tensor, vocab: int) -> Tensor:
+    """Uncached noise (*pos.shape, vocab) for one int seed, made on the positions' device."""
+    return _gumbel(_stream_keys(torch.full_like(pos, _signed(seed)), pos), vocab)
 
 
 def _stream_keys(seed: Tensor, pos: Tensor) -> Tensor:
@@ -197,10 +202,8 @@ def draw(logp: Tensor, seed: int, positions: Tensor, cache: bool | None = None) 
         return gumbel_max(logp, *noise_at(seed, pos, logp.shape[-1]))
     V = logp.shape[-1]
     out = torch.empty(logp.shape[0], dtype=torch.long, device=logp.device)
-    s = _signed(seed)
     for a in range(0, logp.shape[0], DEVICE_CHUNK):
-        p = pos[a : a + DEVICE_CHUNK]
-        g = _gumbel(_stream_keys(torch.full_like(p, s), p), V)
+        g = _rows(seed, pos[a : a + DEVICE_CHUNK], V)
         out[a : a + DEVICE_CHUNK] = g.add_(logp[a : a + DEVICE_CHUNK]).argmax(-1)
     return out
 
@@ -227,7 +230,7 @@ def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int]) -> Te
         rows, inv = noise_at(seed, pos, lq.shape[-1])
         g = rows[inv]
     else:
-        g = gumbels(seed, pos, lq.shape[-1])
+        g = _rows(seed, pos, lq.shape[-1])
     return torch.log_softmax(g.add_(lq), dim=-1).float()
 
 
