@@ -28,6 +28,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         max_branch: int = o.max_branch(),
         max_depth: int = o.max_depth(),
         early_stop: Optional[bool] = o.early_stop(),
+        grow: str = o.grow(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -35,7 +36,7 @@ library's validated configs (no logic beyond that). A command looks like this::
 
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -94,6 +95,7 @@ FLAGS: dict[str, str] = {
     "TreeConfig.max_branch": "--max-branch",
     "TreeConfig.max_depth": "--max-depth",
     "TreeConfig.early_stop": "--early-stop",
+    "TreeConfig.grow": "--grow",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -237,6 +239,17 @@ def early_stop() -> Any:
     )
 
 
+def grow() -> Any:
+    return typer.Option(
+        "dynamic",
+        "--grow",
+        help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
+        "open nodes (default); static: fixed-width levels, one device read a level; ahead: fixed-width levels, the "
+        "host queues the next level while the GPU runs this one. The fixed-width modes are meant for GPUs and have "
+        "no early stop.",
+    )
+
+
 def gamma() -> Any:
     return typer.Option(4, "--gamma", help="Chain: draft tokens per step.")
 
@@ -291,7 +304,13 @@ def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) 
 
 
 def tree_config(
-    budget_: str, max_budget_: int, max_beams_: int, max_branch_: int, max_depth_: int, early_stop_: bool | None = None
+    budget_: str,
+    max_budget_: int,
+    max_beams_: int,
+    max_branch_: int,
+    max_depth_: int,
+    early_stop_: bool | None = None,
+    grow_: str = "dynamic",
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget_.strip().lower() == "auto":
@@ -303,6 +322,7 @@ def tree_config(
             max_branch=max_branch_,
             max_depth=max_depth_,
             early_stop=early_stop_,
+            grow=grow_,
         )
     try:
         b = int(budget_)
@@ -315,6 +335,7 @@ def tree_config(
         max_branch=max_branch_,
         max_depth=max_depth_,
         early_stop=early_stop_,
+        grow=grow_,
     )
 
 

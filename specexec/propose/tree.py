@@ -41,6 +41,7 @@ from specexec.config import SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
+from specexec.propose.fixed_grow import finish, grow_fixed
 from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
 
@@ -267,6 +268,8 @@ class TreeDraft:
         continues from it without the root's pass. Returns (tree, draft passes, tokens per pass, stopped early);
         ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
+        if cfg.grow != "dynamic":
+            return self._grow_fixed(seq, cfg, logprobs, start, seed)
         d = self.draft
         dev = d.device
         n = len(seq) - 1
@@ -336,6 +339,27 @@ class TreeDraft:
             return out, passes, beams_log, stopped
         tree.keep(tree.top_k_mask(budget))
         return tree, passes, beams_log, stopped
+
+    def _grow_fixed(
+        self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None
+    ) -> tuple[Tree, int, list[int], bool]:
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead"; :mod:`.fixed_grow`)."""
+        budget = cfg.budget
+        extra = self.ngram.max_nodes() if self.ngram is not None else 0
+        keep_all = cfg.reuse
+        if keep_all:
+            self._ensure_cands(cfg)
+        self.reused_nodes = self.reused_passes = 0
+        if start is not None:
+            expanded = start.draft_slot[: start.size] >= 0
+            self.reused_passes = int(start.depth[: start.size][expanded].unique().numel())
+            start = self._restart(start, start.size + budget + 1, cfg, budget)
+            self.reused_nodes = start.size - 1
+        store, passes, beams_log = grow_fixed(self, seq, cfg, logprobs, start, seed, ahead=cfg.grow == "ahead")
+        out, full, index = finish(store, budget, budget + 1 + extra, keep_all)
+        if full is not None and index is not None:
+            self._full = (full, index)
+        return out, passes, beams_log, False
 
     @staticmethod
     def _tree_mask(tree: Tree, rows: Tensor, n: int, length: int) -> Tensor:

@@ -1,0 +1,221 @@
+"""Tree growth in fixed-width levels (TreeConfig.grow "static" / "ahead", specexec/propose/fixed_grow.py).
+
+The fixed-width growth must grow the same tree as the dynamic one (node for node; only draft slots may differ),
+read the device once per level however deep the tree grows (the dynamic growth reads it several times a level),
+and keep every exactness property through the engine: greedy == AR, sampled == AR for the same seed, n-gram merging
+and subtree reuse included."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specexec.config import SamplingConfig, TreeConfig
+from specexec.engine import Engine
+from specexec.errors import ConfigError
+from specexec.loading import load_model, load_tokenizer
+from specexec.propose import DraftModel, NGramConfig, TreeDraft
+from specexec.sampling import logprobs as sample_logprobs
+from tests.conftest import FAMILIES
+
+CPU = torch.device("cpu")
+PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
+MODES = ("static", "ahead")
+
+
+def test_config_validates_grow():
+    assert TreeConfig().grow == "dynamic"
+    for mode in MODES:
+        assert TreeConfig(grow=mode).grow == mode
+    with pytest.raises(ConfigError, match="TreeConfig.grow"):
+        TreeConfig(grow="fast")
+
+
+@pytest.fixture(scope="module")
+def drafts(noisy_pairs):
+    return {f: load_model(noisy_pairs[f][1], CPU, torch.float32) for f in ("llama", "qwen2")}
+
+
+def _grow(model, seq, cfg, capacity=512, seed=None, logprobs=None):
+    td = TreeDraft(DraftModel(model, capacity), cfg)
+    td.draft.prefill(seq)
+    kw = {"logprobs": logprobs} if logprobs is not None else {}
+    tree, passes, beams, _ = td.grow(seq, cfg, seed=seed, **kw)
+    tree.check()
+    return tree, passes, beams
+
+
+def _same_tree(a, b, where):
+    n = a.size
+    assert b.size == n, where
+    for name in ("tokens", "parents", "depth"):
+        assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (where, name)
+    torch.testing.assert_close(a.logp[:n], b.logp[:n], rtol=1e-5, atol=1e-5, msg=str(where))  # span-dependent sums
+    # the same nodes were expanded (their slots may differ)
+    assert torch.equal(a.draft_slot[:n] >= 0, b.draft_slot[:n] >= 0), where
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fixed_levels_grow_the_same_tree(drafts, family):
+    """Budgets below, at and far above what growth can reach; wide and narrow levels; greedy and seeded (coupled)
+    scores; a draft cache so small that its room, not the open nodes, ends growth."""
+    model = drafts[family]
+    samp = SamplingConfig(temperature=0.8, top_p=0.9)
+    for seq in PROMPTS:
+        for budget, beams, branch, depth in ((4, 2, 4, 8), (24, 4, 8, 16), (64, 16, 32, 12), (300, 8, 6, 10)):
+            base = TreeConfig(budget=budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
+            for seed, lp in ((None, None), (7, lambda x: sample_logprobs(x, samp))):
+                for capacity in (512, len(seq) + 9):
+                    ref, ref_passes, ref_beams = _grow(model, seq, base, capacity, seed, lp)
+                    for mode in MODES:
+                        where = (family, seq, budget, beams, seed, capacity, mode)
+                        tree, passes, log = _grow(model, seq, replace(base, grow=mode), capacity, seed, lp)
+                        _same_tree(ref, tree, where)
+                        if mode == "static":
+                            assert (passes, log) == (ref_passes, ref_beams), where
+                        else:  # one pass over padding rows when growth ran out of open nodes or room
+                            assert passes in (ref_passes, ref_passes + 1), where
+                            assert log[: len(ref_beams)] == ref_beams and sum(log) == sum(ref_beams), where
+
+
+@contextmanager
+def _count_device_reads():
+    """Counts what would drain a GPU stream: tensor → Python scalar or list, nonzero / unique, boolean-mask
+    indexing (its result's size is data)."""
+    n = [0]
+    saved = {}
+
+    def counted(f):
+        def g(*a, **k):
+            n[0] += 1
+            return f(*a, **k)
+
+        return g
+
+    def bool_index(f):
+        def g(self, idx, *rest):
+            parts = idx if isinstance(idx, tuple) else (idx,)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                n[0] += 1
+            return f(self, idx, *rest)
+
+        return g
+
+    for name in ("__int__", "__float__", "__bool__", "__index__", "item", "tolist", "nonzero", "unique"):
+        saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    for name in ("__getitem__", "__setitem__"):
+        saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, bool_index(getattr(torch.Tensor, name)))
+    for name in ("nonzero", "unique", "masked_select"):
+        saved[(torch, name)] = getattr(torch, name)
+        setattr(torch, name, counted(getattr(torch, name)))
+    try:
+        yield n
+    finally:
+        for (owner, name), f in saved.items():
+            setattr(owner, name, f)
+
+
+def test_fixed_levels_read_the_device_once_per_level(drafts):
+    """A budget no growth can fill, so every level runs: the extra levels of a deeper tree cost exactly one device
+    read each in both fixed modes, and several in the dynamic growth (which the counter must see, or it would prove
+    nothing)."""
+    model = drafts["llama"]
+    seq = PROMPTS[0]
+    per_level = {}
+    for mode in ("dynamic", *MODES):
+        reads = []
+        for depth in (4, 10):
+            cfg = TreeConfig(budget=4000, max_beams=4, max_branch=4, max_depth=depth, early_stop=False, grow=mode)
+            td = TreeDraft(DraftModel(model, 512), cfg)
+            td.draft.prefill(seq)
+            td.grow(seq, cfg)  # warm: the catch-up pass's cache state is the same for the counted run
+            with _count_device_reads() as n:
+                _, passes, _, _ = td.grow(seq, cfg)
+            assert passes == depth  # every level ran
+            reads.append(n[0])
+        per_level[mode] = (reads[1] - reads[0]) / 6
+    assert per_level["static"] == 1.0 and per_level["ahead"] == 1.0, per_level
+    assert per_level["dynamic"] >= 3, per_level
+
+
+# -- exactness through the engine --------------------------------------------------------------------------------------
+def _engine(target, draft, context=512):
+    t = load_model(target, CPU, torch.float32)
+    d = load_model(draft, CPU, torch.float32) if draft is not None else None
+    return Engine(t, load_tokenizer(target), d, context=context)
+
+
+@pytest.fixture(scope="module")
+def engines(noisy_pairs):
+    return {f: _engine(*noisy_pairs[f]) for f in FAMILIES}
+
+
+def test_fixed_growth_greedy_equals_ar(engines):
+    """Every family; budgets, n-gram merging, subtree reuse and limits that cut a step."""
+    for family in FAMILIES:
+        e = engines[family]
+        for ids in PROMPTS:
+            e.reset()
+            ref = e.generate(ids, 40, method="ar").tokens
+            for mode in MODES:
+                for budget, beams, reuse in ((4, 2, False), (16, 8, True), (64, 16, False), (64, 4, True)):
+                    for ngram in (None, NGramConfig()):
+                        n = 40 if ngram is None else 13
+                        tree = TreeConfig(
+                            budget=budget, max_beams=beams, max_depth=16, max_branch=8, reuse=reuse, grow=mode
+                        )
+                        e.reset()
+                        r = e.generate(ids, n, method="specexec", tree=tree, ngram=ngram)
+                        assert r.tokens == ref[:n], (family, ids, mode, budget, beams, reuse, ngram)
+
+
+def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory):
+    """For the same seed the fixed-width growth emits AR's tokens (so its text follows the target's distribution,
+    which tests/test_sampling.py checks for AR); and an engine-level chi-square of its own."""
+    from tests import test_sampling as ts
+
+    root = tmp_path_factory.mktemp("fixed_grow_sampling")
+    target = ts.make_tiny(root / "target", "llama", vocab=ts.V, seed=3, std=0.3, layers=2, hidden=32)
+    draft = ts.make_noisy_copy(target, root / "draft", 0.1)
+    models = (load_model(target, CPU, torch.float32), load_model(draft, CPU, torch.float32))
+    e = Engine(models[0], load_tokenizer(target), models[1], context=256)
+    table = ts.Table(models[0], ts.PROMPT)
+    samp = SamplingConfig(temperature=1.0, top_p=0.8)
+    P = ts.truncate_at_eos(ts.joint(table, samp))
+    tree = TreeConfig(budget=8, max_beams=2, max_depth=16, max_branch=8, early_stop=False, grow="ahead")
+    out, mismatched = [], 0
+    for s in range(1000):
+        cfg = replace(samp, seed=s)
+        r = e.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=tree)
+        if s < 200:
+            mismatched += r.tokens != e.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
+        t = r.tokens
+        out.append(tuple(t[: t.index(ts.EOS) + 1]) if ts.EOS in t[: ts.NEW] else tuple(t[: ts.NEW]))
+    assert mismatched == 0
+    assert ts.record("T1-p0.8", "engine: specexec budget=8, fixed-width growth", out, P) > ts.ALPHA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
+    """On a GPU, with graphed draft passes (static shapes): the same tree as the dynamic growth, greedy and
+    seeded."""
+    dev = torch.device("cuda")
+    model = load_model(noisy_pairs["llama"][1], dev, torch.float32)
+    seq = PROMPTS[0]
+    for seed in (None, 3):
+        for budget, beams in ((24, 4), (300, 16)):
+            cfg = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
+            trees = {}
+            for mode in ("dynamic", *MODES):
+                c = replace(cfg, grow=mode)
+                td = TreeDraft(DraftModel(model, 1024, static=True, static_rows=beams), c)
+                td.draft.prefill(seq)
+                trees[mode] = td.grow(seq, c, seed=seed)[0]
+            for mode in MODES:
+                _same_tree(trees["dynamic"].resized(trees["dynamic"].size), trees[mode], (seed, budget, mode))
