@@ -157,13 +157,14 @@ def engines(noisy_pairs):
 
 def test_fixed_growth_greedy_equals_ar(engines):
     """Every family; budgets, n-gram merging, subtree reuse and limits that cut a step."""
+    reused = {mode: 0 for mode in MODES}
     for family in FAMILIES:
         e = engines[family]
-        for ids in PROMPTS:
+        for ids in PROMPTS[:2]:
             e.reset()
             ref = e.generate(ids, 40, method="ar").tokens
             for mode in MODES:
-                for budget, beams, reuse in ((4, 2, False), (16, 8, True), (64, 16, False), (64, 4, True)):
+                for budget, beams, reuse in ((4, 2, False), (16, 8, True), (64, 4, True)):
                     for ngram in (None, NGramConfig()):
                         n = 40 if ngram is None else 13
                         tree = TreeConfig(
@@ -172,6 +173,9 @@ def test_fixed_growth_greedy_equals_ar(engines):
                         e.reset()
                         r = e.generate(ids, n, method="specexec", tree=tree, ngram=ngram)
                         assert r.tokens == ref[:n], (family, ids, mode, budget, beams, reuse, ngram)
+                        reused[mode] += r.stats.reused_nodes
+    # deterministic models and prompts: the counts only check that the test exercises reuse in both modes
+    assert all(reused.values()), reused
 
 
 def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory):
