@@ -84,7 +84,7 @@ def test_fixed_levels_grow_the_same_tree(drafts, family):
 @contextmanager
 def _count_device_reads():
     """Counts what would drain a GPU stream: tensor → Python scalar or list, nonzero / unique, boolean-mask
-    indexing (its result's size is data)."""
+    indexing (its result's size is data), and tensors made from host data (a blocking host-to-device copy)."""
     n = [0]
     saved = {}
 
@@ -110,7 +110,7 @@ def _count_device_reads():
     for name in ("__getitem__", "__setitem__"):
         saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, bool_index(getattr(torch.Tensor, name)))
-    for name in ("nonzero", "unique", "masked_select"):
+    for name in ("nonzero", "unique", "masked_select", "tensor", "as_tensor", "from_numpy"):
         saved[(torch, name)] = getattr(torch, name)
         setattr(torch, name, counted(getattr(torch, name)))
     try:

@@ -146,7 +146,7 @@ def grow_fixed(
         store.row_of[expanded] = r
         next_slot = int(t.draft_slot[:base].max()) + 1
 
-    nxt = torch.tensor(next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device side)
+    nxt = torch.full((), next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device side)
     known = next_slot  # the host's exact copy, up to the last level whose count was read
     pending: object | None = None  # "ahead": the last level's count, not read yet
     counts: list[Tensor] = []
@@ -165,7 +165,7 @@ def grow_fixed(
         if size - 1 >= budget:
             thr = torch.topk(lp[1:], budget).values[-1]
         else:
-            thr = torch.tensor(NEG, device=dev)
+            thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
         open_ = (t.draft_slot[:size] < 0) & (lp > thr)
         cand = torch.where(open_, lp, torch.full_like(lp, NEG))
         best, beams = torch.topk(cand, k)  # best first
