@@ -20,6 +20,7 @@ from specexec.loading import load_model, load_tokenizer
 from specexec.propose import DraftModel, NGramConfig, TreeDraft
 from specexec.sampling import logprobs as sample_logprobs
 from tests.conftest import FAMILIES
+from tests.test_specexec import _engine
 
 CPU = torch.device("cpu")
 PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
@@ -144,12 +145,6 @@ def test_fixed_levels_read_the_device_once_per_level(drafts):
 
 
 # -- exactness through the engine --------------------------------------------------------------------------------------
-def _engine(target, draft, context=512):
-    t = load_model(target, CPU, torch.float32)
-    d = load_model(draft, CPU, torch.float32) if draft is not None else None
-    return Engine(t, load_tokenizer(target), d, context=context)
-
-
 @pytest.fixture(scope="module")
 def engines(noisy_pairs):
     return {f: _engine(*noisy_pairs[f]) for f in FAMILIES}

@@ -116,7 +116,9 @@ def grow_fixed(
         base_depth = start.max_depth()
     width = base_depth + levels + 2
     capacity = base + B + levels * W * B
-    store = _Store(Tree(seq[-1], capacity, dev), width, n_exp + levels * W)
+    store = _Store(
+        Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity), width, n_exp + levels * W
+    )
     t = store.tree
     if start is None:
         t.draft_slot[0] = n
@@ -127,15 +129,6 @@ def grow_fixed(
         _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
         next_slot = n + 1
     else:
-        for src, dst in (
-            (start.tokens, t.tokens),
-            (start.parents, t.parents),
-            (start.depth, t.depth),
-            (start.logp, t.logp),
-            (start.draft_slot, t.draft_slot),
-        ):
-            dst[:base] = src[:base]
-        t.size = base
         r = torch.arange(n_exp, device=dev)
         cur = expanded.clone()
         for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
