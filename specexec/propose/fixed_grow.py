@@ -26,7 +26,7 @@ differ. The cost-based early stop (a CPU policy) is not applied here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ class _Reader:
         if not self.cuda:
             assert isinstance(h, Tensor)
             return int(h)
-        buf, ev = h  # type: ignore[misc]
+        buf, ev = cast("tuple[Tensor, torch.cuda.Event]", h)
         ev.synchronize()
         return int(buf)
 
@@ -133,9 +133,9 @@ def grow_fixed(
         cur = expanded.clone()
         for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
             ok = cur >= 0
-            c = cur.clamp(min=0)
-            store.rows[r[ok], t.depth[c][ok]] = t.draft_slot[c][ok]
-            cur = torch.where(ok, t.parents[c], cur)
+            at = cur.clamp(min=0)
+            store.rows[r[ok], t.depth[at][ok]] = t.draft_slot[at][ok]
+            cur = torch.where(ok, t.parents[at], cur)
         store.row_of[expanded] = r
         next_slot = int(t.draft_slot[:base].max()) + 1
 
