@@ -50,12 +50,20 @@ class TreeConfig:
     # level late, so the host never waits for the pass it just launched (one pass over padding rows at the end).
     # The fixed-width modes exist for GPUs (no early stop there); their speed is not measured yet.
     grow: str = "dynamic"
+    # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
+    # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
+    # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):
             raise ConfigError("TreeConfig.reuse", self.reuse, "must be True or False")
         if self.grow not in GROW_MODES:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
+        if not 0 <= self.overlap <= 64:
+            raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64")
+        if self.overlap and (not self.reuse or self.grow == "dynamic"):
+            raise ConfigError("TreeConfig.overlap", self.overlap, "needs reuse=True and grow 'static' or 'ahead'")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")

@@ -218,3 +218,70 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
                 trees[mode] = td.grow(seq, c, seed=seed)[0]
             for mode in MODES:
                 _same_tree(trees["dynamic"].resized(trees["dynamic"].size), trees[mode], (seed, budget, mode))
+
+
+# -- overlapped growth (TreeConfig.overlap) ---------------------------------------------------------------------
+def test_config_validates_overlap():
+    assert TreeConfig().overlap == 0
+    TreeConfig(overlap=4, reuse=True, grow="ahead")
+    for bad in (dict(overlap=4, reuse=True), dict(overlap=4, grow="static"), dict(overlap=-1), dict(overlap=65)):
+        with pytest.raises(ConfigError, match="TreeConfig.overlap"):
+            TreeConfig(**bad)
+
+
+def test_background_growth_leaves_the_proposal_alone(drafts):
+    """The background levels grow the proposer's own store (more expanded nodes for the next step), never the tree
+    being verified."""
+    from specexec.config import SamplingConfig as S
+    from specexec.propose import StepContext
+
+    model = drafts["qwen2"]
+    cfg = TreeConfig(budget=12, max_beams=4, max_branch=8, max_depth=6, reuse=True, grow="static", overlap=5)
+    td = TreeDraft(DraftModel(model, 512), cfg)
+    seq = PROMPTS[0]
+    td.begin(seq)
+    prop = td.propose(seq, StepContext(samp=S(), gen=None, budget=12))
+    before = {k: getattr(prop.tree, k)[: prop.tree.size].clone() for k in ("tokens", "parents", "logp", "draft_slot")}
+    expanded = int((td._grown[2].draft_slot >= 0).sum())
+    td.background(prop)
+    assert td.background_passes == 5
+    for k, v in before.items():
+        assert torch.equal(getattr(prop.tree, k)[: prop.tree.size], v), k
+    td._join()
+    full = td._grown[2]
+    assert int((full.draft_slot[: full.size] >= 0).sum()) > expanded  # the background levels expanded nodes
+    # the proposal's nodes map to the same tokens in the regrown full tree
+    index = td._grown[3]
+    assert torch.equal(full.tokens[index], prop.tree.tokens[: index.shape[0]])
+
+
+def test_overlap_greedy_equals_ar_and_carries_more(engines):
+    """Greedy output is AR's with overlapped growth on, and more of each next tree comes from the last step."""
+    reused = {0: 0, 6: 0}
+    for family in ("llama", "qwen2", "llama_tied"):
+        e = engines[family]
+        for ids in PROMPTS[:2]:
+            e.reset()
+            ref = e.generate(ids, 40, method="ar").tokens
+            for mode in MODES:
+                for overlap in (0, 6):
+                    tree = TreeConfig(
+                        budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow=mode, overlap=overlap
+                    )
+                    e.reset()
+                    r = e.generate(ids, 40, method="specexec", tree=tree)
+                    assert r.tokens == ref, (family, ids, mode, overlap)
+                    reused[overlap] += r.stats.reused_nodes
+    assert reused[6] > reused[0], reused
+
+
+def test_overlap_sampled_equals_ar(engines):
+    """Sampling with overlapped growth: AR's tokens for the same seed."""
+    e = engines["qwen2"]
+    tree = TreeConfig(budget=8, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow="ahead", overlap=4)
+    for s in range(40):
+        cfg = SamplingConfig(temperature=1.0, top_p=0.9, seed=s)
+        e.reset()
+        want = e.generate(PROMPTS[0], 16, method="ar", sampling_cfg=cfg).tokens
+        e.reset()
+        assert e.generate(PROMPTS[0], 16, method="specexec", sampling_cfg=cfg, tree=tree).tokens == want, s

@@ -77,83 +77,107 @@ class _Store:
         self.row_of = torch.full((tree.capacity,), -1, dtype=torch.long, device=dev)  # node -> its row, if expanded
 
 
-def grow_fixed(
-    prop: TreeDraft,
-    seq: list[int],
-    cfg: TreeConfig,
-    logprobs,
-    start: Tree | None,
-    seed: int | None,
-    ahead: bool,
-) -> tuple[Tree, int, list[int]]:
-    """Grow like :meth:`TreeDraft.grow` (without early stop) in fixed-width levels.
+class FixedGrowth:
+    """One tree's growth in fixed-width levels: the store, the device-side slot counter and the host's bound on it.
 
-    Returns (the store: every node ever proposed, root first, ``size`` = all of them, padding at -inf; the draft
-    passes run; tokens per pass). The caller keeps the best ``budget`` (and, for reuse, the expanded nodes)."""
-    d = prop.draft
-    dev = d.device
-    n = len(seq) - 1
-    budget = cfg.budget
-    V = d.model.cfg.vocab_size
-    B = min(cfg.max_branch, V)
-    W = cfg.max_beams
-    levels = cfg.max_depth - 1
-    scratch = d.usable  # the cache's reserved slot: padding rows write there, no row reads it
-    reader = _Reader(dev)
+    :meth:`run` grows like :meth:`TreeDraft.grow` (without early stop); :meth:`extend` adds levels that read
+    nothing at all (their attention span is bounded by ``max_beams`` slots a level), which is what may run on a side
+    stream while the target verifies (``TreeConfig.overlap``)."""
 
-    if start is None:
-        beams_log = [len(seq) - d.length]  # the catch-up pass's rows
-        root_lq = logprobs(d.catch_up(seq))  # (1, V)
-        if seed is not None:
-            root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
-        passes = 1
-        base, base_depth, n_exp = 1, 0, 1
-    else:
-        passes, beams_log = 0, []
-        base = start.size
-        expanded = (start.draft_slot[:base] >= 0).nonzero().squeeze(1)  # root first
-        n_exp = int(expanded.shape[0])
-        base_depth = start.max_depth()
-    width = base_depth + levels + 2
-    capacity = base + B + levels * W * B
-    store = _Store(
-        Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity), width, n_exp + levels * W
-    )
-    t = store.tree
-    if start is None:
-        t.draft_slot[0] = n
-        store.rows[0, 0] = n
-        store.row_of[0] = 0
-        vals, toks = torch.topk(root_lq[0], B)
-        _remember(prop, t.draft_slot[:1], vals[None], toks[None])
-        _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
-        next_slot = n + 1
-    else:
-        r = torch.arange(n_exp, device=dev)
-        cur = expanded.clone()
-        for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
-            ok = cur >= 0
-            at = cur.clamp(min=0)
-            store.rows[r[ok], t.depth[at][ok]] = t.draft_slot[at][ok]
-            cur = torch.where(ok, t.parents[at], cur)
-        store.row_of[expanded] = r
-        next_slot = int(t.draft_slot[:base].max()) + 1
+    def __init__(
+        self,
+        prop: TreeDraft,
+        seq: list[int],
+        cfg: TreeConfig,
+        logprobs,
+        start: Tree | None,
+        seed: int | None,
+        extra_levels: int = 0,
+    ) -> None:
+        d = self.draft = prop.draft
+        self.prop, self.logprobs, self.seed = prop, logprobs, seed
+        dev = self.device = d.device
+        self.n = n = len(seq) - 1
+        self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
+        self.W = W = cfg.max_beams
+        levels = cfg.max_depth - 1 + extra_levels
+        self.reader = _Reader(dev)
+        if start is None:
+            self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
+            root_lq = logprobs(d.catch_up(seq))  # (1, V)
+            if seed is not None:
+                root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
+            self.passes = 1
+            base, base_depth, n_exp = 1, 0, 1
+        else:
+            self.passes, self.beams_log = 0, []
+            base = start.size
+            expanded = (start.draft_slot[:base] >= 0).nonzero().squeeze(1)  # root first
+            n_exp = int(expanded.shape[0])
+            base_depth = start.max_depth()
+        self.width = base_depth + levels + 2
+        capacity = base + B + levels * W * B
+        tree = Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity)
+        store = self.store = _Store(tree, self.width, n_exp + levels * W)
+        t = self.tree = store.tree
+        if start is None:
+            t.draft_slot[0] = n
+            store.rows[0, 0] = n
+            store.row_of[0] = 0
+            vals, toks = torch.topk(root_lq[0], B)
+            _remember(prop, t.draft_slot[:1], vals[None], toks[None])
+            _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
+            next_slot = n + 1
+        else:
+            r = torch.arange(n_exp, device=dev)
+            cur = expanded.clone()
+            for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
+                ok = cur >= 0
+                at = cur.clamp(min=0)
+                store.rows[r[ok], t.depth[at][ok]] = t.draft_slot[at][ok]
+                cur = torch.where(ok, t.parents[at], cur)
+            store.row_of[expanded] = r
+            next_slot = int(t.draft_slot[:base].max()) + 1
+        self.nxt = torch.full((), next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device)
+        self.known = next_slot  # the host's exact copy, up to the last level whose count was read
+        self.unread: list[tuple[object, int]] = []  # (count handle, rows) of levels not read yet, oldest first
+        self.counts: list[Tensor] = []
+        self.row0 = n_exp
+        self.levels_left = levels
 
-    nxt = torch.full((), next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device side)
-    known = next_slot  # the host's exact copy, up to the last level whose count was read
-    pending: object | None = None  # "ahead": the last level's count, not read yet
-    counts: list[Tensor] = []
-    row0 = n_exp
-    for _ in range(levels):
-        if ahead and pending is not None:
-            c = reader.read(pending)
-            if c == 0:  # the last pass expanded nothing, so nothing changed: nothing is open now either
+    @property
+    def bound(self) -> int:
+        """An upper bound on the next free slot: exact up to the last read level, plus every later level's rows."""
+        return self.known + sum(k for _, k in self.unread)
+
+    def run(self, budget: int, ahead: bool, levels: int) -> None:
+        """Up to ``levels`` levels of best-first growth towards the best ``budget`` nodes; stops when no node is open
+        (read at once, or with ``ahead`` one level late)."""
+        for _ in range(levels):
+            if ahead and self.unread:
+                h, _k = self.unread.pop(0)
+                c = self.reader.read(h)
+                self.known += c
+                if c == 0:  # the last pass expanded nothing, so nothing changed: nothing is open now either
+                    break
+            if not self.level(budget, "late" if ahead else "now"):
                 break
-            known += c
-        if known >= d.usable:
-            break
+
+    def extend(self, budget: int, levels: int) -> None:
+        """``levels`` more levels towards the best ``budget`` nodes, reading nothing (safe on a side stream)."""
+        for _ in range(levels):
+            if not self.level(budget, "none"):
+                break
+
+    def level(self, budget: int, read: str) -> bool:
+        """One level. ``read`` "now": the level's count is read before its pass (no pass over padding alone);
+        "late": it is sent to be read by the next level; "none": never read. False: growth is over."""
+        t, store, d, dev = self.tree, self.store, self.draft, self.device
+        if self.levels_left <= 0 or self.bound >= d.usable:
+            return False
+        self.levels_left -= 1
         size = t.size
-        k = min(W, size)
+        k = min(self.W, size)
         lp = t.logp[:size]
         if size - 1 >= budget:
             thr = torch.topk(lp[1:], budget).values[-1]
@@ -163,47 +187,68 @@ def grow_fixed(
         cand = torch.where(open_, lp, torch.full_like(lp, NEG))
         best, beams = torch.topk(cand, k)  # best first
         rank = torch.arange(k, device=dev)
-        valid = (best > NEG) & (rank < d.usable - nxt)
+        valid = (best > NEG) & (rank < d.usable - self.nxt)
         beams, order = beams.sort()  # ascending node index, as the dynamic growth assigns slots
         valid = valid[order]
         count = valid.sum()
-        slots = torch.where(valid, nxt + valid.cumsum(0) - 1, torch.full_like(beams, scratch))
-        nxt = nxt + count
-        if ahead:
-            pending = reader.send(count)
-            span = min(d.usable, known + k)
-        else:
-            c = reader.read(reader.send(count))
+        slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
+        self.nxt = self.nxt + count  # the scratch slot (padding rows write there, no row reads it)
+        if read == "now":
+            c = self.reader.read(self.reader.send(count))
             if c == 0:
-                break
-            span = known + c
-            known = span
-        counts.append(count)
+                return False
+            span = self.known + c
+            self.known = span
+        else:
+            span = min(d.usable, self.bound + k)
+            self.unread.append((self.reader.send(count) if read == "late" else count, k))
+        self.counts.append(count)
         t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
         # ancestor-slot rows: the parent's row plus the beam's own slot at its depth (padding: the root's row)
         par = t.parents[beams].clamp(min=0)
         rows = store.rows[store.row_of[par].clamp(min=0)].clone()
-        rows.scatter_(1, t.depth[beams][:, None].clamp(max=width - 1), slots[:, None])
+        rows.scatter_(1, t.depth[beams][:, None].clamp(max=self.width - 1), slots[:, None])
         rows = torch.where(valid[:, None], rows, store.rows[0].expand_as(rows))
-        store.rows[row0 : row0 + k] = rows
-        store.row_of[beams] = torch.where(valid, torch.arange(row0, row0 + k, device=dev), store.row_of[beams])
-        row0 += k
+        r0 = self.row0
+        store.rows[r0 : r0 + k] = rows
+        store.row_of[beams] = torch.where(valid, torch.arange(r0, r0 + k, device=dev), store.row_of[beams])
+        self.row0 += k
         mask = torch.zeros(k, span + 1, dtype=torch.bool, device=dev)
-        mask[:, :n] = True
+        mask[:, : self.n] = True
         mask.scatter_(1, torch.where(rows >= 0, rows, torch.full_like(rows, span)), True)
         mask = mask[:, :span]
-        pos = torch.where(valid, n + t.depth[beams], torch.full_like(beams, n))
-        lq = logprobs(d.forward(t.tokens[beams], pos, slots, mask))  # (k, V)
-        if seed is not None:
-            lq = sampling.coupled_logprobs(lq, seed, pos + 1)
-        passes += 1
-        vals, toks = torch.topk(lq, B, dim=-1)  # (k, B)
-        _remember(prop, slots, vals, toks)
+        pos = torch.where(valid, self.n + t.depth[beams], torch.full_like(beams, self.n))
+        lq = self.logprobs(d.forward(t.tokens[beams], pos, slots, mask))  # (k, V)
+        if self.seed is not None:
+            lq = sampling.coupled_logprobs(lq, self.seed, pos + 1)
+        self.passes += 1
+        vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
+        _remember(self.prop, slots, vals, toks)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
-        _append(t, beams[:, None].expand_as(toks).reshape(-1), toks.reshape(-1), cum.reshape(-1), size + k * B)
-    if counts:
-        beams_log += torch.stack(counts).tolist()
-    return t, passes, beams_log
+        _append(t, beams[:, None].expand_as(toks).reshape(-1), toks.reshape(-1), cum.reshape(-1), size + k * self.B)
+        return True
+
+    def tokens_per_pass(self) -> list[int]:
+        """The rows of every pass run so far (one host read)."""
+        return self.beams_log + (torch.stack(self.counts).tolist() if self.counts else [])
+
+
+def grow_fixed(
+    prop: TreeDraft,
+    seq: list[int],
+    cfg: TreeConfig,
+    logprobs,
+    start: Tree | None,
+    seed: int | None,
+    ahead: bool,
+    extra_levels: int = 0,
+) -> FixedGrowth:
+    """Grow like :meth:`TreeDraft.grow` (without early stop) in fixed-width levels. The result's store holds every
+    node ever proposed (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the
+    expanded nodes). ``extra_levels``: room for :meth:`FixedGrowth.extend`."""
+    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels)
+    g.run(cfg.budget, ahead, cfg.max_depth - 1)
+    return g
 
 
 def _append(t: Tree, parents: Tensor, tokens: Tensor, logp: Tensor, end: int) -> None:
@@ -223,15 +268,25 @@ def _remember(prop: TreeDraft, slots: Tensor, vals: Tensor, toks: Tensor) -> Non
         prop._cand_t[slots] = toks
 
 
-def finish(store: Tree, budget: int, capacity: int, keep_all: bool) -> tuple[Tree, Tree | None, Tensor | None]:
+def finish(store: Tree, budget: int, capacity: int, keep_all: bool) -> tuple[Tree, Tree | None, Tensor | None, Tensor]:
     """The grown store → (the best ``budget`` nodes in a tree of ``capacity``; with ``keep_all`` the full tree of
-    those plus every expanded node, and the index of each kept node in it; else None, None). One host read."""
+    those plus every expanded node, and the index of each kept node in it, else None, None; the kept nodes' indices
+    in the store). One host read."""
     finite = store.logp[: store.size] > NEG
     top = store.top_k_mask(budget) & finite
+    out, chosen = store.select(top, capacity)
     if not keep_all:
-        out, _ = store.select(top, capacity)
-        return out, None, None
-    full_keep = top | ((store.draft_slot[: store.size] >= 0) & finite)
-    full, _ = store.select(full_keep, int(full_keep.sum()))
-    out, index = full.select(full.top_k_mask(budget), capacity)
-    return out, full, index
+        return out, None, None, chosen
+    full, index = regrown(store, chosen)
+    return out, full, index, chosen
+
+
+def regrown(store: Tree, chosen: Tensor) -> tuple[Tree, Tensor]:
+    """The full tree for reuse: the store's nodes ``chosen`` (the proposal's, closed under ancestry) plus every
+    expanded node (their keys/values are in the draft cache), and the index of each chosen node in it."""
+    keep = (store.draft_slot[: store.size] >= 0) & (store.logp[: store.size] > NEG)
+    keep[chosen] = True
+    full, idx = store.select(keep, int(keep.sum()))
+    remap = torch.full((store.size,), -1, dtype=torch.long, device=store.device)
+    remap[idx] = torch.arange(idx.shape[0], device=store.device)
+    return full, remap[chosen]
