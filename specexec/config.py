@@ -62,8 +62,16 @@ class TreeConfig:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
         if not 0 <= self.overlap <= 64:
             raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64")
-        if self.overlap and (not self.reuse or self.grow == "dynamic"):
-            raise ConfigError("TreeConfig.overlap", self.overlap, "needs reuse=True and grow 'static' or 'ahead'")
+        if self.overlap and self.grow == "dynamic":
+            key, grow = "TreeConfig.overlap", "TreeConfig.grow"
+            raise ConfigError(
+                key,
+                self.overlap,
+                "needs grow 'static' or 'ahead'",
+                f"{setting(key)} needs {setting(grow, 'static')} or {setting(grow, 'ahead')}",
+            )
+        if self.overlap and not self.reuse:
+            raise ConfigError("TreeConfig.overlap", self.overlap, "needs reuse=True (it grows the next step's tree)")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")

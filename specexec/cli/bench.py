@@ -41,6 +41,7 @@ def bench(
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
+    overlap: int = o.overlap(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -72,7 +73,13 @@ def bench(
             max_new_tokens=max_new_tokens,
             sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
             tree=TreeConfig(
-                max_beams=max_beams, max_branch=max_branch, max_depth=max_depth, early_stop=early_stop, grow=grow
+                max_beams=max_beams,
+                max_branch=max_branch,
+                max_depth=max_depth,
+                early_stop=early_stop,
+                grow=grow,
+                overlap=overlap,
+                reuse=overlap > 0,
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

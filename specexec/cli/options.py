@@ -29,6 +29,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         max_depth: int = o.max_depth(),
         early_stop: Optional[bool] = o.early_stop(),
         grow: str = o.grow(),
+        overlap: int = o.overlap(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -36,7 +37,7 @@ library's validated configs (no logic beyond that). A command looks like this::
 
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow)
+            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -96,6 +97,7 @@ FLAGS: dict[str, str] = {
     "TreeConfig.max_depth": "--max-depth",
     "TreeConfig.early_stop": "--early-stop",
     "TreeConfig.grow": "--grow",
+    "TreeConfig.overlap": "--overlap",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -250,6 +252,16 @@ def grow() -> Any:
     )
 
 
+def overlap() -> Any:
+    return typer.Option(
+        0,
+        "--overlap",
+        help="SpecExec on a GPU: grow N more tree levels below what is verified while the target's pass runs (a side "
+        "CUDA stream), and start the next tree from the subtree under the accepted tokens. Needs --grow static or "
+        "ahead. On a CPU the levels run in turn and only cost time. Never changes the output.",
+    )
+
+
 def gamma() -> Any:
     return typer.Option(4, "--gamma", help="Chain: draft tokens per step.")
 
@@ -311,6 +323,7 @@ def tree_config(
     max_depth_: int,
     early_stop_: bool | None = None,
     grow_: str = "dynamic",
+    overlap_: int = 0,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget_.strip().lower() == "auto":
@@ -323,6 +336,8 @@ def tree_config(
             max_depth=max_depth_,
             early_stop=early_stop_,
             grow=grow_,
+            overlap=overlap_,
+            reuse=overlap_ > 0,
         )
     try:
         b = int(budget_)
@@ -336,6 +351,8 @@ def tree_config(
         max_depth=max_depth_,
         early_stop=early_stop_,
         grow=grow_,
+        overlap=overlap_,
+        reuse=overlap_ > 0,
     )
 
 
