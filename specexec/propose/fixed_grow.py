@@ -142,6 +142,7 @@ class FixedGrowth:
         self.known = next_slot  # the host's exact copy, up to the last level whose count was read
         self.unread: list[tuple[object, int]] = []  # (count handle, rows) of levels not read yet, oldest first
         self.counts: list[Tensor] = []
+        self._held: list[Tensor] = []
         self.row0 = n_exp
         self.levels_left = levels
 
@@ -192,6 +193,7 @@ class FixedGrowth:
         valid = valid[order]
         count = valid.sum()
         slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
+        self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
         self.nxt = self.nxt + count  # the scratch slot (padding rows write there, no row reads it)
         if read == "now":
             c = self.reader.read(self.reader.send(count))
