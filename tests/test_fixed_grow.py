@@ -285,3 +285,28 @@ def test_overlap_sampled_equals_ar(engines):
         want = e.generate(PROMPTS[0], 16, method="ar", sampling_cfg=cfg).tokens
         e.reset()
         assert e.generate(PROMPTS[0], 16, method="specexec", sampling_cfg=cfg, tree=tree).tokens == want, s
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_overlap_on_a_side_stream_equals_ar(noisy_pairs):
+    """On a GPU the background levels run on a side stream beside the target's pass: greedy and sampled output
+    still equal AR's, and the carried subtrees grow."""
+    dev = torch.device("cuda")
+    target, draft = noisy_pairs["llama"]
+    e = Engine(
+        load_model(target, dev, torch.float32), load_tokenizer(target), load_model(draft, dev, torch.float32), 512
+    )
+    reused = 0
+    for mode in MODES:
+        tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow=mode, overlap=6)
+        for ids in PROMPTS:
+            for seed in (None, 5):
+                samp = SamplingConfig() if seed is None else SamplingConfig(temperature=1.0, seed=seed)
+                e.reset()
+                want = e.generate(ids, 32, method="ar", sampling_cfg=samp).tokens
+                e.reset()
+                r = e.generate(ids, 32, method="specexec", sampling_cfg=samp, tree=tree)
+                assert r.tokens == want, (mode, ids, seed)
+                reused += r.stats.reused_nodes
+    assert reused > 0
