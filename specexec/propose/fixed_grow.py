@@ -10,9 +10,9 @@ next level's small kernels while the GPU idles. Here every shape is known on the
   level, B = children per beam), those of padding beams at log-prob -inf. "In the tree" means "among the
   ``budget`` best": that set is the same as the dynamic growth's pruned tree (the top ``budget`` of everything ever
   proposed; ties aside), so the open nodes, the beams and the children are the same;
-* each level runs the draft on exactly W rows (the best open nodes by log-prob; rows with no open node left are
-  padding, write their keys/values to the cache's scratch slot and propose nothing); valid beams get consecutive
-  draft slots from a device-side counter;
+* each level runs the draft on W rows (fewer only while the tree has fewer nodes): the best open nodes by
+  log-prob; rows with no open node left are padding, write their keys/values to the cache's scratch slot and
+  propose nothing; valid beams get consecutive draft slots from a device-side counter;
 * each expanded node keeps a row of its ancestors' draft slots (by depth), so its attention mask is one scatter,
   not a pointer chase whose length the host must know.
 
@@ -22,6 +22,12 @@ wasted). "ahead" reads the previous level's count through a pinned buffer and an
 l+1 while the GPU runs pass l; when growth ends, one pass over padding rows has run for nothing. The result is
 compacted once, at the end, into the same trees (node order included) as the dynamic growth; draft slots may
 differ. The cost-based early stop (a CPU policy) is not applied here.
+
+Overlapped growth (``TreeConfig.overlap``): :meth:`FixedGrowth.extend` runs more levels that read nothing at all
+(each level's span is bounded by W more slots), so the host can queue them on a side CUDA stream and go straight on
+to the target's pass; :meth:`TreeDraft.commit` waits for them (:func:`regrown`) before it carries the subtree under
+the accepted path + bonus token into the next step. They only add expanded nodes to the store: the tree being
+verified is a separate copy, so it cannot change under the target.
 """
 
 from __future__ import annotations
