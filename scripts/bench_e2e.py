@@ -308,12 +308,18 @@ def time_draft_passes(draft, ctx: int, capacity: int, repeats: int, graphs: bool
     return out
 
 
-def time_bookkeeping(draft, budget: int, ctx: int, levels: int) -> float:
+def time_bookkeeping(draft, budget: int, ctx: int, levels: int, grow: str = "dynamic") -> float:
     """Seconds per growth level spent outside the draft passes (top-k, pruning, masks, host syncs).
 
     One real ``TreeDraft.grow`` (the library's tree growth, full depth: no early stop) on the random draft, minus
     its own passes replayed at the same sizes.
     """
+    return time_growth(draft, budget, ctx, levels, grow)["bookkeeping_s_per_level"]
+
+
+def time_growth(draft, budget: int, ctx: int, levels: int, grow: str = "dynamic") -> dict[str, Any]:
+    """One real ``TreeDraft.grow`` in growth mode ``grow`` (TreeConfig.grow), end to end: its seconds, passes and
+    tokens per pass, and the seconds per level outside its passes (the same passes replayed)."""
     import torch
 
     from specexec.config import TreeConfig
@@ -323,7 +329,7 @@ def time_bookkeeping(draft, budget: int, ctx: int, levels: int) -> float:
     dm = DraftModel(draft, ctx + 2 * budget + 256, static=dev.type == "cuda", static_rows=128)
     seq = torch.randint(0, draft.cfg.vocab_size, (ctx + 1,)).tolist()
     dm.prefill(seq)
-    cfg = TreeConfig(budget=budget, max_beams=128, max_branch=32, max_depth=max(2, levels), early_stop=False)
+    cfg = TreeConfig(budget=budget, max_beams=128, max_branch=32, max_depth=max(2, levels), early_stop=False, grow=grow)
     grower = TreeDraft(dm, cfg)
     grower.grow(seq, cfg)  # warm-up (graph capture); the committed prefix stays cached, the tree is discarded
     _sync()
@@ -334,8 +340,8 @@ def time_bookkeeping(draft, budget: int, ctx: int, levels: int) -> float:
 
     def replay():
         used = ctx + 1
-        for k in beams:
-            k = max(1, min(k, 128))
+        for i, k in enumerate(beams):
+            k = 128 if grow != "dynamic" and i > 0 else max(1, min(k, 128))  # fixed-width levels: all rows run
             toks = torch.zeros(k, dtype=torch.long, device=dev)
             pos = torch.full((k,), ctx, device=dev)
             slots = torch.arange(used, used + k, device=dev)
@@ -345,7 +351,12 @@ def time_bookkeeping(draft, budget: int, ctx: int, levels: int) -> float:
             used += k
 
     t_passes = _time(replay, 1)
-    return max(t_grow - t_passes, 0.0) / max(len(beams), 1)
+    return {
+        "grow_s": t_grow,
+        "passes": len(beams),
+        "beams_per_pass": beams,
+        "bookkeeping_s_per_level": max(t_grow - t_passes, 0.0) / max(len(beams), 1),
+    }
 
 
 def shape_for(budget: int, acc: dict[str, Any]) -> list[int]:
@@ -408,13 +419,28 @@ def main(argv: list[str] | None = None) -> int:
     cap = args.context + 2 * max(budgets) + 256
     pass_graphed = time_draft_passes(draft, args.context, cap, args.repeats, graphs=not args.no_graphs)
     pass_eager = time_draft_passes(draft, args.context, cap, args.repeats, graphs=False)
-    per_level = time_bookkeeping(draft, 1024 if 1024 in budgets else max(budgets), args.context, 16)
-    report.update(draft_pass_s_graphed=pass_graphed, draft_pass_s_eager=pass_eager, bookkeeping_s_per_level=per_level)
+    from specexec.config import GROW_MODES
+
+    b_grow = 1024 if 1024 in budgets else max(budgets)
+    growth = {mode: time_growth(draft, b_grow, args.context, 16, mode) for mode in GROW_MODES}
+    per_level = growth["dynamic"]["bookkeeping_s_per_level"]
+    report.update(
+        draft_pass_s_graphed=pass_graphed,
+        draft_pass_s_eager=pass_eager,
+        bookkeeping_s_per_level=per_level,
+        growth_by_mode={"budget": b_grow, "levels": 16, **growth},
+    )
     print(
         f"draft pass seconds by tokens: graphed {pass_graphed}\n  eager {pass_eager}\n"
         f"  bookkeeping per level {per_level * 1e3:.2f} ms",
         flush=True,
     )
+    for mode, g in growth.items():  # measured end to end: one real tree growth per mode, same tree
+        print(
+            f"  growth ({mode}, budget {b_grow}): {g['grow_s'] * 1e3:.1f} ms, {g['passes']} passes, "
+            f"{g['bookkeeping_s_per_level'] * 1e3:.2f} ms/level outside the passes",
+            flush=True,
+        )
     draft_cost = {}
     for b in budgets:
         beams = shape_for(b, acc[b])

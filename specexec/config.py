@@ -21,6 +21,9 @@ def check_method(method: str) -> None:
         )
 
 
+GROW_MODES = ("dynamic", "static", "ahead")
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """SpecExec draft-tree growth (arXiv 2406.02532, Alg. 1 in batched best-first form)."""
@@ -41,10 +44,34 @@ class TreeConfig:
     # exists only where growth expanded nodes the budget then pruned -- measured on tiny pairs: 1 step in ~60 with
     # early stop off, never with it on. It pays once the draft grows beyond what is verified (overlapped growth).
     reuse: bool = False
+    # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py): "dynamic" sizes
+    # each draft pass by the open nodes and compacts the tree every level (several host reads a level; measured,
+    # the default); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a
+    # level late, so the host never waits for the pass it just launched (one pass over padding rows at the end).
+    # The fixed-width modes exist for GPUs (no early stop there); their speed is not measured yet.
+    grow: str = "dynamic"
+    # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
+    # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
+    # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):
             raise ConfigError("TreeConfig.reuse", self.reuse, "must be True or False")
+        if self.grow not in GROW_MODES:
+            raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
+        if not 0 <= self.overlap <= 64:
+            raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64")
+        if self.overlap and self.grow == "dynamic":
+            key, grow = "TreeConfig.overlap", "TreeConfig.grow"
+            raise ConfigError(
+                key,
+                self.overlap,
+                "needs grow 'static' or 'ahead'",
+                f"{setting(key)} needs {setting(grow, 'static')} or {setting(grow, 'ahead')}",
+            )
+        if self.overlap and not self.reuse:
+            raise ConfigError("TreeConfig.overlap", self.overlap, "needs reuse=True (it grows the next step's tree)")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")

@@ -193,6 +193,7 @@ def decode(
     sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
+    background = getattr(proposer, "background", None)
     chosen: Counter[int] = Counter()
     hist: Counter[int] = Counter()
     tree_total = 0
@@ -210,6 +211,8 @@ def decode(
             prop = proposer.propose(state.seq, ctx)
             if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
                 stats.trimmed += policy.trim(prop.tree)
+            if background is not None:  # overlapped growth: queued now, runs beside the target's pass on a GPU
+                background(prop)
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)

@@ -215,6 +215,9 @@ BEFORE_LOAD = {
     "budget 0": (("--budget", "0"), "--budget must be >= 1"),
     "max-budget 0": (("--max-budget", "0"), "--max-budget must be >= 1"),
     "max-beams 0": (("--max-beams", "0"), "--max-beams must be >= 1"),
+    "grow word": (("--grow", "fast"), "--grow must be one of dynamic, static, ahead"),
+    "overlap without fixed levels": (("--overlap", "4"), "--overlap needs --grow static or --grow ahead"),
+    "overlap -1": (("--overlap", "-1", "--grow", "ahead"), "--overlap must be in 0..64"),
     "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
     "context 4": (("--context", "4", "-n", "2"), "--context must be >= 8 tokens"),
     "unknown method": (("--method", "beam"), "unknown --method 'beam'"),
@@ -244,6 +247,7 @@ def test_checked_before_loading(no_load, command, case):
         (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
         (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
         (("--budgets", "0"), "--budget must be >= 1"),
+        (("--grow", "fast"), "--grow must be one of dynamic, static, ahead"),
         (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
     ],
 )
@@ -409,7 +413,7 @@ def test_no_message_names_a_missing_flag():
 SHARED = {
     "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--draft-vocab", "--device", "--context"],
     "offload": ["--offload", "--gpu-memory", "--target-dtype", "--cache-dir"],
-    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop"],
+    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop", "--grow", "--overlap"],
     "sampling": ["--temperature", "--top-p", "--top-k", "--min-p", "--seed"],
     "output": ["--quiet", "--verbose"],
 }

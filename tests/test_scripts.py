@@ -219,6 +219,11 @@ def test_bench_e2e_smoke_and_recompute_label_projections(tmp_path, tiny_pair, mo
     )
     rep = json.loads(out.read_text())
     assert "not measured" in rep["projection"] and set(rep["draft_pass_s_graphed"]) and rep["runs"]
+    growth = rep["growth_by_mode"]  # one real growth per TreeConfig.grow mode, the same tree
+    dyn = growth["dynamic"]
+    for mode in ("static", "ahead"):
+        assert growth[mode]["grow_s"] > 0 and growth[mode]["passes"] in (dyn["passes"], dyn["passes"] + 1), growth
+        assert sum(growth[mode]["beams_per_pass"]) == sum(dyn["beams_per_pass"]), growth
     for r in rep["runs"]:
         assert {"projected_tok_s", "projected_speedup_vs_ar", "verify_s", "ar_step_s", "draft_s"} <= set(r)
         assert not set(e2e.LEGACY_COMPOSED) & set(r)

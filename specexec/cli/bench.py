@@ -40,6 +40,8 @@ def bench(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
+    grow: str = o.grow(),
+    overlap: int = o.overlap(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -70,7 +72,15 @@ def bench(
             gammas=parse_ints(gammas, "--gammas"),
             max_new_tokens=max_new_tokens,
             sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
-            tree=TreeConfig(max_beams=max_beams, max_branch=max_branch, max_depth=max_depth, early_stop=early_stop),
+            tree=TreeConfig(
+                max_beams=max_beams,
+                max_branch=max_branch,
+                max_depth=max_depth,
+                early_stop=early_stop,
+                grow=grow,
+                overlap=overlap,
+                reuse=overlap > 0,
+            ),
         )
         o.check_max_new_tokens(max_new_tokens, context)
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)

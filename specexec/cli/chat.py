@@ -63,6 +63,8 @@ def chat(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
+    grow: str = o.grow(),
+    overlap: int = o.overlap(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -96,7 +98,7 @@ def chat(
             cache_dir,
             draft_vocab_=draft_vocab,
         )
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
         gen = GenOptions(

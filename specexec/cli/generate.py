@@ -60,6 +60,8 @@ def generate(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
+    grow: str = o.grow(),
+    overlap: int = o.overlap(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -86,7 +88,7 @@ def generate(
         # everything that needs no model is checked first: a bad option never costs a model load
         text = o.prompt_text(prompt)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
         chain_cfg = o.chain_config(gamma)
         model = o.model_options(
             target,

@@ -28,6 +28,8 @@ library's validated configs (no logic beyond that). A command looks like this::
         max_branch: int = o.max_branch(),
         max_depth: int = o.max_depth(),
         early_stop: Optional[bool] = o.early_stop(),
+        grow: str = o.grow(),
+        overlap: int = o.overlap(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -35,7 +37,7 @@ library's validated configs (no logic beyond that). A command looks like this::
 
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -94,6 +96,8 @@ FLAGS: dict[str, str] = {
     "TreeConfig.max_branch": "--max-branch",
     "TreeConfig.max_depth": "--max-depth",
     "TreeConfig.early_stop": "--early-stop",
+    "TreeConfig.grow": "--grow",
+    "TreeConfig.overlap": "--overlap",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -237,6 +241,27 @@ def early_stop() -> Any:
     )
 
 
+def grow() -> Any:
+    return typer.Option(
+        "dynamic",
+        "--grow",
+        help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
+        "open nodes (default); static: fixed-width levels, one device read a level; ahead: fixed-width levels, the "
+        "host queues the next level while the GPU runs this one. The fixed-width modes are meant for GPUs and have "
+        "no early stop.",
+    )
+
+
+def overlap() -> Any:
+    return typer.Option(
+        0,
+        "--overlap",
+        help="SpecExec on a GPU: grow N more tree levels below what is verified while the target's pass runs (a side "
+        "CUDA stream), and start the next tree from the subtree under the accepted tokens. Needs --grow static or "
+        "ahead. On a CPU the levels run in turn and only cost time. Never changes the output.",
+    )
+
+
 def gamma() -> Any:
     return typer.Option(4, "--gamma", help="Chain: draft tokens per step.")
 
@@ -291,7 +316,14 @@ def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) 
 
 
 def tree_config(
-    budget_: str, max_budget_: int, max_beams_: int, max_branch_: int, max_depth_: int, early_stop_: bool | None = None
+    budget_: str,
+    max_budget_: int,
+    max_beams_: int,
+    max_branch_: int,
+    max_depth_: int,
+    early_stop_: bool | None = None,
+    grow_: str = "dynamic",
+    overlap_: int = 0,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     if budget_.strip().lower() == "auto":
@@ -303,6 +335,9 @@ def tree_config(
             max_branch=max_branch_,
             max_depth=max_depth_,
             early_stop=early_stop_,
+            grow=grow_,
+            overlap=overlap_,
+            reuse=overlap_ > 0,
         )
     try:
         b = int(budget_)
@@ -315,6 +350,9 @@ def tree_config(
         max_branch=max_branch_,
         max_depth=max_depth_,
         early_stop=early_stop_,
+        grow=grow_,
+        overlap=overlap_,
+        reuse=overlap_ > 0,
     )
 
 

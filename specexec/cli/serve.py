@@ -56,6 +56,8 @@ def serve(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
+    grow: str = o.grow(),
+    overlap: int = o.overlap(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -82,7 +84,7 @@ def serve(
         from specexec.chat import load_engine
         from specexec.server import Defaults, ServerConfig, create_app
 
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop)
+        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
         chain = o.chain_config(gamma)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
         model = o.model_options(

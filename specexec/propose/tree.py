@@ -41,10 +41,12 @@ from specexec.config import SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
+from specexec.propose.fixed_grow import FixedGrowth, finish, grow_fixed, regrown
 from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
 
 GREEDY = SamplingConfig()
+OVERLAP_BUDGET = 4  # overlapped growth aims at the best (this x budget) nodes: those just outside the verified tree
 
 
 def default_logprobs(logits: Tensor) -> Tensor:
@@ -89,6 +91,9 @@ class TreeDraft:
         self._cand_v: Tensor | None = None
         self._cand_t: Tensor | None = None
         self._full: tuple[Tree, Tensor] | None = None  # set by grow with reuse: (full tree, index of kept nodes)
+        self._growth: tuple[FixedGrowth, Tensor, int] | None = None  # overlap: (growth, its kept nodes, budget)
+        self._side: torch.cuda.Stream | None = None  # overlap on a GPU: the draft's side stream
+        self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
 
@@ -98,17 +103,20 @@ class TreeDraft:
 
     def begin(self, seq: list[int]) -> None:
         self._next = None
+        self._join()
         self.draft.prefill(seq)
         if self.ngram is not None:
             self.ngram.begin(seq)
 
     def reset(self) -> None:
         self._next = None
+        self._join()
         self.draft.reset()
         if self.ngram is not None:
             self.ngram.reset()
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
+        self._join()  # a proposal that was never committed: its background levels end here
         start = self._take(seq)  # the subtree the last step carried over, if it still applies
         self._grown = None
         if ctx.budget < 0:  # a chain of -budget draft tokens
@@ -153,6 +161,7 @@ class TreeDraft:
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._next = None
+        self._join()
         if proposal.source == "chain" and self.chain is not None:
             self.chain.commit(proposal, path, seq)
             if self.ngram is not None:
@@ -267,6 +276,8 @@ class TreeDraft:
         continues from it without the root's pass. Returns (tree, draft passes, tokens per pass, stopped early);
         ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
+        if cfg.grow != "dynamic":
+            return self._grow_fixed(seq, cfg, logprobs, start, seed)
         d = self.draft
         dev = d.device
         n = len(seq) - 1
@@ -336,6 +347,61 @@ class TreeDraft:
             return out, passes, beams_log, stopped
         tree.keep(tree.top_k_mask(budget))
         return tree, passes, beams_log, stopped
+
+    def _grow_fixed(
+        self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None
+    ) -> tuple[Tree, int, list[int], bool]:
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead"; :mod:`.fixed_grow`)."""
+        budget = cfg.budget
+        extra = self.ngram.max_nodes() if self.ngram is not None else 0
+        keep_all = cfg.reuse
+        if keep_all:
+            self._ensure_cands(cfg)
+        self.reused_nodes = self.reused_passes = 0
+        if start is not None:
+            expanded = start.draft_slot[: start.size] >= 0
+            self.reused_passes = int(start.depth[: start.size][expanded].unique().numel())
+            start = self._restart(start, start.size + budget + 1, cfg, budget)
+            self.reused_nodes = start.size - 1
+        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", cfg.overlap)
+        out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
+        if full is not None and index is not None:
+            self._full = (full, index)
+            if cfg.overlap:  # grown on in :meth:`background` while the target verifies
+                self._growth = (g, chosen, OVERLAP_BUDGET * budget)
+        return out, g.passes, g.tokens_per_pass(), False
+
+    # -- overlapped growth ------------------------------------------------------------------------------------------
+    def background(self, proposal: Proposal) -> None:
+        """Called by the decode loop between :meth:`propose` and the target's pass (``TreeConfig.overlap`` > 0):
+        grow ``overlap`` more levels of the proposal's tree (towards its best ``OVERLAP_BUDGET`` x budget nodes)
+        below what is verified, reading nothing from the device. On a GPU they run on a side stream while the
+        target's pass runs; on a CPU they run here, in turn. :meth:`commit` waits for them and carries the subtree
+        under the accepted path + bonus token, now grown deeper, into the next step."""
+        if self._growth is None or self._grown is None or self._grown[0] is not proposal.tree:
+            return
+        g, _, budget = self._growth
+        if g.device.type == "cuda":
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=g.device)
+            self._side.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(self._side):
+                g.extend(budget, self.cfg.overlap)
+        else:
+            g.extend(budget, self.cfg.overlap)
+        self.background_passes += self.cfg.overlap
+
+    def _join(self) -> None:
+        """Wait for :meth:`background`'s levels and put their nodes into the grown tree that :meth:`commit` reads."""
+        growth, self._growth = self._growth, None
+        if growth is None or self._grown is None:
+            return
+        g, chosen, _ = growth
+        if self._side is not None:
+            torch.cuda.current_stream(g.device).wait_stream(self._side)
+        tree, k = self._grown[0], self._grown[1]
+        full, index = regrown(g.tree, chosen)
+        self._grown = (tree, k, full, index)
 
     @staticmethod
     def _tree_mask(tree: Tree, rows: Tensor, n: int, length: int) -> Tensor:

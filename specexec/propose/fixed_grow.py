@@ -1,0 +1,300 @@
+"""Best-first tree growth in fixed-width levels: no host read inside a level (``TreeConfig.grow`` "static" /
+"ahead"; the default "dynamic" growth is :meth:`specexec.propose.tree.TreeDraft.grow`).
+
+The dynamic growth compacts the tree after every level and sizes each draft pass by the number of open nodes, so
+the host reads the device about six times a level (the budget-th log-prob, the open count, boolean selections, the
+compaction's ``nonzero``, the mask's depth loop). On a GPU each read drains the stream: the host then launches the
+next level's small kernels while the GPU idles. Here every shape is known on the host before a level runs:
+
+* nodes are appended, never compacted: each level appends exactly ``W * B`` candidate children (W = beams per
+  level, B = children per beam), those of padding beams at log-prob -inf. "In the tree" means "among the
+  ``budget`` best": that set is the same as the dynamic growth's pruned tree (the top ``budget`` of everything ever
+  proposed; ties aside), so the open nodes, the beams and the children are the same;
+* each level runs the draft on W rows (fewer only while the tree has fewer nodes): the best open nodes by
+  log-prob; rows with no open node left are padding, write their keys/values to the cache's scratch slot and
+  propose nothing; valid beams get consecutive draft slots from a device-side counter;
+* each expanded node keeps a row of its ancestors' draft slots (by depth), so its attention mask is one scatter,
+  not a pointer chase whose length the host must know.
+
+The host reads one number per level, the number of beams a level expanded, to stop when none is left and to bound
+the attention span. "static" reads it before the level's pass (the host waits for the previous pass; no pass is
+wasted). "ahead" reads the previous level's count through a pinned buffer and an event, so the host queues level
+l+1 while the GPU runs pass l; when growth ends, one pass over padding rows has run for nothing. The result is
+compacted once, at the end, into the same trees (node order included) as the dynamic growth; draft slots may
+differ. The cost-based early stop (a CPU policy) is not applied here.
+
+Overlapped growth (``TreeConfig.overlap``): :meth:`FixedGrowth.extend` runs more levels that read nothing at all
+(each level's span is bounded by W more slots), so the host can queue them on a side CUDA stream and go straight on
+to the target's pass; :meth:`TreeDraft.commit` waits for them (:func:`regrown`) before it carries the subtree under
+the accepted path + bonus token into the next step. They only add expanded nodes to the store: the tree being
+verified is a separate copy, so it cannot change under the target.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor
+
+from specexec import sampling
+from specexec.tree import Tree
+
+if TYPE_CHECKING:
+    from specexec.config import TreeConfig
+    from specexec.propose.tree import TreeDraft
+
+NEG = float("-inf")
+
+
+class _Reader:
+    """Reads a device scalar on the host: at once (``send`` then ``read``), or later without draining the stream
+    (CUDA: a non-blocking copy into pinned memory and an event; ``read`` waits for that event only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def send(self, t: Tensor) -> object:
+        if not self.cuda:
+            return t
+        buf = torch.empty((), dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return buf, ev
+
+    def read(self, h: object) -> int:
+        if not self.cuda:
+            assert isinstance(h, Tensor)
+            return int(h)
+        buf, ev = cast("tuple[Tensor, torch.cuda.Event]", h)
+        ev.synchronize()
+        return int(buf)
+
+
+class _Store:
+    """Append-only node arrays (a :class:`Tree` of fixed capacity) plus, per expanded node, the draft slots of its
+    ancestors and itself by depth (``rows``; -1 = none)."""
+
+    def __init__(self, tree: Tree, width: int, exp_rows: int) -> None:
+        self.tree = tree
+        dev = tree.device
+        self.rows = torch.full((exp_rows, width), -1, dtype=torch.long, device=dev)
+        self.row_of = torch.full((tree.capacity,), -1, dtype=torch.long, device=dev)  # node -> its row, if expanded
+
+
+class FixedGrowth:
+    """One tree's growth in fixed-width levels: the store, the device-side slot counter and the host's bound on it.
+
+    :meth:`run` grows like :meth:`TreeDraft.grow` (without early stop); :meth:`extend` adds levels that read
+    nothing at all (their attention span is bounded by ``max_beams`` slots a level), which is what may run on a side
+    stream while the target verifies (``TreeConfig.overlap``)."""
+
+    def __init__(
+        self,
+        prop: TreeDraft,
+        seq: list[int],
+        cfg: TreeConfig,
+        logprobs,
+        start: Tree | None,
+        seed: int | None,
+        extra_levels: int = 0,
+    ) -> None:
+        d = self.draft = prop.draft
+        self.prop, self.logprobs, self.seed = prop, logprobs, seed
+        dev = self.device = d.device
+        self.n = n = len(seq) - 1
+        self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
+        self.W = W = cfg.max_beams
+        levels = cfg.max_depth - 1 + extra_levels
+        self.reader = _Reader(dev)
+        if start is None:
+            self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
+            root_lq = logprobs(d.catch_up(seq))  # (1, V)
+            if seed is not None:
+                root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
+            self.passes = 1
+            base, base_depth, n_exp = 1, 0, 1
+        else:
+            self.passes, self.beams_log = 0, []
+            base = start.size
+            expanded = (start.draft_slot[:base] >= 0).nonzero().squeeze(1)  # root first
+            n_exp = int(expanded.shape[0])
+            base_depth = start.max_depth()
+        self.width = base_depth + levels + 2
+        capacity = base + B + levels * W * B
+        tree = Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity)
+        store = self.store = _Store(tree, self.width, n_exp + levels * W)
+        t = self.tree = store.tree
+        if start is None:
+            t.draft_slot[0] = n
+            store.rows[0, 0] = n
+            store.row_of[0] = 0
+            vals, toks = torch.topk(root_lq[0], B)
+            _remember(prop, t.draft_slot[:1], vals[None], toks[None])
+            _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
+            next_slot = n + 1
+        else:
+            r = torch.arange(n_exp, device=dev)
+            cur = expanded.clone()
+            for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
+                ok = cur >= 0
+                at = cur.clamp(min=0)
+                store.rows[r[ok], t.depth[at][ok]] = t.draft_slot[at][ok]
+                cur = torch.where(ok, t.parents[at], cur)
+            store.row_of[expanded] = r
+            next_slot = int(t.draft_slot[:base].max()) + 1
+        self.nxt = torch.full((), next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device)
+        self.known = next_slot  # the host's exact copy, up to the last level whose count was read
+        self.unread: list[tuple[object, int]] = []  # (count handle, rows) of levels not read yet, oldest first
+        self.counts: list[Tensor] = []
+        self._held: list[Tensor] = []
+        self.row0 = n_exp
+        self.levels_left = levels
+
+    @property
+    def bound(self) -> int:
+        """An upper bound on the next free slot: exact up to the last read level, plus every later level's rows."""
+        return self.known + sum(k for _, k in self.unread)
+
+    def run(self, budget: int, ahead: bool, levels: int) -> None:
+        """Up to ``levels`` levels of best-first growth towards the best ``budget`` nodes; stops when no node is open
+        (read at once, or with ``ahead`` one level late)."""
+        for _ in range(levels):
+            if ahead and self.unread:
+                h, _k = self.unread.pop(0)
+                c = self.reader.read(h)
+                self.known += c
+                if c == 0:  # the last pass expanded nothing, so nothing changed: nothing is open now either
+                    break
+            if not self.level(budget, "late" if ahead else "now"):
+                break
+
+    def extend(self, budget: int, levels: int) -> None:
+        """``levels`` more levels towards the best ``budget`` nodes, reading nothing (safe on a side stream)."""
+        for _ in range(levels):
+            if not self.level(budget, "none"):
+                break
+
+    def level(self, budget: int, read: str) -> bool:
+        """One level. ``read`` "now": the level's count is read before its pass (no pass over padding alone);
+        "late": it is sent to be read by the next level; "none": never read. False: growth is over."""
+        t, store, d, dev = self.tree, self.store, self.draft, self.device
+        if self.levels_left <= 0 or self.bound >= d.usable:
+            return False
+        self.levels_left -= 1
+        size = t.size
+        k = min(self.W, size)
+        lp = t.logp[:size]
+        if size - 1 >= budget:
+            thr = torch.topk(lp[1:], budget).values[-1]
+        else:
+            thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
+        open_ = (t.draft_slot[:size] < 0) & (lp > thr)
+        cand = torch.where(open_, lp, torch.full_like(lp, NEG))
+        best, beams = torch.topk(cand, k)  # best first
+        rank = torch.arange(k, device=dev)
+        valid = (best > NEG) & (rank < d.usable - self.nxt)
+        beams, order = beams.sort()  # ascending node index, as the dynamic growth assigns slots
+        valid = valid[order]
+        count = valid.sum()
+        slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
+        self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
+        self.nxt = self.nxt + count  # the scratch slot (padding rows write there, no row reads it)
+        if read == "now":
+            c = self.reader.read(self.reader.send(count))
+            if c == 0:
+                return False
+            span = self.known + c
+            self.known = span
+        else:
+            span = min(d.usable, self.bound + k)
+            self.unread.append((self.reader.send(count) if read == "late" else count, k))
+        self.counts.append(count)
+        t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
+        # ancestor-slot rows: the parent's row plus the beam's own slot at its depth (padding: the root's row)
+        par = t.parents[beams].clamp(min=0)
+        rows = store.rows[store.row_of[par].clamp(min=0)].clone()
+        rows.scatter_(1, t.depth[beams][:, None].clamp(max=self.width - 1), slots[:, None])
+        rows = torch.where(valid[:, None], rows, store.rows[0].expand_as(rows))
+        r0 = self.row0
+        store.rows[r0 : r0 + k] = rows
+        store.row_of[beams] = torch.where(valid, torch.arange(r0, r0 + k, device=dev), store.row_of[beams])
+        self.row0 += k
+        mask = torch.zeros(k, span + 1, dtype=torch.bool, device=dev)
+        mask[:, : self.n] = True
+        mask.scatter_(1, torch.where(rows >= 0, rows, torch.full_like(rows, span)), True)
+        mask = mask[:, :span]
+        pos = torch.where(valid, self.n + t.depth[beams], torch.full_like(beams, self.n))
+        lq = self.logprobs(d.forward(t.tokens[beams], pos, slots, mask))  # (k, V)
+        if self.seed is not None:
+            lq = sampling.coupled_logprobs(lq, self.seed, pos + 1)
+        self.passes += 1
+        vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
+        _remember(self.prop, slots, vals, toks)
+        cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
+        _append(t, beams[:, None].expand_as(toks).reshape(-1), toks.reshape(-1), cum.reshape(-1), size + k * self.B)
+        return True
+
+    def tokens_per_pass(self) -> list[int]:
+        """The rows of every pass run so far (one host read)."""
+        return self.beams_log + (torch.stack(self.counts).tolist() if self.counts else [])
+
+
+def grow_fixed(
+    prop: TreeDraft,
+    seq: list[int],
+    cfg: TreeConfig,
+    logprobs,
+    start: Tree | None,
+    seed: int | None,
+    ahead: bool,
+    extra_levels: int = 0,
+) -> FixedGrowth:
+    """Grow like :meth:`TreeDraft.grow` (without early stop) in fixed-width levels. The result's store holds every
+    node ever proposed (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the
+    expanded nodes). ``extra_levels``: room for :meth:`FixedGrowth.extend`."""
+    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels)
+    g.run(cfg.budget, ahead, cfg.max_depth - 1)
+    return g
+
+
+def _append(t: Tree, parents: Tensor, tokens: Tensor, logp: Tensor, end: int) -> None:
+    """Children [t.size, end) (host-known size; padding children carry -inf)."""
+    s = t.size
+    t.tokens[s:end] = tokens
+    t.parents[s:end] = parents
+    t.depth[s:end] = t.depth[parents] + 1
+    t.logp[s:end] = logp
+    t.size = end
+
+
+def _remember(prop: TreeDraft, slots: Tensor, vals: Tensor, toks: Tensor) -> None:
+    """Reuse: each expanded node's proposed children, by draft slot (padding rows write the scratch row)."""
+    if prop._cand_v is not None and prop._cand_t is not None and prop._cand_v.shape[1] == vals.shape[1]:
+        prop._cand_v[slots] = vals
+        prop._cand_t[slots] = toks
+
+
+def finish(store: Tree, budget: int, capacity: int, keep_all: bool) -> tuple[Tree, Tree | None, Tensor | None, Tensor]:
+    """The grown store → (the best ``budget`` nodes in a tree of ``capacity``; with ``keep_all`` the full tree of
+    those plus every expanded node, and the index of each kept node in it, else None, None; the kept nodes' indices
+    in the store). One host read."""
+    finite = store.logp[: store.size] > NEG
+    top = store.top_k_mask(budget) & finite
+    out, chosen = store.select(top, capacity)
+    if not keep_all:
+        return out, None, None, chosen
+    full, index = regrown(store, chosen)
+    return out, full, index, chosen
+
+
+def regrown(store: Tree, chosen: Tensor) -> tuple[Tree, Tensor]:
+    """The full tree for reuse: the store's nodes ``chosen`` (the proposal's, closed under ancestry) plus every
+    expanded node (their keys/values are in the draft cache), and the index of each chosen node in it."""
+    keep = (store.draft_slot[: store.size] >= 0) & (store.logp[: store.size] > NEG)
+    keep[chosen] = True
+    full, idx = store.select(keep, int(keep.sum()))
+    remap = torch.full((store.size,), -1, dtype=torch.long, device=store.device)
+    remap[idx] = torch.arange(idx.shape[0], device=store.device)
+    return full, remap[chosen]
