@@ -152,8 +152,12 @@ class TargetState:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the work queued on the current stream (what a step's timings attribute). Only that stream: a
+    device-wide synchronize would also wait for the overlapped draft levels on their side stream (serialising
+    them with the target's pass they are meant to hide behind) and for the streamer's prefetch of the next
+    pass's first layers (keeping the next step's draft from starting while they copy)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def make_generator(samp: SamplingConfig, device: torch.device) -> torch.Generator | None:

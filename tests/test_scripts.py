@@ -410,3 +410,29 @@ def test_bench_coupling_smoke(tiny_pair, tmp_path):
         assert sum(b["tokens"] for b in d["coupled_score_bins"]) == d["positions"] * rep["meta"]["noise_draws"]
     with pytest.raises(SystemExit):
         mod.main(["--smoke", "--target", str(target), "--draft", str(draft), "--temperature", "0"])
+
+
+def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
+    """bench_gpu --smoke: every setting, baseline and growth mode runs the real engine on tiny planted pairs, with
+    every target layer streamed; the tokens equal the target's greedy text; PCIe4 figures are named projections."""
+    gpu = script("bench_gpu")
+    monkeypatch.setattr(gpu, "SHAPES", {k: dict(v) for k, v in gpu.SHAPES.items()})  # --smoke shrinks in place
+    monkeypatch.setattr(gpu, "SETTINGS", dict(gpu.SETTINGS))
+    out = tmp_path / "gpu.json"
+    argv = ["--smoke", "--prompts", "1", "--prompt-tokens", "16", "--new-tokens", "12", "--ar-tokens", "4"]
+    argv += ["--budgets", "8", "--budgets-other", "8", "--mode-budget", "8", "--out", str(out)]
+    assert gpu.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert [s["setting"] for s in rep["settings"]] == gpu.DEFAULT_SETTINGS.split(",")
+    first = rep["settings"][0]
+    runs = {r["run"]: r for r in first["runs"]}
+    assert {"ar (no draft)", "ar (draft loaded)", "specexec 8", "static 8", "ahead 8", "auto"} <= set(runs)
+    assert "ahead+overlap 2 8" in runs and "dynamic+reuse 8" in runs
+    assert first["placement"]["streamed_layers"] == 4 and first["ar_no_draft_placement"]["streamed_layers"] == 4
+    for s in rep["settings"]:
+        for r in s["runs"]:
+            assert r["exact"] and r["tokens"] > 0 and r["step_s"] > 0, r
+            assert "projected_pcie4_tok_s" in r and "pcie4_tok_s" not in r
+    assert runs["ar (no draft)"]["speedup_vs_ar"] == 1.0 and runs["ar (no draft)"]["tok_per_step"] == 1.0
+    assert "planted" in rep["note"] and 0 <= first["planted"]["agreement"] <= 1
+    assert gpu.main(["--settings", "70b-nf4@24,nope"]) == 2
