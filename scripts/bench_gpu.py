@@ -221,6 +221,11 @@ def greedy_reference(t_glob, prompts: list[list[int]], n: int) -> list[list[int]
 
 def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: list[list[int]]) -> dict[str, Any]:
     """Generate for every prompt (one warm-up generation first, not counted); totals of the measured runs."""
+    import torch
+
+    from specexec import synthetic
+
+    glob = engine.target.globals
     engine.generate(prompts[0], min(2, n_new), method=method, tree=tree)  # warm-up: graphs, calibration, ring
     tot = dict(tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0)
     exact, first_diff = True, None
@@ -240,7 +245,10 @@ def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: 
         if r.tokens != want:
             exact = False
             j = next(k for k, (a, b) in enumerate(zip(r.tokens, want)) if a != b)
-            first_diff = first_diff or {"prompt": i, "index": j}
+            prev = (p + r.tokens)[len(p) + j - 1]
+            top = synthetic.bigram_logits(glob, torch.tensor([prev], device=glob.embed.device)).topk(2).values[0]
+            gap = float(top[0] - top[1])  # the target's top-2 gap there (>= TARGET_MARGIN by construction)
+            first_diff = first_diff or {"prompt": i, "index": j, "got": r.tokens[j], "want": want[j], "gap": gap}
     steps = max(tot["steps"], 1)
     row = {
         "run": label,
@@ -274,7 +282,9 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
     agree, cover = synthetic.CODE if args.domain == "code" else synthetic.PROSE
     t0 = time.perf_counter()
     planted = synthetic.plant(t_cfg.vocab_size, agree, cover, hidden=(t_cfg.hidden_size, d_cfg.hidden_size))
-    t_glob = synthetic.planted_globals(planted, planted.z_target, t_cfg.hidden_size, bf16, dev, seed=1)
+    t_glob = synthetic.planted_globals(
+        planted, planted.z_target, t_cfg.hidden_size, bf16, dev, seed=1, margin=synthetic.TARGET_MARGIN
+    )
     d_glob = synthetic.planted_globals(planted, planted.z_draft, d_cfg.hidden_size, bf16, dev, seed=2)
     realised = synthetic.realised(t_glob, d_glob)
     d_fmt = {"bf16": "dense", "int8": "int8", "nf4": "nf4"}[args.draft_dtype]

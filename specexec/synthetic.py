@@ -41,6 +41,7 @@ CODE = (0.72, 0.965)  # (top-1 agreement, coverage) of the real demo pair on cod
 PROSE = (0.58, 0.925)  # ... on English prose
 BASE_LOGIT = 16.0  # the successors' mean logit: above the background's log-mass (~ln V plus a little)
 SPREAD = 2.5  # std of the target's successor logits around BASE_LOGIT (how peaked its choices are)
+TARGET_MARGIN = 0.5  # a target's two best logits are at least this far apart (16-bit logits of ~16 round to 1/8)
 EPS = 1e-4  # scale of the layers' output projections (their contributions vanish in 16-bit)
 INIT_STD = 0.02
 
@@ -122,11 +123,18 @@ def plant(
 
 
 def planted_globals(
-    planted: Planted, z: Tensor, hidden: int, dtype: torch.dtype, device: torch.device, seed: int
+    planted: Planted,
+    z: Tensor,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    margin: float = 0.0,
 ) -> Globals:
     """Embedding, final norm and lm_head of one model whose logits at token x are ``z[x]`` on ``succ[x]``
     (plus a small background). ``z`` is ``planted.z_target`` or ``planted.z_draft``. Built in fp32 on ``device``
-    in row blocks (a 152k x 8192 fp32 matrix would be 5 GB), stored in ``dtype``."""
+    in row blocks (a 152k x 8192 fp32 matrix would be 5 GB), stored in ``dtype``. ``margin`` > 0 (targets): no
+    token's two best logits are closer than that (see :func:`_widen_ties`)."""
     V, K = planted.vocab_size, hidden - 1  # the last coordinate is the ballast
     if K < 2:
         raise ValueError(f"hidden size {hidden} is too small to plant logits")
@@ -148,7 +156,35 @@ def planted_globals(
         rows[:, K] = (R**2 - rows[:, :K].pow(2).sum(-1)).clamp(min=0).sqrt()
         E[e] = rows.to(dtype)
     norm = torch.full((hidden,), R / math.sqrt(hidden), dtype=dtype, device=device)
-    return Globals(embed=E, norm=norm, lm_head=U)
+    glob = Globals(embed=E, norm=norm, lm_head=U)
+    if margin > 0:
+        _widen_ties(glob, margin, R)
+    return glob
+
+
+def _widen_ties(glob: Globals, margin: float, R: float, block: int = 1024) -> None:
+    """Raise the top logit of every token whose two best logits (as stored, in fp32) are within ``margin``: add
+    ``margin`` x its lm_head row to its embedding row and rebalance the ballast. A 16-bit pass rounds logits of ~16
+    to 0.125, so near-ties would let a 1-token pass and a tree pass pick different tokens: a genuine floating-point
+    near-tie, but one a benchmark's exactness check would have to explain at every turn."""
+    E, U = glob.embed, glob.lm_head
+    V, K = E.shape[0], E.shape[1] - 1
+    for _ in range(3):
+        fixed = 0
+        for s in range(0, V, block):
+            ids = torch.arange(s, min(V, s + block), device=E.device)
+            top = bigram_logits(glob, ids).topk(2, dim=-1)
+            tie = (top.values[:, 0] - top.values[:, 1]) < margin
+            if not bool(tie.any()):
+                continue
+            rows, best = ids[tie], top.indices[tie, 0]
+            e = E[rows].float()
+            e[:, :K] += margin * U[best, :K].float()
+            e[:, K] = (R**2 - e[:, :K].pow(2).sum(-1)).clamp(min=0).sqrt()
+            E[rows] = e.to(E.dtype)
+            fixed += int(tie.sum())
+        if not fixed:
+            return
 
 
 def bigram_logits(glob: Globals, ids: Tensor, eps: float = 1e-6) -> Tensor:

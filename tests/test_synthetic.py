@@ -31,7 +31,9 @@ def _cfg(hidden: int, layers: int = 2) -> ModelConfig:
 def pair():
     t_cfg, d_cfg = _cfg(4096), _cfg(2048)
     planted = synthetic.plant(V, *synthetic.CODE, hidden=(t_cfg.hidden_size, d_cfg.hidden_size))
-    tg = synthetic.planted_globals(planted, planted.z_target, t_cfg.hidden_size, torch.float32, CPU, seed=1)
+    tg = synthetic.planted_globals(
+        planted, planted.z_target, t_cfg.hidden_size, torch.float32, CPU, seed=1, margin=synthetic.TARGET_MARGIN
+    )
     dg = synthetic.planted_globals(planted, planted.z_draft, d_cfg.hidden_size, torch.float32, CPU, seed=2)
     target = synthetic.resident_model(t_cfg, tg, torch.float32, CPU, seed=10)
     draft = synthetic.resident_model(d_cfg, dg, torch.float32, CPU, seed=20, distinct=1)
@@ -73,6 +75,20 @@ def test_layers_add_nothing_visible_and_the_logits_are_planted(pair):
     got = synthetic.bigram_logits(target.globals, torch.arange(V)).gather(1, planted.succ)
     cross = float((planted.z_target**2).sum(-1).mean().sqrt()) / target.cfg.hidden_size**0.5
     assert (got - planted.z_target).abs().mean() < cross
+
+
+def test_a_target_has_no_near_ties():
+    p = synthetic.plant(V, seed=4, hidden=(256,))
+    plain = synthetic.planted_globals(p, p.z_target, 256, torch.bfloat16, CPU, seed=1)
+    wide = synthetic.planted_globals(p, p.z_target, 256, torch.bfloat16, CPU, seed=1, margin=0.5)
+
+    def gaps(g):
+        top = synthetic.bigram_logits(g, torch.arange(V)).topk(2, dim=-1).values
+        return top[:, 0] - top[:, 1]
+
+    assert float(gaps(plain).min()) < 0.5  # 256 hidden dims: cross-talk makes plenty of near-ties
+    assert float(gaps(wide).min()) >= 0.5 - 1e-3
+    assert float((wide.embed.float().norm(dim=-1) / plain.embed.float().norm(dim=-1)).std()) < 0.01  # same norm
 
 
 def test_realised_agreement_is_near_the_planted_one(pair):
