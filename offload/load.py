@@ -9,8 +9,10 @@ reads the packed files and never quantizes again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,7 +22,7 @@ from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
 from offload.quant import quantize_layer
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
-from specexec.errors import ConfigError, SpecexecError, setting
+from specexec.errors import ConfigError, OutOfMemory, SpecexecError, setting
 from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
 from specexec.model import ModelConfig, Transformer
 
@@ -93,6 +95,59 @@ def plan_offload(
         cfg, dtype, path, root, draft_bytes=draft_bytes, kv_bytes=kv_bytes, max_tokens=max_tokens
     )
     return make_plan(Resources.probe(device, root, h2d_gbps), model, offload)
+
+
+def plan_with_draft(
+    path: Path,
+    device: torch.device,
+    dtype_str: str,
+    offload: OffloadConfig,
+    reserve: Callable[[str], Any],
+    formats: Sequence[str],
+    *,
+    resources: Resources | None = None,
+) -> tuple[Plan, str]:
+    """The plan for the first draft weight format of ``formats`` (e.g. dense, int8, nf4) whose draft leaves room
+    for the streamed target, and that format. ``reserve(fmt)`` gives the :class:`~specexec.sizes.PlanReservations`
+    with the draft in ``fmt``. Only a lack of GPU memory moves on to the next format; when none fits, the error
+    of the last one is raised, saying which precisions were tried. ``resources``: the machine (default: probed).
+
+    This is what ``--draft-dtype auto`` does on a GPU: a 16-bit 7B draft takes 13.5 GB, more than a 16 GB card
+    has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits. Where the 16-bit draft
+    fits, it is kept: what a lower precision costs in acceptance against what its freed VRAM saves in streamed
+    bytes is measured for the demo pair only (docs/BENCHMARKS.md), not yet on a GPU.
+    """
+    path = model_dir(Path(path))
+    cfg = read_config(path)
+    dtype = target_compute_dtype(dtype_str, offload, device)
+    root = offload.offload_root
+    res = resources or Resources.probe(device, root, None)
+    names = [{"dense": "16-bit"}.get(f, f) for f in formats]
+    for i, fmt in enumerate(formats):
+        r = reserve(fmt)
+        model = PlanModel.from_checkpoint(
+            cfg, dtype, path, root, draft_bytes=r.draft_bytes, kv_bytes=r.kv_bytes, max_tokens=r.max_tokens
+        )
+        try:
+            plan = make_plan(res, model, offload)
+        except OutOfMemory as e:
+            if e.resource != "GPU memory" or i == len(formats) - 1:
+                if i and e.resource == "GPU memory":
+                    raise OutOfMemory(
+                        f"{e} (the draft was tried in {', '.join(names)})", e.resource, e.need, e.have
+                    ) from None
+                raise
+            continue
+        if i:
+            log.warning(
+                "the draft in %s does not fit beside the streamed target under this GPU's budget: loading it in %s "
+                "(%.1f GB; --draft-dtype chooses)",
+                names[0],
+                names[i],
+                r.draft_bytes / 1e9,
+            )
+        return plan, fmt
+    raise ValueError("no draft formats to try")
 
 
 def build_layers(

@@ -37,6 +37,10 @@ from specexec.loading import (
 
 log = logging.getLogger(__name__)
 
+# --draft-dtype auto on a GPU: the draft's weight formats tried, in order, when the 16-bit draft leaves no room
+# for the streamed target (offload.load.plan_with_draft)
+AUTO_DRAFT_FALLBACK = ("int8", "nf4")
+
 
 def load(
     target: str,
@@ -100,22 +104,26 @@ def load(
     context = min(context, t_cfg.max_position_embeddings)
     d_dt, d_fmt = draft_format(draft_dtype, dtype, dev, d_cfg, self_draft) if d_cfg is not None else (None, "dense")
     d_isz = d_dt.itemsize if d_dt is not None else 4  # activations and the draft's KV cache
-    d_weights = sizes.stored_weights(d_path).resident_bytes(d_isz, d_cfg, d_fmt) if d_path is not None else None
+    d_stored = sizes.stored_weights(d_path) if d_path is not None else None
+    d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt) if d_stored is not None else None
     plan = None
     if _offloaded(offload, dev):
-        from offload.load import plan_offload, target_compute_dtype
+        from offload.load import plan_with_draft, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
-        res = sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=d_weights)
-        plan = plan_offload(
-            t_path,
-            dev,
-            dtype,
-            offload,
-            draft_bytes=res.draft_bytes,
-            kv_bytes=res.kv_bytes,
-            max_tokens=res.max_tokens,
-        )
+
+        def reserve(fmt: str) -> sizes.PlanReservations:
+            weights = d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
+            return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=weights)
+
+        # --draft-dtype auto on a GPU: a 16-bit draft that leaves no room for the streamed target's ring goes
+        # int8, then NF4 (bitsandbytes), rather than failing the load
+        formats = [d_fmt]
+        if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
+            formats += list(AUTO_DRAFT_FALLBACK)
+        plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats)
+        if d_stored is not None:
+            d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt)
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
         t_weights = sizes.globals_bytes(t_cfg, t_isz)
         if dev.type == "cpu":

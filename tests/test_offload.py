@@ -481,3 +481,41 @@ def test_cuda_nf4(wide, tmp_path):
         a, b = _gpu_passes(streamed, T, T), _gpu_passes(ref, T, T)
         assert (a - b).abs().max() <= 0.05 * b.abs().max()
     streamed.layers.close()
+
+
+def test_auto_draft_precision_falls_back_to_what_fits(monkeypatch, tiny3, tmp_path):
+    """--draft-dtype auto on a GPU: a 16-bit draft that leaves no room for the streamed target goes int8, then NF4;
+    where the 16-bit one fits it stays; when none fits the error says what was tried."""
+    from offload.load import plan_with_draft
+    from specexec.loading import read_config
+    from specexec.sizes import PlanReservations
+
+    _fake_ram(monkeypatch, available_gb=100, total_gb=128)
+    off = OffloadConfig(mode="ram", target_dtype="bf16", cache_dir=tmp_path)
+    cfg = read_config(tiny3)
+    base = make_plan(  # what the target alone needs streamed (a ring of 2) on an unlimited GPU
+        Resources(device="cpu", ram_total=int(128e9), ram_available=int(100e9)),
+        PlanModel(cfg, torch.bfloat16, max_tokens=16),
+        off,
+    )
+    assert base.num_layers == cfg.num_layers
+    draft = {"dense": 6_000_000, "int8": 3_000_000, "nf4": 1_500_000}
+    reserve = lambda fmt: PlanReservations(draft[fmt], 0, 16)
+
+    def gpu(free: int) -> Resources:
+        return Resources(device="cuda", vram_free=free, ram_total=int(128e9), ram_available=int(100e9))
+
+    headroom = plan_mod.VRAM_HEADROOM
+    ring = 2 * base.layer_bytes
+    fixed = base.vram_need - base.num_layers * base.layer_bytes  # globals + workspace with no draft
+    for fits, want in ((draft["dense"], "dense"), (draft["int8"], "int8"), (draft["nf4"], "nf4")):
+        free = headroom + fixed + ring + fits
+        plan, fmt = plan_with_draft(tiny3, CPU, "bf16", off, reserve, ["dense", "int8", "nf4"], resources=gpu(free))
+        assert fmt == want and plan.streamed, (fits, fmt)
+    # an explicit format is not second-guessed
+    with pytest.raises(OutOfMemory, match="VRAM too small to stream") as err:
+        plan_with_draft(tiny3, CPU, "bf16", off, reserve, ["dense"], resources=gpu(headroom + fixed + ring + 10))
+    assert "tried" not in str(err.value)
+    with pytest.raises(OutOfMemory, match=r"the draft was tried in 16-bit, int8, nf4") as err:
+        plan_with_draft(tiny3, CPU, "bf16", off, reserve, ["dense", "int8", "nf4"], resources=gpu(headroom + 10))
+    assert err.value.resource == "GPU memory"
