@@ -436,3 +436,21 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     assert runs["ar (no draft)"]["speedup_vs_ar"] == 1.0 and runs["ar (no draft)"]["tok_per_step"] == 1.0
     assert "planted" in rep["note"] and 0 <= first["planted"]["agreement"] <= 1
     assert gpu.main(["--settings", "70b-nf4@24,nope"]) == 2
+
+
+def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
+    """bench_overlap on a tiny pair: every overlap keeps AR's text; background passes run only with overlap; the
+    H100 projection is labelled and uses the critical-path passes."""
+    target, draft = tiny_pair
+    out = tmp_path / "ov.json"
+    argv = ["--target", str(target), "--draft", str(draft), "--budget", "16", "--max-beams", "8"]
+    argv += ["--overlaps", "0,3", "--max-new-tokens", "16", "--num-prompts", "1", "--out", str(out)]
+    assert script("bench_overlap").main(argv) == 0
+    rep = json.loads(out.read_text())
+    off, on = rep["configs"]
+    assert rep["all_exact"] and off["overlap"] == 0 and on["overlap"] == 3
+    assert off["background_passes_per_step"] == 0 < on["background_passes_per_step"]
+    assert on["reused_nodes_per_step"] >= off["reused_nodes_per_step"]
+    for c in rep["configs"]:
+        assert c["projected_step_s"] >= rep["gpu_costs"]["verify_s"] and "projected_tok_s" in c
+        assert "tok_s" not in c and "step_s" not in c
