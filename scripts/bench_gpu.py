@@ -511,6 +511,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     else:
         dev = torch.device("cuda")
+    needs_bnb = args.draft_dtype != "bf16" or any(SETTINGS[s][1] == "nf4" for s in names)
+    if needs_bnb:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            print(
+                "error: NF4 / int8 settings need bitsandbytes (pip install bitsandbytes, or a wheel into a --target "
+                "dir on PYTHONPATH); or run only --settings 70b-bf16@24,8b-bf16@8 with --draft-dtype bf16",
+                file=sys.stderr,
+            )
+            return 2
     from offload.plan import measure_h2d_bandwidth
 
     h2d = measure_h2d_bandwidth(dev) if dev.type == "cuda" else 25.0
