@@ -99,6 +99,10 @@ class Recommendation:
     bandwidth_gbps: float | None = None
     bandwidth: str = ""  # what the floor's bandwidth is and whether it was measured
     notes: list[str] = field(default_factory=list)
+    draft: str | None = None  # the draft the plan charged (``--draft``), if any
+    draft_dtype: str | None = None  # its weight format that ``--draft-dtype auto`` would load: 16-bit, int8, nf4
+    # per draft precision: draft GB, resident target layers, streamed GB and floor per pass (None: does not fit)
+    draft_options: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -341,12 +345,22 @@ def _cached_hf_config(spec: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def recommend(spec: str, system: SystemInfo, context: int = 4096, home: Path | None = None) -> Recommendation:
+def recommend(
+    spec: str, system: SystemInfo, context: int = 4096, home: Path | None = None, draft: str | None = None
+) -> Recommendation:
     """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
-    nothing is downloaded). Unknown specs raise :class:`SpecexecError`."""
+    nothing is downloaded). Unknown specs raise :class:`SpecexecError`. ``draft``: a draft model (alias, id or
+    path) charged to the plan: on a GPU each of its precisions (16-bit, int8, nf4) is planned, and the one
+    ``--draft-dtype auto`` would load (the first that fits, as :func:`offload.load.plan_with_draft`) sets the
+    recommendation."""
     cfg, source, why = model_config(spec, home)
     if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
+    d_cfg = None
+    if draft is not None:
+        d_cfg, _, d_why = model_config(draft, home)
+        if d_cfg is None:
+            return Recommendation(target=spec, present=False, note=f"draft {draft}: {d_why}", draft=draft)
     rec = Recommendation(
         target=spec,
         present=True,
@@ -358,11 +372,14 @@ def recommend(spec: str, system: SystemInfo, context: int = 4096, home: Path | N
     )
     if "models.toml" in source:
         rec.notes.append("planned from the architecture in configs/models.toml (the model is not downloaded)")
+    rec.draft = draft
     context = min(context, cfg.max_position_embeddings)
     if system.gpu is None:
         _recommend_cpu(rec, cfg, system, context)
+        if draft is not None:
+            rec.notes.append(f"draft {draft}: planned on a GPU only (here it shares the RAM with the target)")
     else:
-        _recommend_gpu(rec, cfg, system, context, home)
+        _recommend_gpu(rec, cfg, system, context, home, d_cfg)
     return rec
 
 
@@ -394,7 +411,12 @@ def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, co
 
 
 def _recommend_gpu(
-    rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int, home: Path | None = None
+    rec: Recommendation,
+    cfg: ModelConfig,
+    system: SystemInfo,
+    context: int,
+    home: Path | None = None,
+    d_cfg: ModelConfig | None = None,
 ) -> None:
     """GPU: the offload manager's own plan (:func:`offload.plan.make_plan`) for this machine's figures."""
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
@@ -402,8 +424,6 @@ def _recommend_gpu(
     gpu = system.gpu
     assert gpu is not None
     tree = TreeConfig()
-    mem = sizes.engine_memory(cfg, None, context, 2, 2, tree, target_weights=0)
-    others = mem.total - mem.step.logits - mem.step.target_activations
     resources = Resources(
         device="cuda",
         vram_free=gpu.vram_free,
@@ -412,13 +432,52 @@ def _recommend_gpu(
         disk_free=system.cache_disk_free,
         h2d_gbps=gpu.pinned_h2d_gbps,
     )
-    model = PlanModel(cfg, torch.bfloat16, kv_bytes=others, max_tokens=min(TREE_TOKENS, sizes.step_room(tree)))
-    try:
-        plan = make_plan(resources, model, OffloadConfig(cache_dir=home))
-    except SpecexecError as e:
+    h2d = gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS
+    plan = None
+    error: SpecexecError | None = None
+    for fmt in ("dense", "int8", "nf4") if d_cfg is not None else ("dense",):
+        d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
+        mem = sizes.engine_memory(cfg, d_cfg, context, 2, 2, tree, target_weights=0, draft_weights=d_bytes)
+        others = mem.total - mem.weights - mem.step.logits - mem.step.target_activations
+        rows = min(TREE_TOKENS, sizes.step_room(tree))
+        model = PlanModel(cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=others, max_tokens=rows)
+        name = {"dense": "16-bit"}.get(fmt, fmt)
+        try:
+            p = make_plan(resources, model, OffloadConfig(cache_dir=home))
+        except SpecexecError as e:
+            error = e  # the lightest draft's reason is the one to act on
+            rec.draft_options.append({"draft_dtype": name, "draft_gb": d_bytes / GB, "fits": False, "why": str(e)})
+            continue
+        rec.draft_options.append(
+            {
+                "draft_dtype": name,
+                "draft_gb": d_bytes / GB,
+                "fits": True,
+                "target_dtype": "nf4" if p.fmt.kind == "nf4" else "bf16",
+                "resident_layers": len(p.resident),
+                "streamed_gb_per_pass": p.bytes_per_forward / GB,
+                "floor_s_per_pass": p.bytes_per_forward / (h2d * GB),
+            }
+        )
+        if plan is None:
+            plan, rec.draft_dtype = p, name if d_cfg is not None else None
+    if d_cfg is None:
+        rec.draft_options = []
+    if plan is None:
         rec.tier = "does-not-fit"
-        rec.notes.append(str(e))
+        tried = f" (the draft in {', '.join(o['draft_dtype'] for o in rec.draft_options)})" if d_cfg else ""
+        rec.notes.append(f"{error}{tried}")
         return
+    if d_cfg is not None:
+        alts = ", ".join(
+            f"{o['draft_dtype']} {o['draft_gb']:.1f} GB -> "
+            + (f"{o['resident_layers']} resident, {o['floor_s_per_pass']:.2f} s/pass" if o["fits"] else "does not fit")
+            for o in rec.draft_options
+        )
+        rec.notes.append(
+            f"draft {rec.draft} in {rec.draft_dtype} (what --draft-dtype auto loads: the first that fits); "
+            f"by draft precision: {alts}"
+        )
     rec.dtype = "nf4" if plan.fmt.kind == "nf4" else "bf16"
     rec.tier = plan.mode
     rec.resident_layers, rec.streamed_layers = len(plan.resident), len(plan.streamed)
@@ -428,7 +487,6 @@ def _recommend_gpu(
         rec.notes.append(f"streaming all layers in bf16 instead would take >= {bf16_floor:.2f} s per pass")
     streamed_bytes = plan.bytes_per_forward
     rec.streamed_gb_per_pass = streamed_bytes / GB
-    h2d = gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS
     h2d_src = "measured" if gpu.pinned_h2d_gbps else "assumed"
     if rec.tier == "ssd":
         disk = system.disk.read_gbps if system.disk and system.disk.read_gbps else None
@@ -445,6 +503,7 @@ def _recommend_gpu(
 
 def run_doctor(
     target: str | None = None,
+    draft: str | None = None,
     context: int = 4096,
     disk_mb: int = 256,
     measure: bool = True,
@@ -457,5 +516,5 @@ def run_doctor(
     from specexec import hub
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
-    rec = recommend(target, system, context, home) if target else None
+    rec = recommend(target, system, context, home, draft) if target else None
     return DoctorReport(system=system, recommendation=rec)

@@ -238,3 +238,58 @@ def test_alias_architectures_match_published_sizes(alias, published):
     cfg = ModelConfig.from_hf(hub.known_config(alias))
     assert param_count(cfg) == pytest.approx(published, rel=2e-3)
     assert hub.known_config(alias)["torch_dtype"] in ("float16", "bfloat16")
+
+
+LLAMA2_7B_CFG = dict(
+    LLAMA2_70B,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+)
+
+
+@pytest.mark.parametrize(
+    "vram, want, resident_order",
+    [(24, "16-bit", True), (16, "int8", False), (12, "nf4", False), (200, "16-bit", None)],
+)
+def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order):
+    """doctor --draft: the plan per draft precision; --draft-dtype auto's pick is the first that fits, and a
+    lighter draft leaves more target layers resident."""
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    rec = recommend(str(t), _system(vram, 256), context=4096, draft=str(d))
+    opts = {o["draft_dtype"]: o for o in rec.draft_options}
+    assert list(opts) == ["16-bit", "int8", "nf4"] and rec.draft_dtype == want
+    assert opts["16-bit"]["draft_gb"] == pytest.approx(13.48, abs=0.05)  # DESIGN.md: a bf16 7B takes 13.5 GB
+    chosen = opts[want]
+    assert rec.resident_layers == chosen["resident_layers"] and chosen["fits"]
+    if resident_order:  # all three fit at 24 GB: lighter drafts buy resident layers
+        assert opts["16-bit"]["resident_layers"] < opts["int8"]["resident_layers"] < opts["nf4"]["resident_layers"]
+    if want != "16-bit":
+        assert not opts["16-bit"]["fits"]
+    assert any(f"in {want} (what --draft-dtype auto loads" in n for n in rec.notes)
+    plain = recommend(str(t), _system(vram, 256), context=4096)
+    assert plain.draft_options == [] and plain.draft_dtype is None
+    assert plain.resident_layers >= rec.resident_layers  # charging a draft never adds resident layers
+
+
+def test_doctor_draft_that_never_fits(tmp_path):
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    rec = recommend(str(t), _system(8, 256), context=4096, draft=str(d))
+    assert rec.tier == "does-not-fit" and rec.draft_dtype is None
+    assert not any(o["fits"] for o in rec.draft_options)
+    assert "VRAM too small" in rec.notes[-1] and rec.notes[-1].endswith("(the draft in 16-bit, int8, nf4)")
+
+
+def test_doctor_draft_needs_a_target():
+    result = CliRunner().invoke(app, ["doctor", "--draft", "x", "--disk-mb", "0"])
+    assert result.exit_code == 2 and "--draft needs --target" in result.output

@@ -21,6 +21,13 @@ def doctor(
     target: str | None = typer.Option(
         None, "--target", "-t", help="Recommend a placement for this model (alias, HF id or path; config.json only)."
     ),
+    draft: str | None = typer.Option(
+        None,
+        "--draft",
+        "-d",
+        help="Charge this draft to the plan: on a GPU, resident target layers for it in 16-bit, int8 and nf4, and "
+        "which --draft-dtype auto loads.",
+    ),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
     cache_dir: Path | None = o.cache_dir(),
@@ -36,8 +43,10 @@ def doctor(
 
         if disk_mb < 0:
             raise ConfigError("disk_mb", disk_mb, "must be >= 0")
+        if draft is not None and target is None:
+            raise ConfigError("draft", draft, "needs --target (the draft is planned beside a target)")
         with o.spinner(quiet or as_json)("measuring this machine"):
-            report = run_doctor(target, context=context, disk_mb=disk_mb, home=cache_dir)
+            report = run_doctor(target, draft, context=context, disk_mb=disk_mb, home=cache_dir)
         if as_json:
             typer.echo(json.dumps(report.to_json()))
         else:
