@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", help="compute dtype of both (counts barely depend on it)")
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--max-beams", type=int, default=64, help="rows per fixed-width level")
-    p.add_argument("--overlaps", default="0,2,4,8", help="overlap levels to compare (0: reuse alone)")
+    p.add_argument("--overlaps", default="0,4,8", help="overlap levels to compare (0: reuse alone)")
     p.add_argument("--grow", default="static", choices=("static", "ahead"), help="fixed-width growth mode")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per kind (code, prose), at most 3")
@@ -83,7 +83,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from specexec import api
     from specexec.config import TreeConfig
 
-    engine = api.load(args.target, draft=args.draft, device="cpu", dtype=args.dtype, context=1024, progress=False)
+    # the draft as a GPU runs it: same dtype as the target, its full output vocabulary (no CPU FR-Spec head)
+    engine = api.load(
+        args.target,
+        draft=args.draft,
+        device="cpu",
+        dtype=args.dtype,
+        draft_dtype=args.dtype,
+        context=1024,
+        progress=False,
+        draft_vocab=0,
+    )
     prompts = [(kind, p) for kind, ps in PROMPTS.items() for p in ps[: args.num_prompts]]
     ids = [engine.encode(p) for _, p in prompts]
     ar = [engine.generate(x, args.max_new_tokens, method="ar").tokens for x in ids]
