@@ -435,6 +435,9 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
             assert "projected_pcie4_tok_s" in r and "pcie4_tok_s" not in r
     assert runs["ar (no draft)"]["speedup_vs_ar"] == 1.0 and runs["ar (no draft)"]["tok_per_step"] == 1.0
     assert "planted" in rep["note"] and 0 <= first["planted"]["agreement"] <= 1
+    acc = rep["accelerate"]  # the accelerate device_map baseline runs its calls on the CPU in a smoke run
+    assert acc["accelerate_tok_s"] > 0 and acc["ours_ar_tok_s"] > 0 and acc["layers"] == 4
+    assert "projected_accelerate_80_layer_tok_s" in acc and "ours_best_70b_nf4_over_projected_accelerate" in acc
     assert gpu.main(["--settings", "70b-nf4@24,nope"]) == 2
 
 
