@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 FORMATS = ("fp32", "int8", "nf4", "q4", "q3", "q2")
+REFINED = ("q4r", "q3r", "q2r")  # group-wise with GroupQuantLinear.quantize(refine=True)
 DEFAULT_DRAFTS = "self-int8,self-nf4,self-q4,self-q3,self-q2,fp32,int8"
 
 PROMPTS = {
@@ -50,14 +51,17 @@ PROMPTS = {
 }
 
 
-def parse_draft(name: str) -> tuple[bool, str]:
-    """``self-<fmt>`` / ``self`` / ``<fmt>`` -> (self-derived, weight format); a bad name raises ``ValueError``."""
+def parse_draft(name: str) -> tuple[bool, str, bool]:
+    """``self-<fmt>`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined); a q4/q3/q2 name with an
+    ``r`` suffix (``self-q2r``) asks for the refined quantization. A bad name raises ``ValueError``."""
     self_draft, fmt = (True, name.removeprefix("self-")) if name.startswith("self") else (False, name)
     if name == "self":
         fmt = "int8"
+    refine = fmt in REFINED
+    fmt = fmt.removesuffix("r") if refine else fmt
     if fmt not in FORMATS or (self_draft and fmt == "fp32"):
-        raise ValueError(f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2> or <{'|'.join(FORMATS)}>")
-    return self_draft, fmt
+        raise ValueError(f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r> or <{'|'.join(FORMATS)}>")
+    return self_draft, fmt, refine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,13 +112,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     t_path = model_dir(hub.resolve(args.target, progress=False))
     d_path = model_dir(hub.resolve(args.draft, progress=False))
-    for name, self_draft, fmt in args.draft_list:
+    for name, self_draft, fmt, refine in args.draft_list:
         del engine
         gc.collect()
-        draft = load_model(t_path if self_draft else d_path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt)
+        path = t_path if self_draft else d_path
+        draft = load_model(path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt, refine=refine)
         dequantize_resident(draft)  # nf4 / q*: the same outputs, without dequantizing every pass
         engine = Engine(target, tok, draft, context=ctx)
-        label = f"self ({args.target} in {fmt})" if self_draft else f"{args.draft} {fmt}"
+        fmt_name = f"{fmt} refined" if refine else fmt
+        label = f"self ({args.target} in {fmt_name})" if self_draft else f"{args.draft} {fmt_name}"
         methods: list[tuple[str, dict[str, Any]]] = [
             (f"specexec b={b}", dict(method="specexec", tree=TreeConfig(budget=b, early_stop=False))) for b in budgets
         ]

@@ -366,17 +366,18 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
 INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model quantizes
 
 
-def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype) -> Any:
+def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, refine: bool = False) -> Any:
     """A linear weight (out, in) as an int8 (:class:`~specexec.model.Int8Linear`, quantized on the CPU from fp32),
     NF4 (:class:`offload.quant.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
     q4/q3/q2 (:class:`~specexec.groupquant.GroupQuantLinear`, quantized on the CPU from fp32) weight on ``device``
-    computing in ``dtype``."""
+    computing in ``dtype``. ``refine``: the group-wise formats' clip-range / offset search
+    (:meth:`~specexec.groupquant.GroupQuantLinear.quantize`)."""
     if fmt == "int8":
         return Int8Linear(w.float()).to(device)
     if fmt in GROUP_BITS:
         from specexec.groupquant import GroupQuantLinear
 
-        return GroupQuantLinear.quantize(w.cpu().float(), fmt).to(device)
+        return GroupQuantLinear.quantize(w.cpu().float(), fmt, refine).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
     from offload.quant import NF4Linear, nf4_code, quantize_nf4
@@ -386,7 +387,9 @@ def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtyp
     return NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4_code(device))
 
 
-def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
+def _low_bit_globals(
+    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str, refine: bool = False
+) -> Globals:
     """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
     NF4 or group-wise; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one,
     which is the int8 lm_head itself (lookups dequantize rows)."""
@@ -401,7 +404,7 @@ def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: 
         lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)
     else:
-        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
+        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype, refine)
         embed = _owned(embed_w, dtype).to(device)
     del embed_w
     return Globals(embed=embed, norm=_owned(shards.get("model.norm.weight"), dtype).to(device), lm_head=lm)
@@ -416,6 +419,7 @@ def load_model(
     head_ids: Tensor | None = None,
     nf4: bool = False,
     fmt: str | None = None,
+    refine: bool = False,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
@@ -424,7 +428,9 @@ def load_model(
     :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
     ``fmt`` (drafts): the weight format by name, dense | int8 | nf4 | q4 | q3 | q2 (the group-wise ones:
-    :class:`~specexec.groupquant.GroupQuantLinear`); it replaces the two flags. An untied embedding stays dense.
+    :class:`~specexec.groupquant.GroupQuantLinear`); it replaces the two flags. ``refine``: q4/q3/q2 with the
+    clip-range / offset search of :meth:`~specexec.groupquant.GroupQuantLinear.quantize` (same bytes, slower
+    to load). An untied embedding stays dense.
     Activations, norms, biases and the KV cache stay in ``dtype``.
     ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
     it changes the logits).
@@ -438,7 +444,7 @@ def load_model(
     cfg = read_config(path)
     _check_sizes(path)
     if fmt != "dense":
-        glob = _low_bit_globals(path, cfg, device, dtype, fmt)
+        glob = _low_bit_globals(path, cfg, device, dtype, fmt, refine)
     else:
         g = read_globals(path, cfg, dtype)
         embed = g["embed"].to(device)
@@ -457,7 +463,7 @@ def load_model(
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype) if k in INT8_KEYS else t.to(device, dtype)
+                        k: quantize_weight(t, fmt, device, dtype, refine) if k in INT8_KEYS else t.to(device, dtype)
                         for k, t in w.items()
                     }
                 )

@@ -442,14 +442,14 @@ def test_plan_self_draft_table(tmp_path):
 def test_bench_self_draft_names_and_smoke(tiny_pair, tmp_path, capsys):
     """scripts/bench_self_draft.py: draft names parse (bad ones refused), and a tiny run is exact for every draft."""
     mod = script("bench_self_draft")
-    assert mod.parse_draft("self") == (True, "int8") and mod.parse_draft("self-q2") == (True, "q2")
-    assert mod.parse_draft("fp32") == (False, "fp32") and mod.parse_draft("q3") == (False, "q3")
-    for bad in ("self-fp32", "q5", "self-"):
+    assert mod.parse_draft("self") == (True, "int8", False) and mod.parse_draft("self-q2") == (True, "q2", False)
+    assert mod.parse_draft("fp32") == (False, "fp32", False) and mod.parse_draft("q3r") == (False, "q3", True)
+    for bad in ("self-fp32", "q5", "self-", "self-int8r"):
         with pytest.raises(ValueError, match="unknown draft"):
             mod.parse_draft(bad)
     target, draft = tiny_pair
     out = tmp_path / "b.json"
     argv = ["--target", str(target), "--draft", str(draft), "--num-prompts", "1", "--max-new-tokens", "8"]
-    assert mod.main([*argv, "--budgets", "4", "--drafts", "self-q2,self-nf4,q4", "--out", str(out)]) == 0
+    assert mod.main([*argv, "--budgets", "4", "--drafts", "self-q2,self-nf4,q4r", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4", "q4"]
+    assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4", "q4r"]
