@@ -1,14 +1,23 @@
 #!/usr/bin/env python
-"""Acceptance of a self-derived draft (the target's own weights in int8) vs a separate small draft, in counts.
+"""Acceptance of self-derived drafts (the target's own weights in low bit) vs a separate small draft, in counts.
 
-Loads the target once (fp32, CPU) and pairs it with each draft in turn: ``self`` (the target's checkpoint in int8:
-:func:`specexec.api.load` with ``draft="self"``), the demo's 0.5B draft in fp32 and in int8. For every draft:
-greedy SpecExec trees at fixed budgets (8 and 32 by default; no early stop, so tree sizes do not depend on
-timings) and a chain of ``gamma`` tokens, over a few code and prose prompts. Reports accepted tokens per target
-pass (tokens per step) and checks that every configuration's tokens equal the target's own greedy (AR) output.
+Loads the target once (fp32, CPU) and pairs it with each draft of ``--drafts`` in turn:
+
+- ``self-<fmt>``: the target's own checkpoint in a low-bit weight format (what :func:`specexec.api.load` with
+  ``draft="self", draft_dtype=<fmt>`` loads): ``int8`` (per-channel), ``nf4`` (bitsandbytes), or the group-wise
+  ``q4`` / ``q3`` / ``q2`` (:mod:`specexec.groupquant`); ``self`` is ``self-int8``;
+- ``<fmt>``: the separate draft (``--draft``, the demo's 0.5B) in ``fp32`` or any of those formats.
+
+Every draft keeps its full vocabulary (no reduced head), so the formats are compared on their weights alone. NF4 and
+group-wise weights are dequantized once after loading (:func:`specexec.groupquant.dequantize_resident`): on a CPU
+those formats compute "dequantize, then the dense linear" every pass, so the counts are the same bit for bit, only
+without re-dequantizing 1.5B weights per draft pass. For every draft: greedy SpecExec trees at fixed budgets (8 and
+32 by default; no early stop, so tree sizes do not depend on timings) and a chain of ``gamma`` tokens, over code and
+prose prompts. Reports accepted tokens per target pass (tokens per step) and checks that every configuration's
+tokens equal the target's own greedy (AR) output.
 
 Counts only: no timing is taken or reported (wall-clock on a shared machine says nothing). The real pair needs
-~10 GB of RAM; run it under the team's lock::
+~10 GB of RAM (~14 GB with a dequantized 1.5B draft); run it under the team's lock::
 
     flock /tmp/realpair.lock python scripts/bench_self_draft.py --out bench_out/self_draft.json
 """
@@ -24,6 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+FORMATS = ("fp32", "int8", "nf4", "q4", "q3", "q2")
+REFINED = ("q4r", "q3r", "q2r")  # group-wise with GroupQuantLinear.quantize(refine=True)
+DEFAULT_DRAFTS = "self-int8,self-nf4,self-q4,self-q3,self-q2,fp32,int8"
+
 PROMPTS = {
     "code": [
         "def quicksort(arr):",
@@ -38,6 +51,19 @@ PROMPTS = {
 }
 
 
+def parse_draft(name: str) -> tuple[bool, str, bool]:
+    """``self-<fmt>`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined); a q4/q3/q2 name with an
+    ``r`` suffix (``self-q2r``) asks for the refined quantization. A bad name raises ``ValueError``."""
+    self_draft, fmt = (True, name.removeprefix("self-")) if name.startswith("self") else (False, name)
+    if name == "self":
+        fmt = "int8"
+    refine = fmt in REFINED
+    fmt = fmt.removesuffix("r") if refine else fmt
+    if fmt not in FORMATS or (self_draft and fmt == "fp32"):
+        raise ValueError(f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r> or <{'|'.join(FORMATS)}>")
+    return self_draft, fmt, refine
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target alias or path")
@@ -46,9 +72,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gamma", type=int, default=4, help="chain length")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per kind (code, prose), at most 3")
-    p.add_argument("--drafts", default="self,fp32,int8", help="which drafts: self (int8 target), fp32, int8 (0.5B)")
+    p.add_argument(
+        "--drafts", default=DEFAULT_DRAFTS, help="comma-separated: self-<int8|nf4|q4|q3|q2> and <fp32|int8|...>"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.draft_list = [(d.strip(), *parse_draft(d.strip())) for d in args.drafts.split(",")]
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,31 +90,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from specexec import api, hub
     from specexec.config import ChainConfig, TreeConfig
     from specexec.engine import Engine
+    from specexec.groupquant import dequantize_resident
     from specexec.loading import load_model, model_dir
 
+    cpu = torch.device("cpu")
     budgets = [int(b) for b in args.budgets.split(",")]
     prompts = [(kind, p) for kind, ps in PROMPTS.items() for p in ps[: args.num_prompts]]
     ctx = 1024
-    # the target, with its self-derived int8 draft (the first configuration)
-    engine = api.load(args.target, draft="self", device="cpu", dtype="fp32", context=ctx, progress=False)
+    engine = api.load(args.target, device="cpu", dtype="fp32", context=ctx, progress=False)
     target, tok = engine.target, engine.tokenizer
     ids = [engine.encode(p) for _, p in prompts]
     ar = [engine.generate(x, args.max_new_tokens, method="ar").tokens for x in ids]
     report: dict[str, Any] = {
         "target": args.target,
-        "note": "counts only (tokens per target pass); no timings",
+        "note": "counts only (tokens per target pass); no timings; every draft with its full vocabulary",
         "max_new_tokens": args.max_new_tokens,
+        "budgets": budgets,
+        "gamma": args.gamma,
         "prompts": [{"kind": k, "prompt": p} for k, p in prompts],
         "configs": [],
     }
+    t_path = model_dir(hub.resolve(args.target, progress=False))
     d_path = model_dir(hub.resolve(args.draft, progress=False))
-    for name in [d.strip() for d in args.drafts.split(",")]:
-        if name != "self":
-            del engine
-            gc.collect()
-            draft = load_model(d_path, torch.device("cpu"), torch.float32, int8=name == "int8")
-            engine = Engine(target, tok, draft, context=ctx)
-        label = "self (target in int8)" if name == "self" else f"{args.draft} {name}"
+    for name, self_draft, fmt, refine in args.draft_list:
+        del engine
+        gc.collect()
+        path = t_path if self_draft else d_path
+        draft = load_model(path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt, refine=refine)
+        dequantize_resident(draft)  # nf4 / q*: the same outputs, without dequantizing every pass
+        engine = Engine(target, tok, draft, context=ctx)
+        fmt_name = f"{fmt} refined" if refine else fmt
+        label = f"self ({args.target} in {fmt_name})" if self_draft else f"{args.draft} {fmt_name}"
         methods: list[tuple[str, dict[str, Any]]] = [
             (f"specexec b={b}", dict(method="specexec", tree=TreeConfig(budget=b, early_stop=False))) for b in budgets
         ]
@@ -90,31 +129,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_prompt: list[dict[str, Any]] = []
             for (kind, _), x, want in zip(prompts, ids, ar, strict=True):
                 r = engine.generate(x, args.max_new_tokens, **kw)
-                per_prompt.append(
-                    {"kind": kind, "tokens": r.stats.new_tokens, "steps": r.stats.steps, "exact": r.tokens == want}
-                )
-            row: dict[str, Any] = {"draft": label, "method": mname, "per_prompt": per_prompt}
+                q: dict[str, Any] = {
+                    "kind": kind,
+                    "tokens": r.stats.new_tokens,
+                    "steps": r.stats.steps,
+                    "exact": r.tokens == want,
+                }
+                if not q["exact"]:
+                    q["first_divergence"] = next(
+                        (i for i, (a, b) in enumerate(zip(r.tokens, want, strict=False)) if a != b),
+                        min(len(r.tokens), len(want)),
+                    )
+                per_prompt.append(q)
+            row: dict[str, Any] = {"draft": name, "label": label, "method": mname, "per_prompt": per_prompt}
             for kind in ("code", "prose", "all"):
                 sel = [q for q in per_prompt if kind in ("all", q["kind"])]
                 row[f"tokens_per_step_{kind}"] = sum(q["tokens"] for q in sel) / max(1, sum(q["steps"] for q in sel))
             row["exact"] = all(q["exact"] for q in per_prompt)
             report["configs"].append(row)
             print(
-                f"{label:28s} {mname:14s} code {row['tokens_per_step_code']:5.2f}  prose "
+                f"{name:10s} {mname:14s} code {row['tokens_per_step_code']:5.2f}  prose "
                 f"{row['tokens_per_step_prose']:5.2f}  all {row['tokens_per_step_all']:5.2f}  "
                 f"exact={row['exact']}",
                 flush=True,
             )
-    report["all_exact"] = all(c["exact"] for c in report["configs"])
+        del draft
+        report["all_exact"] = all(c["exact"] for c in report["configs"])
+        if args.out is not None:  # after every draft: a long run that is stopped keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
     return 0 if report["all_exact"] else 1
 
 

@@ -14,7 +14,16 @@ floors. Everything here is arithmetic over exact byte counts -- no timing, no GP
 actually keeps is measured elsewhere (``scripts/bench_self_draft.py``: on the CPU demo pair an int8 0.5B draft kept
 0.88 of the fp32 draft's tokens per pass at budget 8); on a GPU it remains to be measured.
 
+A second table (``--self-draft``) answers, with the same plan: does a **self-derived** draft -- the target's own
+layers, all of them, resident in nf4 or the group-wise q4 / q3 / q2 (:mod:`specexec.groupquant`), with its own KV
+cache of the target's shape -- fit beside the streamed target's globals, ring, KV caches and workspace, and how
+many target layers stay resident? Llama-2-70B and Llama-3-70B and a Qwen2.5-32B shape at 24 GB, Llama-3-8B at 8 GB,
+each against a separate NF4 draft of its family. Besides the plan's floors it gives each draft's HBM traffic per
+draft pass: its weight bytes (the floor of a fused low-bit kernel) and, as implemented here (dequantize to 16 bits,
+then one GEMM; no fused kernel), plus a 16-bit copy of every quantized weight written and read again.
+
     python scripts/plan_draft_tradeoff.py --out docs/plan_draft_tradeoff.json
+    python scripts/plan_draft_tradeoff.py --self-draft --out docs/plan_self_draft.json
 """
 
 from __future__ import annotations
@@ -43,6 +52,35 @@ SHAPES = {
     "llama3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, num_layers=32
     ),
+    "llama3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_heads=32,
+        num_kv_heads=8,
+        num_layers=16,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-32b": dict(
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_heads=40,
+        num_kv_heads=8,
+        num_layers=64,
+        qkv_bias=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_heads=12,
+        num_kv_heads=2,
+        num_layers=28,
+        qkv_bias=True,
+        tie_word_embeddings=True,
+    ),
 }
 PAIRS = (("llama2-70b", "llama2-7b"), ("llama3-70b", "llama3-8b"))
 DRAFT_FORMATS = ("bf16", "int8", "nf4")
@@ -52,11 +90,13 @@ CAPS = (24.0, 16.0, 12.0)
 def config(name: str):
     from specexec.model import ModelConfig
 
-    return ModelConfig(max_position_embeddings=8192, head_dim=128, **SHAPES[name])
+    shape: dict[str, Any] = {"head_dim": 128, **SHAPES[name]}
+    return ModelConfig(max_position_embeddings=8192, **shape)
 
 
 def row(target: str, draft: str, target_fmt: str, draft_fmt: str, cap: float, context: int, budget: int):
-    """One placement: the plan's resident layers for this draft format under ``cap`` GB (None: does not fit)."""
+    """One placement: the plan's resident layers for this draft format under ``cap`` GB (None: does not fit).
+    ``draft`` == ``target``: a self-derived draft (the target's shape, so its KV cache is the target's size)."""
     import torch
 
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
@@ -85,10 +125,13 @@ def row(target: str, draft: str, target_fmt: str, draft_fmt: str, cap: float, co
         plan = make_plan(machine, model, OffloadConfig(mode="ram", gpu_memory_gb=cap, target_dtype=target_fmt))
     except OutOfMemory as e:
         out.update(fits=False, why=str(e).split(":")[0])
+        if e.need is not None and e.have is not None:
+            out["short_gb"] = (e.need - e.have) / GB
         return out
     streamed = plan.bytes_per_forward
     out.update(
         fits=True,
+        vram_left_gb=(plan.vram_budget - plan.vram_need) / GB if plan.vram_budget is not None else None,
         resident_layers=len(plan.resident),
         layers=plan.num_layers,
         layer_gb=plan.layer_bytes / GB,
@@ -111,6 +154,70 @@ def table(context: int, budget: int) -> list[dict[str, Any]]:
                         r["keep_vs_bf16_draft"] = r["floor_s_pcie4"] / base["floor_s_pcie4"]
                 rows += group
     return rows
+
+
+SELF_CASES = (  # (target, cap GB, the separate draft to compare with)
+    ("llama2-70b", 24.0, "llama2-7b"),
+    ("llama3-70b", 24.0, "llama3-8b"),
+    ("qwen2.5-32b", 24.0, "qwen2.5-1.5b"),
+    ("llama3-8b", 8.0, "llama3.2-1b"),
+)
+SELF_FORMATS = ("nf4", "q4", "q3", "q2")
+
+
+def quantized_params(name: str) -> int:
+    """Parameters a low-bit model of this shape holds quantized: every layer's four linears and the lm_head."""
+    from specexec.sizes import layer_params
+
+    cfg = config(name)
+    d = cfg.hidden_size
+    small = 2 * d + ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0)
+    return cfg.num_layers * (layer_params(cfg) - small) + cfg.vocab_size * d
+
+
+def self_table(context: int, budget: int) -> list[dict[str, Any]]:
+    """Per case and target layer format: the separate NF4 draft, then the self-derived draft in each format."""
+    rows = []
+    for target, cap, other in SELF_CASES:
+        for target_fmt in ("nf4", "bf16"):
+            group = [row(target, other, target_fmt, "nf4", cap, context, budget)]
+            group += [row(target, target, target_fmt, f, cap, context, budget) for f in SELF_FORMATS]
+            base = group[0] if group[0]["fits"] else None
+            for r in group:
+                r["self_derived"] = r["draft"] == target
+                q = quantized_params(r["draft"])
+                r["draft_pass_gb_fused"] = r["draft_gb"]  # every weight byte read once
+                r["draft_pass_gb_dequant"] = r["draft_gb"] + 4 * q / GB  # + a bf16 copy written, then read
+                if r["fits"] and base is not None:
+                    r["keep_vs_separate_nf4"] = r["floor_s_pcie4"] / base["floor_s_pcie4"]
+            rows += group
+    return rows
+
+
+def self_markdown(rows: list[dict[str, Any]], context: int, budget: int) -> str:
+    lines = [
+        f"Context {context} tokens, tree budget {budget}; target layers streamed from pinned RAM; bytes exact "
+        "(the library's sizes and plan); times are floors (streamed bytes / bandwidth), not measurements.",
+        "",
+        "| target | layers | cap GB | draft | draft GB | draft KV+buffers GB | resident layers | streamed GB/pass "
+        "| floor s @25 GB/s | break-even tokens/step (x separate nf4) | draft pass GB: fused / dequant |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = f"self {r['draft_format']}" if r["self_derived"] else f"{r['draft']} {r['draft_format']}"
+        head = f"| {r['target']} | {r['target_format']} | {r['cap_gb']:.0f} | {name} | {r['draft_gb']:.2f} | "
+        head += f"{r['kv_and_buffers_gb']:.2f} | "
+        tail = f" {r['draft_pass_gb_fused']:.1f} / {r['draft_pass_gb_dequant']:.1f} |"
+        if not r["fits"]:
+            short = f" (short {r['short_gb']:.1f} GB)" if "short_gb" in r else ""
+            lines.append(head + f"does not fit{short} | - | - | - |" + tail)
+            continue
+        keep = r.get("keep_vs_separate_nf4")
+        lines.append(
+            head + f"{r['resident_layers']}/{r['layers']} | {r['streamed_gb_per_pass']:.1f} | "
+            f"{r['floor_s_pcie4']:.3f} | " + (f"{keep:.3f} |" if keep is not None else "- |") + tail
+        )
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict[str, Any]], context: int, budget: int) -> str:
@@ -142,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--budget", type=int, default=256, help="tree budget the KV room and buffers are sized for")
     p.add_argument("--out", type=Path, help="write the JSON here")
+    p.add_argument("--self-draft", action="store_true", help="the self-derived draft table (nf4, q4, q3, q2)")
     args = p.parse_args(argv)
-    rows = table(args.context, args.budget)
-    print(markdown(rows, args.context, args.budget))
+    if args.self_draft:
+        rows = self_table(args.context, args.budget)
+        print(self_markdown(rows, args.context, args.budget))
+    else:
+        rows = table(args.context, args.budget)
+        print(markdown(rows, args.context, args.budget))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"context": args.context, "budget": args.budget, "h100_gbps": H100_GBPS, "pcie4_gbps": PCIE4_GBPS}

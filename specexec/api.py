@@ -61,8 +61,9 @@ def load(
     ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
     cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
     ``dtype``; also the low-bit weight formats ``int8`` -- fbgemm on a CPU, bitsandbytes' int8 GEMM on CUDA -- and
-    ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests; see
-    :func:`specexec.loading.draft_format`).
+    ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests -- and the group-wise ``q4``,
+    ``q3``, ``q2`` (:mod:`specexec.groupquant`: 4/3/2-bit codes, an fp16 scale and offset per 64 input columns,
+    dequantized every pass); see :func:`specexec.loading.draft_format`).
 
     ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
     low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
@@ -146,7 +147,7 @@ def load(
         head = draft_vocab_ids(d_tok, d_cfg.vocab_size, vocab) if vocab else None
         what = "self-derived draft (the target's weights)" if self_draft else f"draft {d_path.name}"
         log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, d_fmt, (d_weights or 0) / 1e9, d_dt)
-        d_model = _load(d_path, dev, d_dt, int8=d_fmt == "int8", nf4=d_fmt == "nf4", head_ids=head)
+        d_model = _load(d_path, dev, d_dt, fmt=d_fmt, head_ids=head)
     if plan is not None:
         from offload import load_offloaded
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from specexec.errors import ConfigError, SpecexecError, setting
 from specexec.model import Globals, Int8Linear, ModelConfig, ResidentLayers, SubsetHead, Transformer
+from specexec.sizes import GROUP_BITS
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DRAFT_DTYPES = ("auto", *DTYPES, "int8", "nf4")  # what a draft accepts (int8 / nf4: low-bit weight formats)
-QUANTIZED = ("int8", "nf4")  # draft weight formats besides "dense"
+QUANTIZED = ("int8", "nf4", *GROUP_BITS)  # draft weight formats besides "dense" (q4/q3/q2: specexec.groupquant)
+DRAFT_DTYPES = ("auto", *DTYPES, *QUANTIZED)  # what a draft accepts
 SELF_DRAFT = "self"  # draft="self": the target's own checkpoint loaded in low bit as its draft (SubSpec-style)
 DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
 
@@ -66,7 +67,9 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "int8":
         return torch.float32
     if name not in DTYPES:
-        raise SpecexecError(f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16 (a draft also int8, nf4)")
+        raise SpecexecError(
+            f"unknown dtype {name!r}; choose one of auto, fp32, bf16, fp16 (a draft also {', '.join(QUANTIZED)})"
+        )
     return DTYPES[name]
 
 
@@ -87,32 +90,33 @@ def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dt
 def resolve_draft(name: str, device: torch.device, cfg: ModelConfig) -> tuple[torch.dtype, bool]:
     """(compute dtype, int8 weights) for a dense or int8 draft dtype name; :func:`draft_format` covers nf4 too."""
     dt, fmt = draft_format(name, name if name in DTYPES else "auto", device, cfg)
-    if fmt == "nf4":
-        raise SpecexecError("nf4 is not an int8-or-dense draft format (see draft_format)")
+    if fmt not in ("dense", "int8"):
+        raise SpecexecError(f"{fmt} is not an int8-or-dense draft format (see draft_format)")
     return dt, fmt == "int8"
 
 
 def check_self_draft_dtype(name: str | None) -> None:
-    """A self-derived draft is the target in low bit: only auto (None), int8 and nf4 are accepted."""
+    """A self-derived draft is the target in low bit: only auto (None) and the low-bit formats are accepted."""
     if name not in (None, "auto", *QUANTIZED):
         raise ConfigError(
             "draft_dtype",
             name,
             "a self-derived draft is the target in low bit",
             f"{setting('draft', SELF_DRAFT)} is the target's own weights in low bit: "
-            f"{setting('draft_dtype')} must be auto, int8 or nf4, not {name}",
+            f"{setting('draft_dtype')} must be auto, {', '.join(QUANTIZED[:-1])} or {QUANTIZED[-1]}, not {name}",
         )
 
 
 def draft_format(
     name: str | None, dtype: str, device: torch.device, cfg: ModelConfig, self_draft: bool = False
 ) -> tuple[torch.dtype, str]:
-    """(compute dtype, weight format: dense | int8 | nf4) of a draft.
+    """(compute dtype, weight format: dense | int8 | nf4 | q4 | q3 | q2) of a draft.
 
     ``name`` is the draft dtype (``--draft-dtype``; None: the target's ``dtype``, or ``auto`` for a self-derived
     draft). Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU
-    (int8: fbgemm's int8 GEMM; nf4: dequantized per pass, correct but slow, meant for tests), the target's 16-bit
-    ``dtype`` on CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8). A self-derived draft
+    (int8: fbgemm's int8 GEMM; nf4 and q4/q3/q2: dequantized per pass, correct but slow), the target's 16-bit
+    ``dtype`` on CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8; q4/q3/q2 dequantize per
+    pass with plain torch ops, :mod:`specexec.groupquant`). A self-derived draft
     (``self_draft``) is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it
     would be the target itself, at the target's cost).
     """
@@ -362,12 +366,18 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
 INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model quantizes
 
 
-def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype) -> Any:
-    """A linear weight (out, in) as an int8 (:class:`~specexec.model.Int8Linear`, quantized on the CPU from fp32)
-    or NF4 (:class:`offload.quant.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) weight on
-    ``device`` computing in ``dtype``."""
+def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, refine: bool = False) -> Any:
+    """A linear weight (out, in) as an int8 (:class:`~specexec.model.Int8Linear`, quantized on the CPU from fp32),
+    NF4 (:class:`offload.quant.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
+    q4/q3/q2 (:class:`~specexec.groupquant.GroupQuantLinear`, quantized on the CPU from fp32) weight on ``device``
+    computing in ``dtype``. ``refine``: the group-wise formats' clip-range / offset search
+    (:meth:`~specexec.groupquant.GroupQuantLinear.quantize`)."""
     if fmt == "int8":
         return Int8Linear(w.float()).to(device)
+    if fmt in GROUP_BITS:
+        from specexec.groupquant import GroupQuantLinear
+
+        return GroupQuantLinear.quantize(w.cpu().float(), fmt, refine).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
     from offload.quant import NF4Linear, nf4_code, quantize_nf4
@@ -377,13 +387,15 @@ def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtyp
     return NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4_code(device))
 
 
-def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
+def _low_bit_globals(
+    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str, refine: bool = False
+) -> Globals:
     """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
-    NF4; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one, which is the
-    int8 lm_head itself (lookups dequantize rows)."""
+    NF4 or group-wise; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one,
+    which is the int8 lm_head itself (lookups dequantize rows)."""
     shards = _Shards(path)
     tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
-    read = torch.float32 if fmt == "int8" else dtype
+    read = dtype if fmt == "nf4" else torch.float32
     embed_w = shards.get("model.embed_tokens.weight")
     embed: Any
     if fmt == "int8" and tied:
@@ -392,7 +404,7 @@ def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: 
         lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)
     else:
-        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
+        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype, refine)
         embed = _owned(embed_w, dtype).to(device)
     del embed_w
     return Globals(embed=embed, norm=_owned(shards.get("model.norm.weight"), dtype).to(device), lm_head=lm)
@@ -406,6 +418,8 @@ def load_model(
     int8: bool = False,
     head_ids: Tensor | None = None,
     nf4: bool = False,
+    fmt: str | None = None,
+    refine: bool = False,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
@@ -413,18 +427,24 @@ def load_model(
     globals are loaded here. ``int8`` (drafts): every linear and the lm_head (and a tied embedding) as
     :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
-    An untied embedding stays dense. Activations, norms, biases and the KV cache stay in ``dtype``.
+    ``fmt`` (drafts): the weight format by name, dense | int8 | nf4 | q4 | q3 | q2 (the group-wise ones:
+    :class:`~specexec.groupquant.GroupQuantLinear`); it replaces the two flags. ``refine``: q4/q3/q2 with the
+    clip-range / offset search of :meth:`~specexec.groupquant.GroupQuantLinear.quantize` (same bytes, slower
+    to load). An untied embedding stays dense.
+    Activations, norms, biases and the KV cache stay in ``dtype``.
     ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
     it changes the logits).
     """
-    if int8 and nf4:
-        raise ValueError("int8 and nf4 are exclusive weight formats")
-    fmt = "int8" if int8 else "nf4" if nf4 else "dense"
+    if int8 + nf4 + (fmt is not None) > 1:
+        raise ValueError("int8, nf4 and fmt are exclusive ways to name the weight format")
+    fmt = fmt or ("int8" if int8 else "nf4" if nf4 else "dense")
+    if fmt not in ("dense", *QUANTIZED):
+        raise ValueError(f"unknown weight format {fmt!r}")
     path = model_dir(path)
     cfg = read_config(path)
     _check_sizes(path)
     if fmt != "dense":
-        glob = _low_bit_globals(path, cfg, device, dtype, fmt)
+        glob = _low_bit_globals(path, cfg, device, dtype, fmt, refine)
     else:
         g = read_globals(path, cfg, dtype)
         embed = g["embed"].to(device)
@@ -435,15 +455,15 @@ def load_model(
         if device.type != "cpu":
             raise SpecexecError("a reduced draft vocabulary is a CPU option (on a GPU the full lm_head is cheap)")
         if fmt == "nf4":
-            raise SpecexecError("a reduced draft vocabulary needs a dense or int8 draft, not nf4")
+            raise SpecexecError("a reduced draft vocabulary needs a dense, int8 or group-wise draft, not nf4")
         glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
         loaded = []
-        for _, w in iter_layers(path, cfg, torch.float32 if fmt == "int8" else dtype):
+        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32):
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype) if k in INT8_KEYS else t.to(device, dtype)
+                        k: quantize_weight(t, fmt, device, dtype, refine) if k in INT8_KEYS else t.to(device, dtype)
                         for k, t in w.items()
                     }
                 )

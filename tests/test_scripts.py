@@ -457,3 +457,46 @@ def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     for c in rep["configs"]:
         assert c["projected_step_s"] >= rep["gpu_costs"]["verify_s"] and "projected_tok_s" in c
         assert "tok_s" not in c and "step_s" not in c
+
+
+def test_plan_self_draft_table(tmp_path):
+    """The self-derived draft table: fewer bits never leave fewer target layers resident; a whole 70B in q2 does
+    not fit at 24 GB beside a streamed 70B; a 32B in q2 does; every separate NF4 draft fits."""
+    mod = script("plan_draft_tradeoff")
+    out = tmp_path / "s.json"
+    assert mod.main(["--self-draft", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(mod.SELF_CASES) * 2 * (1 + len(mod.SELF_FORMATS))
+    by = {(r["target"], r["target_format"], r["draft"], r["draft_format"]): r for r in rows}
+
+    def resident(r):
+        return r["resident_layers"] if r["fits"] else -1
+
+    for target, _, other in mod.SELF_CASES:
+        for tf in ("nf4", "bf16"):
+            assert by[(target, tf, other, "nf4")]["fits"]
+            sizes_ = [by[(target, tf, target, f)] for f in ("q4", "q3", "q2")]
+            assert sizes_[0]["draft_gb"] > sizes_[1]["draft_gb"] > sizes_[2]["draft_gb"]
+            assert resident(sizes_[0]) <= resident(sizes_[1]) <= resident(sizes_[2])
+            for r in sizes_:
+                assert r["draft_pass_gb_dequant"] > r["draft_pass_gb_fused"] == r["draft_gb"]
+    for target in ("llama2-70b", "llama3-70b"):
+        r = by[(target, "nf4", target, "q2")]
+        assert not r["fits"] and r["short_gb"] > 0
+    assert by[("qwen2.5-32b", "nf4", "qwen2.5-32b", "q2")]["fits"]
+
+
+def test_bench_self_draft_names_and_smoke(tiny_pair, tmp_path, capsys):
+    """scripts/bench_self_draft.py: draft names parse (bad ones refused), and a tiny run is exact for every draft."""
+    mod = script("bench_self_draft")
+    assert mod.parse_draft("self") == (True, "int8", False) and mod.parse_draft("self-q2") == (True, "q2", False)
+    assert mod.parse_draft("fp32") == (False, "fp32", False) and mod.parse_draft("q3r") == (False, "q3", True)
+    for bad in ("self-fp32", "q5", "self-", "self-int8r"):
+        with pytest.raises(ValueError, match="unknown draft"):
+            mod.parse_draft(bad)
+    target, draft = tiny_pair
+    out = tmp_path / "b.json"
+    argv = ["--target", str(target), "--draft", str(draft), "--num-prompts", "1", "--max-new-tokens", "8"]
+    assert mod.main([*argv, "--budgets", "4", "--drafts", "self-q2,self-nf4,q4r", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4", "q4r"]

@@ -18,6 +18,7 @@ from specexec import api, memory, sizes
 from specexec.cli import app
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import ConfigError
+from specexec.groupquant import GroupQuantLinear
 from specexec.loading import draft_format, load_model, read_config
 from specexec.model import Int8Linear, ModelConfig
 
@@ -44,7 +45,7 @@ def _weight_bytes(model) -> int:
         seen.add(id(w))
         if isinstance(w, torch.Tensor):
             total += w.numel() * w.element_size()
-        elif isinstance(w, Int8Linear):
+        elif isinstance(w, (Int8Linear, GroupQuantLinear)):
             total += w.nbytes()
         elif isinstance(w, NF4Linear):
             total += w.packed.numel() * w.packed.element_size() + w.absmax.numel() * w.absmax.element_size()
@@ -91,7 +92,7 @@ def test_draft_format_by_device_and_name(tiny_models):
 
 
 def test_self_draft_refuses_a_dense_dtype(tiny_models):
-    with pytest.raises(ConfigError, match="must be auto, int8 or nf4"):
+    with pytest.raises(ConfigError, match="must be auto, int8, nf4, q4, q3 or q2"):
         _engine(tiny_models["llama"], "bf16")
 
 
@@ -257,8 +258,8 @@ def test_cli_self_draft_with_a_dense_dtype_is_one_line(monkeypatch):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in result.output, lines
         assert lines[0] == (
-            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8 or nf4, "
-            "not bf16"
+            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8, nf4, q4, "
+            "q3 or q2, not bf16"
         ), lines[0]
 
 

@@ -149,7 +149,8 @@ def draft_dtype() -> Any:
         None,
         "--draft-dtype",
         help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU): auto, fp32, bf16, "
-        "fp16, or the low-bit weights int8 (CPU and GPU) and nf4 (GPU; bitsandbytes).",
+        "fp16, or the low-bit weights int8 (CPU and GPU), nf4 (GPU; bitsandbytes) and the group-wise q4, q3, q2 "
+        "(4/3/2-bit codes with an fp16 scale and offset per 64 columns; dequantized each pass, no fused kernel).",
     )
 
 
@@ -432,7 +433,7 @@ def draft_vocab_size(value: str | None) -> int | None:
 
 
 TARGET_DTYPES = ("auto", "fp32", "bf16", "fp16")
-DRAFT_DTYPES = (*TARGET_DTYPES, "int8", "nf4")
+DRAFT_DTYPES = (*TARGET_DTYPES, "int8", "nf4", "q4", "q3", "q2")
 
 
 def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
