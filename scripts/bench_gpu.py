@@ -387,47 +387,14 @@ def bench_accelerate(n_layers: int, dev, tokens: int, h2d: float) -> dict[str, A
     vs our AR on a target of the same shape with every layer streamed, both measured here."""
     import accelerate
     import torch
-    from accelerate import dispatch_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    from scripts.bench_offload import accelerate_llama
     from specexec import synthetic
     from specexec.engine import Engine
 
     s = SHAPES["llama2-70b"]
-    config = LlamaConfig(
-        vocab_size=s["vocab_size"],
-        hidden_size=s["hidden_size"],
-        intermediate_size=s["intermediate_size"],
-        num_hidden_layers=n_layers,
-        num_attention_heads=s["num_heads"],
-        num_key_value_heads=s["num_kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    block = torch.randn(1 << 20, dtype=torch.bfloat16) * 0.02  # tiled into every weight (normal_ over GBs is slow)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            flat = p.data.view(-1)
-            if "norm" in pname:
-                flat.fill_(1.0)
-                continue
-            k, B = flat.numel() // block.numel(), block.numel()
-            flat[: k * B].view(k, B).copy_(block.expand(k, B))
-            flat[k * B :].copy_(block[: flat.numel() - k * B])
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its inv_freq was made on meta
     main: Any = dev.index or 0 if dev.type == "cuda" else "cpu"  # --smoke: the same calls, all on the CPU
-    device_map = {
-        "model.embed_tokens": main,
-        "model.rotary_emb": main,
-        "model.norm": main,
-        "lm_head": main,
-        **{f"model.layers.{i}": "cpu" for i in range(n_layers)},
-    }
-    model = dispatch_model(model, device_map=device_map, main_device=main).eval()
+    model = accelerate_llama(n_layers, main, s)
     ids = torch.randint(3, s["vocab_size"], (1, 32), device=dev)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)  # warm-up

@@ -302,23 +302,23 @@ def _stream_runs(
     return runs
 
 
-def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
-    """HF accelerate device_map CPU offload of an ``n_layers`` 70B-shaped bf16 Llama: seconds per forward."""
-    import accelerate
+def accelerate_llama(n_layers: int, main: Any = 0, shape: dict[str, Any] | None = None) -> Any:
+    """An ``n_layers`` 70B-shaped (or ``shape``: bench_gpu's keys) bf16 HF LlamaForCausalLM with random weights,
+    dispatched by accelerate ``device_map``: decoder layers on "cpu" (offloaded), embedding / norm / lm_head on
+    ``main`` (a CUDA index; "cpu" for a smoke run)."""
     import torch
-    import transformers
     from accelerate import dispatch_model
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    t0 = time.perf_counter()
+    s = shape or LLAMA2_70B
     config = LlamaConfig(
-        vocab_size=LLAMA2_70B["vocab_size"],
-        hidden_size=8192,
-        intermediate_size=28672,
+        vocab_size=s["vocab_size"],
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
         num_hidden_layers=n_layers,
-        num_attention_heads=64,
-        num_key_value_heads=8,
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
@@ -335,15 +335,25 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
             k, B = flat.numel() // block.numel(), block.numel()
             flat[: k * B].view(k, B).copy_(block.expand(k, B))
             flat[k * B :].copy_(block[: flat.numel() - k * B])
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its inv_freq was made on meta
     device_map = {
-        "model.embed_tokens": 0,
-        "model.rotary_emb": 0,
-        "model.norm": 0,
-        "lm_head": 0,
+        "model.embed_tokens": main,
+        "model.rotary_emb": main,
+        "model.norm": main,
+        "lm_head": main,
         **{f"model.layers.{i}": "cpu" for i in range(n_layers)},
     }
-    model = dispatch_model(model, device_map=device_map, main_device=0).eval()
+    return dispatch_model(model, device_map=device_map, main_device=main).eval()
+
+
+def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
+    """HF accelerate device_map CPU offload of an ``n_layers`` 70B-shaped bf16 Llama: seconds per forward."""
+    import accelerate
+    import torch
+    import transformers
+
+    t0 = time.perf_counter()
+    model = accelerate_llama(n_layers)
     print(
         f"accelerate baseline: {n_layers} 70B-shaped bf16 layers on the CPU (set up in "
         f"{time.perf_counter() - t0:.1f} s)",

@@ -29,18 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-PROMPTS = {
-    "code": [
-        "def quicksort(arr):",
-        "class LRUCache:\n    def __init__(self, capacity):",
-        'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and',
-    ],
-    "prose": [
-        "The history of the printing press begins",
-        "Once upon a time, in a small village by the sea,",
-        "Photosynthesis is the process by which plants",
-    ],
-}
+from scripts.bench_self_draft import PROMPTS  # noqa: E402 - the same 3 code + 3 prose prompts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
