@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--max-beams", type=int, default=64, help="rows per fixed-width level")
     p.add_argument("--overlaps", default="0,4,8", help="overlap levels to compare (0: reuse alone)")
+    p.add_argument(
+        "--aims", default="carried,frontier", help="where overlapped levels aim (TreeConfig.overlap_aim), compared"
+    )
     p.add_argument("--grow", default="static", choices=("static", "ahead"), help="fixed-width growth mode")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per kind (code, prose), at most 3")
@@ -100,9 +103,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": [{"kind": k, "prompt": p} for k, p in prompts],
         "configs": [],
     }
-    for n in [int(x) for x in args.overlaps.split(",")]:
+    aims = args.aims.split(",")
+    runs = [(int(x), a) for x in args.overlaps.split(",") for a in (aims if int(x) else aims[:1])]
+    for n, aim in runs:
         tree = TreeConfig(
-            budget=args.budget, max_beams=args.max_beams, early_stop=False, grow=args.grow, reuse=True, overlap=n
+            budget=args.budget,
+            max_beams=args.max_beams,
+            early_stop=False,
+            grow=args.grow,
+            reuse=True,
+            overlap=n,
+            overlap_aim=aim,
         )
         per: list[dict[str, Any]] = []
         for (kind, _), x, want in zip(prompts, ids, ar, strict=True):
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps = max(1, sum(q["steps"] for q in per))
         row: dict[str, Any] = {
             "overlap": n,
+            "aim": aim if n else None,
             "per_prompt": per,
             "exact": all(q["exact"] for q in per),
             "tokens_per_step": sum(q["tokens"] for q in per) / steps,
@@ -157,7 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         report["configs"].append(row)
         print(
-            f"overlap {n}: {row['tokens_per_step']:.2f} tok/step (code {row['tokens_per_step_code']:.2f}, prose "
+            f"overlap {n}{' ' + aim if n else ''}: "
+            f"{row['tokens_per_step']:.2f} tok/step (code {row['tokens_per_step_code']:.2f}, prose "
             f"{row['tokens_per_step_prose']:.2f}); critical passes/step {row['critical_passes_per_step']:.2f}, "
             f"background {row['background_passes_per_step']:.2f}, carried nodes/step "
             f"{row['reused_nodes_per_step']:.1f}; exact={row['exact']}"

@@ -22,6 +22,7 @@ def check_method(method: str) -> None:
 
 
 GROW_MODES = ("dynamic", "static", "ahead")
+OVERLAP_AIMS = ("carried", "frontier")
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,18 @@ class TreeConfig:
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
     # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
     overlap: int = 0
+    # where the overlapped levels grow (see specexec/propose/fixed_grow.py): "carried" down the likeliest next roots'
+    # best continuations (the subtree the next step may start from); "frontier" the best nodes of the whole store
+    # by absolute log-prob (measured: carries little, docs/BENCHMARKS.md)
+    overlap_aim: str = "carried"
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):
             raise ConfigError("TreeConfig.reuse", self.reuse, "must be True or False")
         if self.grow not in GROW_MODES:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
+        if self.overlap_aim not in OVERLAP_AIMS:
+            raise ConfigError("TreeConfig.overlap_aim", self.overlap_aim, f"must be one of {', '.join(OVERLAP_AIMS)}")
         if not 0 <= self.overlap <= 64:
             raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64")
         if self.overlap and self.grow == "dynamic":

@@ -224,6 +224,9 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
 def test_config_validates_overlap():
     assert TreeConfig().overlap == 0
     TreeConfig(overlap=4, reuse=True, grow="ahead")
+    assert TreeConfig().overlap_aim == "carried"
+    with pytest.raises(ConfigError, match="TreeConfig.overlap_aim"):
+        TreeConfig(overlap_aim="deep")
     for bad in (dict(overlap=4, reuse=True), dict(overlap=4, grow="static"), dict(overlap=-1), dict(overlap=65)):
         with pytest.raises(ConfigError, match="TreeConfig.overlap"):
             TreeConfig(**bad)
@@ -253,6 +256,141 @@ def test_background_growth_leaves_the_proposal_alone(drafts):
     # the proposal's nodes map to the same tokens in the regrown full tree
     index = td._grown[3]
     assert torch.equal(full.tokens[index], prop.tree.tokens[: index.shape[0]])
+
+
+def _aim_reference(store, verified):
+    """Per node: the log-prob of its root (the first node outside the verified tree on its path, whose parent is
+    verified; a verified node is its own), by walking parents on the host."""
+    ver = set(verified)
+    out = []
+    for v in range(store.size):
+        path = [v]
+        while path[-1] != 0:
+            path.append(int(store.parents[path[-1]]))
+        path.reverse()  # root first
+        r = next((u for u in path if u not in ver), v)
+        out.append(float(store.logp[r]))
+    return out
+
+
+@pytest.mark.parametrize("seed_tokens", PROMPTS[:2])
+def test_carried_aim_ranks_by_the_likeliest_root(drafts, seed_tokens):
+    """The "carried" aim of overlapped growth (TreeConfig.overlap_aim): every node's root log-prob matches a host
+    walk of its ancestors, and one aimed level expands exactly the open nodes (relative log-prob above the verified
+    tree's budget-th best) with the best root log-prob + AIM_REL x relative log-prob; its children inherit their
+    root (or are roots, below a verified parent)."""
+    from specexec.config import SamplingConfig as S
+    from specexec.propose import StepContext
+    from specexec.propose.fixed_grow import AIM_REL, NEG
+
+    cfg = TreeConfig(budget=12, max_beams=4, max_branch=8, max_depth=4, reuse=True, grow="static", overlap=3)
+    td = TreeDraft(DraftModel(drafts["qwen2"], 512), cfg)
+    seq = list(seed_tokens)
+    td.begin(seq)
+    td.propose(seq, StepContext(samp=S(), gen=None, budget=12))
+    g, chosen, _ = td._growth
+    store = g.tree
+    g.aim(chosen)
+    ver, root, thr = g._aim
+    assert root[: store.size].tolist() == pytest.approx(_aim_reference(store, chosen.tolist()))
+    assert float(thr) == pytest.approx(float(store.logp[chosen].min()))
+    # the level's beams, by the rule on the host
+    size = store.size
+    key = {}
+    for v in range(size):
+        lp, r = float(store.logp[v]), float(root[v])
+        if int(store.draft_slot[v]) < 0 and lp > NEG and lp - r > float(thr):
+            key[v] = r + AIM_REL * (lp - r)
+    want = sorted(sorted(key, key=lambda v: -key[v])[: cfg.max_beams])
+    before = store.draft_slot[:size].clone()
+    g.extend(0, 1)
+    got = ((store.draft_slot[:size] >= 0) & (before < 0)).nonzero().squeeze(1).tolist()
+    assert got == want and got
+    ref = _aim_reference(store, chosen.tolist())
+    assert root[: store.size].tolist() == pytest.approx(ref)  # the new children's roots too
+
+
+def test_both_aims_keep_ar_text_and_carry(engines):
+    """Overlapped growth aimed either way keeps AR's greedy text, and the next trees start from carried subtrees
+    (which aim carries more is a question of the real pair's acceptance: scripts/bench_overlap.py)."""
+    carried = {"carried": 0, "frontier": 0}
+    for family in ("llama", "qwen2"):
+        e = engines[family]
+        for ids in PROMPTS[:2]:
+            e.reset()
+            ref = e.generate(ids, 32, method="ar").tokens
+            for aim in carried:
+                tree = TreeConfig(
+                    budget=16,
+                    max_beams=4,
+                    max_branch=8,
+                    max_depth=8,
+                    reuse=True,
+                    grow="static",
+                    overlap=4,
+                    overlap_aim=aim,
+                )
+                e.reset()
+                r = e.generate(ids, 32, method="specexec", tree=tree)
+                assert r.tokens == ref, (family, ids, aim)
+                carried[aim] += r.stats.reused_passes
+    assert min(carried.values()) > 0, carried
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_overlap_carries_below_a_verified_leaf_it_expanded(noisy_pairs, family):
+    """The walk accepts a whole branch down to a verified leaf, which only the background levels expanded (the
+    verified copy of the tree does not know its draft slot), and the bonus token is one of its expanded children:
+    that child's subtree is carried (before the fix, the leaf's missing slot in the verified copy dropped every
+    carry after a fully accepted branch), and its log-probs and draft keys/values equal a fresh draft's."""
+    from specexec.config import SamplingConfig as S
+    from specexec.propose import StepContext
+    from tests.test_reuse import _draft_logprobs, _path_tokens
+
+    model = load_model(noisy_pairs[family][1], CPU, torch.float32)
+    # two levels: the deepest verified nodes are never expanded while proposing
+    cfg = TreeConfig(budget=12, max_beams=64, max_branch=8, max_depth=2, reuse=True, grow="static", overlap=3)
+    td = TreeDraft(DraftModel(model, 512), cfg)
+    seq = [5, 6, 7, 8]
+    td.begin(seq)
+    ctx = StepContext(samp=S(), gen=None, budget=12)
+    p1 = td.propose(seq, ctx)
+    td.background(p1)
+    td._join()
+    tree = p1.tree
+    _, k, full, index = td._grown
+    pairs = []
+    for a in range(1, k):
+        fa = int(index[a])
+        if int(tree.draft_slot[a]) >= 0 or int(full.draft_slot[fa]) < 0:
+            continue  # expanded while proposing, or not by the background levels either
+        kids = [c for c in range(full.size) if int(full.parents[c]) == fa and int(full.draft_slot[c]) >= 0]
+        pairs += [(float(full.logp[c]), a, c) for c in kids]
+    assert pairs, "with 64 beams the first background level expands every verified leaf, the second their children"
+    _, a, c = max(pairs)
+    path = tree.path_to(a)
+    seq2 = seq + [int(tree.tokens[i]) for i in path[1:]] + [int(full.tokens[c])]
+    td.commit(p1, path, seq2)
+    assert td._next is not None and int(td._next.tokens[0]) == seq2[-1]
+    p2 = td.propose(seq2, ctx)
+    assert p2.reused > 0 and p2.reused_passes >= 1
+    t2 = p2.tree
+    t2.check()
+    for i in range(1, t2.size):
+        toks = _path_tokens(t2, i)
+        want = sum(float(_draft_logprobs(model, seq2 + toks[:j])[toks[j]]) for j in range(len(toks)))
+        assert abs(float(t2.logp[i]) - want) < 1e-4, (i, toks)
+    d, n = td.draft, len(seq2) - 1
+    for i in range(t2.size):
+        s = int(t2.draft_slot[i])
+        if s < 0:
+            continue
+        ctx_toks = seq2 + _path_tokens(t2, i)
+        fresh = model.new_cache(len(ctx_toks) + 1)
+        pos = torch.arange(len(ctx_toks))
+        model.forward(torch.tensor(ctx_toks), pos, pos, pos[None, :] <= pos[:, None], fresh)
+        torch.testing.assert_close(d.cache.k[:, :, s], fresh.k[:, :, len(ctx_toks) - 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-5)
 
 
 def test_overlap_greedy_equals_ar_and_carries_more(engines):

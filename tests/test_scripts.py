@@ -450,10 +450,12 @@ def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     argv += ["--overlaps", "0,3", "--max-new-tokens", "16", "--num-prompts", "1", "--out", str(out)]
     assert script("bench_overlap").main(argv) == 0
     rep = json.loads(out.read_text())
-    off, on = rep["configs"]
-    assert rep["all_exact"] and off["overlap"] == 0 and on["overlap"] == 3
-    assert off["background_passes_per_step"] == 0 < on["background_passes_per_step"]
-    assert on["reused_nodes_per_step"] >= off["reused_nodes_per_step"]
+    off, carried, frontier = rep["configs"]
+    assert rep["all_exact"] and off["overlap"] == 0 and carried["overlap"] == frontier["overlap"] == 3
+    assert (off["aim"], carried["aim"], frontier["aim"]) == (None, "carried", "frontier")
+    for on in (carried, frontier):
+        assert off["background_passes_per_step"] == 0 < on["background_passes_per_step"]
+        assert on["reused_nodes_per_step"] >= off["reused_nodes_per_step"]
     for c in rep["configs"]:
         assert c["projected_step_s"] >= rep["gpu_costs"]["verify_s"] and "projected_tok_s" in c
         assert "tok_s" not in c and "step_s" not in c

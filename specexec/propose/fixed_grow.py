@@ -28,6 +28,18 @@ Overlapped growth (``TreeConfig.overlap``): :meth:`FixedGrowth.extend` runs more
 to the target's pass; :meth:`TreeDraft.commit` waits for them (:func:`regrown`) before it carries the subtree under
 the accepted path + bonus token into the next step. They only add expanded nodes to the store: the tree being
 verified is a separate copy, so it cannot change under the target.
+
+Where those levels aim (``TreeConfig.overlap_aim``). The next tree's root is a node c outside the verified tree
+whose parent a is verified: the walk ended at a and the target's bonus token is c's. With the draft as the
+target's proxy, the chance of that is exp(logp(c)). Below c, the next step grows the nodes whose log-prob
+*relative to c* is among its best, and the step's critical path is the depth of that growth, so a carried subtree
+saves passes only if it reaches down the likeliest roots' best chains. "frontier" ranks open nodes by their absolute
+log-prob (the best ``OVERLAP_BUDGET`` x budget of the store): that spends the levels on the shallow frontier, and
+a root's descendants, which rank below it, are rarely reached (measured: docs/BENCHMARKS.md). "carried" (the
+default; :meth:`FixedGrowth.aim`) ranks an open node v below root c by logp(c) + ``AIM_REL`` x (logp(v) -
+logp(c)) and opens it only while its relative log-prob beats the verified tree's budget-th best (the next tree
+would hold it): the levels go depth-first down the likeliest roots' best continuations. Unexpanded verified
+nodes (the leaves whose children, the roots, are not proposed yet) rank by their own log-prob.
 """
 
 from __future__ import annotations
@@ -45,6 +57,9 @@ if TYPE_CHECKING:
     from specexec.propose.tree import TreeDraft
 
 NEG = float("-inf")
+# "carried" aim: the weight of a node's log-prob relative to its root (1: the absolute log-prob, as "frontier"
+# ranks; 0: every node below a likelier root first)
+AIM_REL = 0.25
 
 
 class _Reader:
@@ -151,6 +166,24 @@ class FixedGrowth:
         self._held: list[Tensor] = []
         self.row0 = n_exp
         self.levels_left = levels
+        self._aim: tuple[Tensor, Tensor, Tensor] | None = None  # see :meth:`aim`
+
+    def aim(self, verified: Tensor) -> None:
+        """Aim the following levels at the subtrees the next step may start from (``TreeConfig.overlap_aim``
+        "carried"; the module docstring): ``verified`` are the store indices of the tree being verified. Reads
+        nothing from the device (safe on a side stream)."""
+        t, dev = self.tree, self.device
+        size = t.size
+        ver = torch.zeros(t.capacity, dtype=torch.bool, device=dev)
+        ver[verified] = True
+        lp = t.logp[:size]
+        par = t.parents[:size].clamp(min=0)
+        own = ver[:size] | ver[par]  # verified nodes and roots (their children outside the tree): their own log-prob
+        root = torch.full((t.capacity,), NEG, device=dev)
+        root[:size] = lp
+        for _ in range(self.width):  # below a root: the root's log-prob (one more depth right per round)
+            root[:size] = torch.where(own, lp, root[par])
+        self._aim = (ver, root, lp[verified].min())
 
     @property
     def bound(self) -> int:
@@ -186,12 +219,18 @@ class FixedGrowth:
         size = t.size
         k = min(self.W, size)
         lp = t.logp[:size]
-        if size - 1 >= budget:
-            thr = torch.topk(lp[1:], budget).values[-1]
+        if self._aim is not None:  # "carried": likeliest roots first, open while the next tree would hold them
+            _, root, thr = self._aim
+            rel = lp - root[:size]  # NaN on padding (-inf - -inf): masked by the finite test
+            open_ = (t.draft_slot[:size] < 0) & (lp > NEG) & (rel > thr)
+            cand = torch.where(open_, root[:size] + AIM_REL * rel, torch.full_like(lp, NEG))
         else:
-            thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
-        open_ = (t.draft_slot[:size] < 0) & (lp > thr)
-        cand = torch.where(open_, lp, torch.full_like(lp, NEG))
+            if size - 1 >= budget:
+                thr = torch.topk(lp[1:], budget).values[-1]
+            else:
+                thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
+            open_ = (t.draft_slot[:size] < 0) & (lp > thr)
+            cand = torch.where(open_, lp, torch.full_like(lp, NEG))
         best, beams = torch.topk(cand, k)  # best first
         rank = torch.arange(k, device=dev)
         valid = (best > NEG) & (rank < d.usable - self.nxt)
@@ -233,7 +272,11 @@ class FixedGrowth:
         vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
         _remember(self.prop, slots, vals, toks)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
-        _append(t, beams[:, None].expand_as(toks).reshape(-1), toks.reshape(-1), cum.reshape(-1), size + k * self.B)
+        par = beams[:, None].expand_as(toks).reshape(-1)
+        _append(t, par, toks.reshape(-1), cum.reshape(-1), size + k * self.B)
+        if self._aim is not None:  # a verified parent's children are roots; below a root, its log-prob
+            ver, root, _ = self._aim
+            root[size : t.size] = torch.where(ver[par], cum.reshape(-1), root[par])
         return True
 
     def tokens_per_pass(self) -> list[int]:

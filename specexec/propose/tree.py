@@ -172,7 +172,13 @@ class TreeDraft:
             if self.ngram is not None:
                 self.ngram.commit(proposal, path, seq)
             return
-        slots = tree.draft_slot[torch.tensor(path, device=tree.device)].tolist()
+        at = torch.tensor(path, device=tree.device)
+        slots_t = tree.draft_slot[at]
+        if self._grown is not None and self._grown[0] is tree:  # the grown tree's slots: background levels may have
+            _, k, full, index = self._grown  # expanded path nodes (a verified leaf) after the proposal was copied
+            grown = at < k
+            slots_t = torch.where(grown, full.draft_slot[index[at.clamp(max=k - 1)]], slots_t)
+        slots = slots_t.tolist()
         c = self._carried_child(tree, path, seq)
         sub, carry = None, None
         if c is not None and self._grown is not None:
@@ -374,21 +380,28 @@ class TreeDraft:
     # -- overlapped growth ------------------------------------------------------------------------------------------
     def background(self, proposal: Proposal) -> None:
         """Called by the decode loop between :meth:`propose` and the target's pass (``TreeConfig.overlap`` > 0):
-        grow ``overlap`` more levels of the proposal's tree (towards its best ``OVERLAP_BUDGET`` x budget nodes)
-        below what is verified, reading nothing from the device. On a GPU they run on a side stream while the
+        grow ``overlap`` more levels of the proposal's tree below what is verified (aimed by
+        ``TreeConfig.overlap_aim``: the likeliest next roots' best continuations, or the best ``OVERLAP_BUDGET`` x
+        budget nodes), reading nothing from the device. On a GPU they run on a side stream while the
         target's pass runs; on a CPU they run here, in turn. :meth:`commit` waits for them and carries the subtree
         under the accepted path + bonus token, now grown deeper, into the next step."""
         if self._growth is None or self._grown is None or self._grown[0] is not proposal.tree:
             return
-        g, _, budget = self._growth
+        g, chosen, budget = self._growth
+
+        def levels() -> None:
+            if self.cfg.overlap_aim == "carried":
+                g.aim(chosen)
+            g.extend(budget, self.cfg.overlap)
+
         if g.device.type == "cuda":
             if self._side is None:
                 self._side = torch.cuda.Stream(device=g.device)
             self._side.wait_stream(torch.cuda.current_stream(g.device))
             with torch.cuda.stream(self._side):
-                g.extend(budget, self.cfg.overlap)
+                levels()
         else:
-            g.extend(budget, self.cfg.overlap)
+            levels()
         self.background_passes += self.cfg.overlap
 
     def _join(self) -> None:
