@@ -83,11 +83,13 @@ SETTINGS: dict[str, tuple[str, str, str, float]] = {
 DEFAULT_SETTINGS = "70b-nf4@24,70b-bf16@24,32b-nf4@24,8b-bf16@8"
 FULL = "64,256,1024,2048"  # budgets for the first setting; the others run --budgets-other
 # (run label, TreeConfig overrides) of the growth-mode and overlap runs, at --mode-budget
-MODE_RUNS = (
+MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("static", dict(grow="static")),
     ("ahead", dict(grow="ahead")),
     ("ahead+overlap 2", dict(grow="ahead", overlap=2, reuse=True)),
     ("ahead+overlap 4", dict(grow="ahead", overlap=4, reuse=True)),
+    ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True)),  # ~ what fits beside a 0.7 s streamed pass
+    ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier")),
     ("dynamic+reuse", dict(reuse=True)),
 )
 
@@ -292,7 +294,8 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
     draft_bytes = sizes.model_weight_bytes(d_cfg, d_fmt, 2)
     budgets = [int(b) for b in (args.budgets if first else args.budgets_other).split(",")]
     context = args.prompt_tokens + max(args.new_tokens, args.ar_tokens) + 64
-    big = TreeConfig(budget=max(budgets + [args.mode_budget]), overlap=4, reuse=True, grow="ahead")
+    overlap = max(int(kw.get("overlap", 0)) for _, kw in MODE_RUNS)  # draft slots for the deepest background
+    big = TreeConfig(budget=max(budgets + [args.mode_budget]), overlap=overlap, reuse=True, grow="ahead")
     res = sizes.plan_reservations(t_cfg, d_cfg, context, 2, 2, big, draft_weights=draft_bytes)
     res0 = sizes.plan_reservations(t_cfg, None, context, 2, 2, TreeConfig(budget=1))
     prompts = synthetic.prompts(planted, args.prompts, args.prompt_tokens)
