@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 NEG = float("-inf")
 # "carried" aim: the weight of a node's log-prob relative to its root (1: the absolute log-prob, as "frontier"
 # ranks; 0: every node below a likelier root first)
-AIM_REL = 0.25
+AIM_REL = 0.5
 
 
 class _Reader:
