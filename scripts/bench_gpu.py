@@ -90,6 +90,7 @@ MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ahead+overlap 4", dict(grow="ahead", overlap=4, reuse=True)),
     ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True)),  # ~ what fits beside a 0.7 s streamed pass
     ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier")),
+    ("ahead+overlap auto", dict(grow="ahead", overlap=-1, reuse=True)),  # specexec.config.OVERLAP_AUTO
     ("dynamic+reuse", dict(reuse=True)),
 )
 
@@ -294,7 +295,8 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
     draft_bytes = sizes.model_weight_bytes(d_cfg, d_fmt, 2)
     budgets = [int(b) for b in (args.budgets if first else args.budgets_other).split(",")]
     context = args.prompt_tokens + max(args.new_tokens, args.ar_tokens) + 64
-    overlap = max(int(kw.get("overlap", 0)) for _, kw in MODE_RUNS)  # draft slots for the deepest background
+    # draft slots for the deepest background growth of any run
+    overlap = max(TreeConfig(reuse=True, grow="ahead", overlap=kw.get("overlap", 0)).max_overlap for _, kw in MODE_RUNS)
     big = TreeConfig(budget=max(budgets + [args.mode_budget]), overlap=overlap, reuse=True, grow="ahead")
     res = sizes.plan_reservations(t_cfg, d_cfg, context, 2, 2, big, draft_weights=draft_bytes)
     res0 = sizes.plan_reservations(t_cfg, None, context, 2, 2, TreeConfig(budget=1))

@@ -23,6 +23,8 @@ def check_method(method: str) -> None:
 
 GROW_MODES = ("dynamic", "static", "ahead")
 OVERLAP_AIMS = ("carried", "frontier")
+OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
+OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class TreeConfig:
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
     # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
+    # OVERLAP_AUTO (-1, ``--overlap auto``): on a GPU, the number adapts each step to what finished beside the
+    # target's pass (up to OVERLAP_AUTO_MAX); on a CPU, none
     overlap: int = 0
     # where the overlapped levels grow (see specexec/propose/fixed_grow.py): "carried" down the likeliest next roots'
     # best continuations (the subtree the next step may start from); "frontier" the best nodes of the whole store
@@ -67,8 +71,8 @@ class TreeConfig:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
         if self.overlap_aim not in OVERLAP_AIMS:
             raise ConfigError("TreeConfig.overlap_aim", self.overlap_aim, f"must be one of {', '.join(OVERLAP_AIMS)}")
-        if not 0 <= self.overlap <= 64:
-            raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64")
+        if not (0 <= self.overlap <= 64 or self.overlap == OVERLAP_AUTO):
+            raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64 or auto")
         if self.overlap and self.grow == "dynamic":
             key, grow = "TreeConfig.overlap", "TreeConfig.grow"
             raise ConfigError(
@@ -90,6 +94,11 @@ class TreeConfig:
     def largest(self) -> int:
         """The largest tree this config can grow (sizes the caches)."""
         return max(self.budget, self.max_budget) if self.auto else self.budget
+
+    @property
+    def max_overlap(self) -> int:
+        """The most overlapped levels a step may grow (sizes the draft cache)."""
+        return OVERLAP_AUTO_MAX if self.overlap == OVERLAP_AUTO else self.overlap
 
 
 @dataclass(frozen=True)

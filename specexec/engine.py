@@ -229,7 +229,7 @@ class Engine:
             self.draft_model = None
             self.draft_model = DraftModel(
                 self.draft,
-                self.context + room + tree.largest + tree.max_beams * (1 + tree.overlap),
+                self.context + room + tree.largest + tree.max_beams * (1 + tree.max_overlap),
                 static=self._static[0],
                 static_rows=self._static[1],
             )

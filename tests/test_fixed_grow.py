@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specexec.config import SamplingConfig, TreeConfig
+from specexec.config import OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
 from specexec.engine import Engine
 from specexec.errors import ConfigError
 from specexec.loading import load_model, load_tokenizer
@@ -227,7 +227,9 @@ def test_config_validates_overlap():
     assert TreeConfig().overlap_aim == "carried"
     with pytest.raises(ConfigError, match="TreeConfig.overlap_aim"):
         TreeConfig(overlap_aim="deep")
-    for bad in (dict(overlap=4, reuse=True), dict(overlap=4, grow="static"), dict(overlap=-1), dict(overlap=65)):
+    auto = TreeConfig(overlap=OVERLAP_AUTO, reuse=True, grow="static")
+    assert auto.max_overlap == OVERLAP_AUTO_MAX and TreeConfig(overlap=5, reuse=True, grow="static").max_overlap == 5
+    for bad in (dict(overlap=4, reuse=True), dict(overlap=4, grow="static"), dict(overlap=-2), dict(overlap=65)):
         with pytest.raises(ConfigError, match="TreeConfig.overlap"):
             TreeConfig(**bad)
 
@@ -288,7 +290,7 @@ def test_carried_aim_ranks_by_the_likeliest_root(drafts, seed_tokens):
     seq = list(seed_tokens)
     td.begin(seq)
     td.propose(seq, StepContext(samp=S(), gen=None, budget=12))
-    g, chosen, _ = td._growth
+    g, chosen, _, _ = td._growth
     store = g.tree
     g.aim(chosen)
     ver, root, thr = g._aim
@@ -425,19 +427,46 @@ def test_overlap_sampled_equals_ar(engines):
         assert e.generate(PROMPTS[0], 16, method="specexec", sampling_cfg=cfg, tree=tree).tokens == want, s
 
 
+def test_overlap_auto_adapts_and_grows_nothing_on_a_cpu(engines, drafts):
+    """``--overlap auto``: on a CPU no background level runs (they would run in turn and only cost) and the text is
+    AR's; the level count grows by two a step while the levels finish beside the target's pass, shrinks to three
+    quarters when they do not, and stays within 1..OVERLAP_AUTO_MAX."""
+    from specexec.propose.tree import OVERLAP_AUTO_START
+
+    e = engines["qwen2"]
+    tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow="static", overlap=-1)
+    e.reset()
+    ref = e.generate(PROMPTS[0], 24, method="ar").tokens
+    e.reset()
+    g = e.stream(PROMPTS[0], 24, method="specexec", tree=tree)
+    for _ in g:
+        pass
+    assert g.result is not None and g.result.tokens == ref
+    assert g.proposer.background_passes == 0
+    td = TreeDraft(DraftModel(drafts["qwen2"], 64), tree)
+    assert td.auto_levels == OVERLAP_AUTO_START and td.overlap_levels(tree) == 0  # a CPU draft
+    assert td.overlap_levels(replace(tree, overlap=6)) == 6
+    seen = []
+    for finished in [True] * 20 + [False] * 3 + [True] + [False] * 20:
+        td.adapt(finished)
+        seen.append(td.auto_levels)
+    assert seen[:3] == [6, 8, 10] and max(seen) == OVERLAP_AUTO_MAX
+    assert seen[20:24] == [24, 18, 13, 15] and seen[-1] == 1 and min(seen) == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_overlap_on_a_side_stream_equals_ar(noisy_pairs):
     """On a GPU the background levels run on a side stream beside the target's pass: greedy and sampled output
-    still equal AR's, and the carried subtrees grow."""
+    still equal AR's (a fixed count and ``--overlap auto``), and the carried subtrees grow."""
     dev = torch.device("cuda")
     target, draft = noisy_pairs["llama"]
     e = Engine(
         load_model(target, dev, torch.float32), load_tokenizer(target), load_model(draft, dev, torch.float32), 512
     )
     reused = 0
-    for mode in MODES:
-        tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow=mode, overlap=6)
+    for mode, overlap in [(m, n) for m in MODES for n in (6, OVERLAP_AUTO)]:
+        tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow=mode, overlap=overlap)
         for ids in PROMPTS:
             for seed in (None, 5):
                 samp = SamplingConfig() if seed is None else SamplingConfig(temperature=1.0, seed=seed)

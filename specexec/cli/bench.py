@@ -41,7 +41,7 @@ def bench(
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
-    overlap: int = o.overlap(),
+    overlap: str = o.overlap(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -78,8 +78,8 @@ def bench(
                 max_depth=max_depth,
                 early_stop=early_stop,
                 grow=grow,
-                overlap=overlap,
-                reuse=overlap > 0,
+                overlap=o.overlap_levels(overlap),
+                reuse=o.overlap_levels(overlap) != 0,
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

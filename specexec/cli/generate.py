@@ -61,7 +61,7 @@ def generate(
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
-    overlap: int = o.overlap(),
+    overlap: str = o.overlap(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),

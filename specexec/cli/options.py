@@ -29,7 +29,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         max_depth: int = o.max_depth(),
         early_stop: Optional[bool] = o.early_stop(),
         grow: str = o.grow(),
-        overlap: int = o.overlap(),
+        overlap: str = o.overlap(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -63,7 +63,7 @@ from typing import Any
 
 import typer
 
-from specexec.config import METHODS, NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import METHODS, NEEDS_DRAFT, OVERLAP_AUTO, ChainConfig, SamplingConfig, TreeConfig
 from specexec.config import check_method as check_method_name
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
@@ -255,12 +255,28 @@ def grow() -> Any:
 
 def overlap() -> Any:
     return typer.Option(
-        0,
+        "0",
         "--overlap",
         help="SpecExec on a GPU: grow N more tree levels below what is verified while the target's pass runs (a side "
-        "CUDA stream), and start the next tree from the subtree under the accepted tokens. Needs --grow static or "
-        "ahead. On a CPU the levels run in turn and only cost time. Never changes the output.",
+        "CUDA stream), and start the next tree from the subtree under the accepted tokens; 'auto': as many as finish "
+        "beside the pass, adapted each step (none on a CPU). Needs --grow static or ahead. On a CPU the levels run "
+        "in turn and only cost time. Never changes the output.",
     )
+
+
+def overlap_levels(value: str | int) -> int:
+    """``--overlap N|auto`` -> TreeConfig.overlap (auto: OVERLAP_AUTO)."""
+    if isinstance(value, int):
+        return value
+    if value.strip().lower() == "auto":
+        return OVERLAP_AUTO
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError("TreeConfig.overlap", value, "must be in 0..64 or auto") from None
+    if n < 0:
+        raise ConfigError("TreeConfig.overlap", value, "must be in 0..64 or auto")
+    return n
 
 
 def gamma() -> Any:
@@ -324,9 +340,10 @@ def tree_config(
     max_depth_: int,
     early_stop_: bool | None = None,
     grow_: str = "dynamic",
-    overlap_: int = 0,
+    overlap_: str | int = 0,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
+    overlap_ = overlap_levels(overlap_)
     if budget_.strip().lower() == "auto":
         return TreeConfig(
             budget=max(1, min(64, max_budget_)),
@@ -338,7 +355,7 @@ def tree_config(
             early_stop=early_stop_,
             grow=grow_,
             overlap=overlap_,
-            reuse=overlap_ > 0,
+            reuse=overlap_ != 0,
         )
     try:
         b = int(budget_)
@@ -353,7 +370,7 @@ def tree_config(
         early_stop=early_stop_,
         grow=grow_,
         overlap=overlap_,
-        reuse=overlap_ > 0,
+        reuse=overlap_ != 0,
     )
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from specexec import sampling
-from specexec.config import SamplingConfig, TreeConfig
+from specexec.config import OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
@@ -46,7 +46,9 @@ from specexec.propose.ngram import NGramDraft
 from specexec.tree import Tree
 
 GREEDY = SamplingConfig()
-OVERLAP_BUDGET = 4  # overlapped growth aims at the best (this x budget) nodes: those just outside the verified tree
+OVERLAP_BUDGET = 4  # "frontier" aim: the best (this x budget) nodes, those just outside the verified tree
+OVERLAP_AUTO_START = 4  # ``--overlap auto``: the first step's levels (then +2 a step while they finish beside the
+# target's pass, x3/4 when they did not)
 
 
 def default_logprobs(logits: Tensor) -> Tensor:
@@ -91,8 +93,11 @@ class TreeDraft:
         self._cand_v: Tensor | None = None
         self._cand_t: Tensor | None = None
         self._full: tuple[Tree, Tensor] | None = None  # set by grow with reuse: (full tree, index of kept nodes)
-        self._growth: tuple[FixedGrowth, Tensor, int] | None = None  # overlap: (growth, its kept nodes, budget)
+        # overlap: (growth, its kept nodes, budget of the "frontier" aim, levels to grow)
+        self._growth: tuple[FixedGrowth, Tensor, int, int] | None = None
         self._side: torch.cuda.Stream | None = None  # overlap on a GPU: the draft's side stream
+        self.auto_levels = OVERLAP_AUTO_START  # ``--overlap auto``: the levels the next step grows in the background
+        self._bg_done: torch.cuda.Event | None = None  # auto: recorded on the side stream after the levels
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
@@ -117,6 +122,7 @@ class TreeDraft:
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         self._join()  # a proposal that was never committed: its background levels end here
+        self._bg_done = None  # (and say nothing about how many levels fit)
         start = self._take(seq)  # the subtree the last step carried over, if it still applies
         self._grown = None
         if ctx.budget < 0:  # a chain of -budget draft tokens
@@ -161,6 +167,9 @@ class TreeDraft:
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._next = None
+        if self._bg_done is not None:  # auto overlap: did the levels finish while the target's pass ran?
+            self.adapt(self._bg_done.query())
+            self._bg_done = None
         self._join()
         if proposal.source == "chain" and self.chain is not None:
             self.chain.commit(proposal, path, seq)
@@ -369,12 +378,13 @@ class TreeDraft:
             self.reused_passes = int(start.depth[: start.size][expanded].unique().numel())
             start = self._restart(start, start.size + budget + 1, cfg, budget)
             self.reused_nodes = start.size - 1
-        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", cfg.overlap)
+        levels = self.overlap_levels(cfg)
+        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", levels)
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
             self._full = (full, index)
-            if cfg.overlap:  # grown on in :meth:`background` while the target verifies
-                self._growth = (g, chosen, OVERLAP_BUDGET * budget)
+            if levels:  # grown on in :meth:`background` while the target verifies
+                self._growth = (g, chosen, OVERLAP_BUDGET * budget, levels)
         return out, g.passes, g.tokens_per_pass(), False
 
     # -- overlapped growth ------------------------------------------------------------------------------------------
@@ -387,12 +397,12 @@ class TreeDraft:
         under the accepted path + bonus token, now grown deeper, into the next step."""
         if self._growth is None or self._grown is None or self._grown[0] is not proposal.tree:
             return
-        g, chosen, budget = self._growth
+        g, chosen, budget, n = self._growth
 
         def levels() -> None:
             if self.cfg.overlap_aim == "carried":
                 g.aim(chosen)
-            g.extend(budget, self.cfg.overlap)
+            g.extend(budget, n)
 
         if g.device.type == "cuda":
             if self._side is None:
@@ -400,16 +410,33 @@ class TreeDraft:
             self._side.wait_stream(torch.cuda.current_stream(g.device))
             with torch.cuda.stream(self._side):
                 levels()
+                if self.cfg.overlap == OVERLAP_AUTO:
+                    self._bg_done = torch.cuda.Event()
+                    self._bg_done.record(self._side)
         else:
             levels()
-        self.background_passes += self.cfg.overlap
+        self.background_passes += n
+
+    def overlap_levels(self, cfg: TreeConfig) -> int:
+        """The background levels a step grows: ``cfg.overlap``, or with ``--overlap auto`` :attr:`auto_levels` on a
+        GPU (none on a CPU: there the levels run in turn and only cost time)."""
+        if cfg.overlap != OVERLAP_AUTO:
+            return cfg.overlap
+        return self.auto_levels if self.draft.device.type == "cuda" else 0
+
+    def adapt(self, finished: bool) -> None:
+        """``--overlap auto``: the last step's background levels had ``finished`` by the time the target's pass
+        (and the walk) had: two more next step; else three quarters (at least one). Reads no clock: the side
+        stream's event says which of the two streams came second."""
+        n = self.auto_levels
+        self.auto_levels = min(OVERLAP_AUTO_MAX, n + 2) if finished else max(1, (3 * n) // 4)
 
     def _join(self) -> None:
         """Wait for :meth:`background`'s levels and put their nodes into the grown tree that :meth:`commit` reads."""
         growth, self._growth = self._growth, None
         if growth is None or self._grown is None:
             return
-        g, chosen, _ = growth
+        g, chosen, _, _ = growth
         if self._side is not None:
             torch.cuda.current_stream(g.device).wait_stream(self._side)
         tree, k = self._grown[0], self._grown[1]
