@@ -195,6 +195,7 @@ class Engine:
         self.state: TargetState | None = None
         self.draft_model: DraftModel | None = None
         self._tree_room = 0
+        self._draft_room = 0
         self._auto: AutoBudget | None = None
         self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
         # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
@@ -219,17 +220,21 @@ class Engine:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
         extra = ngram.max_nodes if ngram is not None else 0
         room = max(tree.largest + extra, chain.gamma, extra) + 2
-        if self.state is not None and room <= self._tree_room:
+        # the draft also holds every expanded node: max_beams a level, and overlapped levels beyond the tree
+        draft_room = room + tree.largest + tree.max_beams * (1 + tree.max_overlap)
+        if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:
             return
-        self._tree_room = room
-        self.state = None  # free the old cache before allocating the new one
-        self.state = TargetState(self.target, self.context + room)
-        self._auto = None
+        if self.state is None or room > self._tree_room:
+            self._tree_room = room
+            self.state = None  # free the old cache before allocating the new one
+            self.state = TargetState(self.target, self.context + room)
+            self._auto = None
         if self.draft is not None:
+            self._draft_room = max(draft_room, self._draft_room)
             self.draft_model = None
             self.draft_model = DraftModel(
                 self.draft,
-                self.context + room + tree.largest + tree.max_beams * (1 + tree.max_overlap),
+                self.context + self._draft_room,
                 static=self._static[0],
                 static_rows=self._static[1],
             )
