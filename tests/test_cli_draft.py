@@ -136,3 +136,16 @@ def test_draft_vocab_without_a_draft_is_a_notice(tiny_pair):
     r = runner.invoke(app, [*cmd, "--draft-vocab", "4096"])
     assert r.exit_code == 0, r.output
     assert "note: --draft-vocab 4096 has no effect without a draft model" in r.stderr
+
+
+def test_overlap_options_end_to_end(tiny_pair, loads):
+    """--grow static|ahead --overlap N|auto reach the engine's tree config and keep the target's greedy tokens."""
+    from specexec.config import OVERLAP_AUTO
+
+    want = json.loads(_generate(tiny_pair, "--method", "ar").stdout)["tokens"]
+    for grow, overlap, level in (("static", "3", 3), ("ahead", "auto", OVERLAP_AUTO)):
+        r = _generate(tiny_pair, "--method", "specexec", "--budget", "8", "--grow", grow, "--overlap", overlap)
+        assert r.exit_code == 0, (grow, overlap, r.output)
+        assert json.loads(r.stdout)["tokens"] == want, (grow, overlap)
+        tree = loads[-1]["kw"]["tree"]
+        assert tree.overlap == level and tree.reuse and tree.grow == grow
