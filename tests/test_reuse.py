@@ -61,6 +61,31 @@ def _path_tokens(tree, node: int) -> list[int]:
     return [int(tree.tokens[i]) for i in tree.path_to(node)[1:]]
 
 
+def assert_carried_equals_fresh(model, draft: DraftModel, seq: list[int], tree) -> None:
+    """A tree started from a carried subtree below ``seq``: every node's cumulative log-prob equals a fresh draft's
+    along its path (re-based at the new root), and the committed prefix and every expanded node's keys/values in
+    ``draft``'s cache equal a fresh pass over its path."""
+    for i in range(1, tree.size):
+        toks = _path_tokens(tree, i)
+        want = sum(float(_draft_logprobs(model, seq + toks[:j])[toks[j]]) for j in range(len(toks)))
+        assert abs(float(tree.logp[i]) - want) < 1e-4, (i, toks)
+    n = len(seq) - 1
+    fresh = None
+    for i in range(tree.size):
+        s = int(tree.draft_slot[i])
+        if s < 0:
+            continue
+        ctx_toks = seq + _path_tokens(tree, i)
+        fresh = model.new_cache(len(ctx_toks) + 1)
+        pos = torch.arange(len(ctx_toks))
+        model.forward(torch.tensor(ctx_toks), pos, pos, pos[None, :] <= pos[:, None], fresh)
+        last = len(ctx_toks) - 1
+        torch.testing.assert_close(draft.cache.k[:, :, s], fresh.k[:, :, last], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(draft.cache.v[:, :, s], fresh.v[:, :, last], atol=1e-5, rtol=1e-5)
+    assert fresh is not None, "the root of a carried tree was expanded"
+    torch.testing.assert_close(draft.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_carried_subtree_equals_a_fresh_draft(noisy_pairs, family):
     """Commit a step whose bonus token is an expanded child of the root: the next proposal starts from that child's
@@ -91,26 +116,7 @@ def test_carried_subtree_equals_a_fresh_draft(noisy_pairs, family):
     t2 = p2.tree
     t2.check()
     assert t2.size - 1 == 24
-    # every node's cumulative log-prob equals the fresh draft's along its path (re-based at the new root)
-    for i in range(1, t2.size):
-        toks = _path_tokens(t2, i)
-        want = sum(float(_draft_logprobs(model, seq2 + toks[:j])[toks[j]]) for j in range(len(toks)))
-        assert abs(float(t2.logp[i]) - want) < 1e-4, (i, toks)
-    # the carried keys/values: the committed prefix and every expanded node equal a fresh pass over its path
-    d = td.draft
-    n = len(seq2) - 1
-    for i in range(t2.size):
-        s = int(t2.draft_slot[i])
-        if s < 0:
-            continue
-        ctx_toks = seq2 + _path_tokens(t2, i)
-        fresh = model.new_cache(len(ctx_toks) + 1)
-        pos = torch.arange(len(ctx_toks))
-        model.forward(torch.tensor(ctx_toks), pos, pos, pos[None, :] <= pos[:, None], fresh)
-        last = len(ctx_toks) - 1
-        torch.testing.assert_close(d.cache.k[:, :, s], fresh.k[:, :, last], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(d.cache.v[:, :, s], fresh.v[:, :, last], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(d.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-5)
+    assert_carried_equals_fresh(model, td.draft, seq2, t2)
 
     # the same step without reuse: a fresh tree costs more draft passes
     off = TreeDraft(DraftModel(model, 512), replace(cfg, reuse=False))

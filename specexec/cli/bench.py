@@ -66,6 +66,7 @@ def bench(
         from specexec.config import TreeConfig
 
         # everything that needs no model is checked first: a bad option never costs a model load
+        levels = o.overlap_levels(overlap)
         cfg = BenchConfig(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
             budgets=parse_ints(budgets, "--budgets"),
@@ -78,8 +79,8 @@ def bench(
                 max_depth=max_depth,
                 early_stop=early_stop,
                 grow=grow,
-                overlap=o.overlap_levels(overlap),
-                reuse=o.overlap_levels(overlap) != 0,
+                overlap=levels,
+                reuse=levels != 0,
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

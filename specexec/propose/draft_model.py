@@ -48,6 +48,9 @@ class DraftModel:
         self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
         self._tokens: list[int] = []
         self.epoch = 0  # bumped by every pass and every change of the committed prefix
+        # ``--overlap auto``: the background levels learnt to fit beside the target's pass (None: not yet); kept here
+        # so that the next generation (a chat turn) starts from them
+        self.background_levels: int | None = None
         use = model.device.type == "cuda" if static is None else static
         self.static = StaticPasses(model, self.cache, static_rows) if use else None
 

@@ -96,7 +96,6 @@ class TreeDraft:
         # overlap: (growth, its kept nodes, budget of the "frontier" aim, levels to grow)
         self._growth: tuple[FixedGrowth, Tensor, int, int] | None = None
         self._side: torch.cuda.Stream | None = None  # overlap on a GPU: the draft's side stream
-        self.auto_levels = OVERLAP_AUTO_START  # ``--overlap auto``: the levels the next step grows in the background
         self._bg_done: torch.cuda.Event | None = None  # auto: recorded on the side stream after the levels
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
@@ -416,6 +415,17 @@ class TreeDraft:
         else:
             levels()
         self.background_passes += n
+
+    @property
+    def auto_levels(self) -> int:
+        """``--overlap auto``: the levels the next step grows in the background (learnt per draft model, so they
+        outlive a generation)."""
+        n = self.draft.background_levels
+        return OVERLAP_AUTO_START if n is None else n
+
+    @auto_levels.setter
+    def auto_levels(self, n: int) -> None:
+        self.draft.background_levels = n
 
     def overlap_levels(self, cfg: TreeConfig) -> int:
         """The background levels a step grows: ``cfg.overlap``, or with ``--overlap auto`` :attr:`auto_levels` on a
