@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--aims", default="carried,frontier", help="where overlapped levels aim (TreeConfig.overlap_aim), compared"
     )
+    p.add_argument(
+        "--aim-rel",
+        type=float,
+        default=None,
+        help="the 'carried' aim's weight of relative log-prob (fixed_grow.AIM_REL; default: its value)",
+    )
     p.add_argument("--grow", default="static", choices=("static", "ahead"), help="fixed-width growth mode")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per kind (code, prose), at most 3")
@@ -74,6 +80,10 @@ def gpu_costs(path: Path, fmt: str, budget: int) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from specexec import api
     from specexec.config import TreeConfig
+    from specexec.propose import fixed_grow
+
+    if args.aim_rel is not None:
+        fixed_grow.AIM_REL = args.aim_rel
 
     # the draft as a GPU runs it: same dtype as the target, its full output vocabulary (no CPU FR-Spec head)
     engine = api.load(
@@ -97,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "budget": args.budget,
         "max_beams": args.max_beams,
         "grow": args.grow,
+        "aim_rel": fixed_grow.AIM_REL,
         "max_new_tokens": args.max_new_tokens,
         "note": "counts on a CPU (acceptance does not depend on the device); projected_* replay measured H100 costs",
         "gpu_costs": costs,

@@ -448,9 +448,10 @@ def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "ov.json"
     argv = ["--target", str(target), "--draft", str(draft), "--budget", "16", "--max-beams", "8"]
-    argv += ["--overlaps", "0,3", "--max-new-tokens", "16", "--num-prompts", "1", "--out", str(out)]
+    argv += ["--overlaps", "0,3", "--max-new-tokens", "16", "--num-prompts", "1", "--aim-rel", "0.5", "--out", str(out)]
     assert script("bench_overlap").main(argv) == 0
     rep = json.loads(out.read_text())
+    assert rep["aim_rel"] == 0.5
     off, carried, frontier = rep["configs"]
     assert rep["all_exact"] and off["overlap"] == 0 and carried["overlap"] == frontier["overlap"] == 3
     assert (off["aim"], carried["aim"], frontier["aim"]) == (None, "carried", "frontier")
