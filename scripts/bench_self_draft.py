@@ -51,17 +51,39 @@ PROMPTS = {
 }
 
 
-def parse_draft(name: str) -> tuple[bool, str, bool]:
-    """``self-<fmt>`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined); a q4/q3/q2 name with an
-    ``r`` suffix (``self-q2r``) asks for the refined quantization. A bad name raises ``ValueError``."""
+def parse_draft(name: str) -> tuple[bool, str, bool, str | None]:
+    """``self-<fmt>[@<layers>]`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined, layers); a q4/q3/q2
+    name with an ``r`` suffix (``self-q2r``) asks for the refined quantization. ``@<layers>``: a partial self draft,
+    the library's ``draft_layers`` spec (``@0.5``: half the layers by block influence, ``@0-13,27``) or an
+    experiment rule, ``@even:N`` (N layers evenly spaced, first and last kept) or ``@tail:N`` (the first N-1 and
+    the last: skip one block just before the end); ``self-fp32@...`` is a dense partial draft (isolates the skip).
+    A bad name raises ``ValueError``."""
+    name, _, layers = name.partition("@")
     self_draft, fmt = (True, name.removeprefix("self-")) if name.startswith("self") else (False, name)
     if name == "self":
         fmt = "int8"
     refine = fmt in REFINED
     fmt = fmt.removesuffix("r") if refine else fmt
-    if fmt not in FORMATS or (self_draft and fmt == "fp32"):
-        raise ValueError(f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r> or <{'|'.join(FORMATS)}>")
-    return self_draft, fmt, refine
+    if fmt not in FORMATS or (self_draft and fmt == "fp32" and not layers) or (layers and not self_draft):
+        raise ValueError(
+            f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r>[@layers], self-fp32@layers or "
+            f"<{'|'.join(FORMATS)}>"
+        )
+    return self_draft, fmt, refine, layers or None
+
+
+def kept_layers(spec: str, target: Any, encode: Any) -> list[int] | None:
+    """A partial self draft's layers (None: all): the experiment rules ``even:N`` / ``tail:N``, else the
+    library's spec (:mod:`specexec.layer_select`)."""
+    from specexec import layer_select
+
+    L = target.cfg.num_layers
+    rule, _, n = spec.partition(":")
+    if rule == "even":
+        return sorted({round(i * (L - 1) / (int(n) - 1)) for i in range(int(n))})
+    if rule == "tail":
+        return [*range(int(n) - 1), L - 1]
+    return layer_select.resolve(layer_select.parse(spec, L), target, encode)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,12 +95,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per kind (code, prose), at most 3")
     p.add_argument(
-        "--drafts", default=DEFAULT_DRAFTS, help="comma-separated: self-<int8|nf4|q4|q3|q2> and <fp32|int8|...>"
+        "--drafts",
+        default=DEFAULT_DRAFTS,
+        help="comma-separated (semicolons when a layer list has commas): self-<int8|nf4|q4|q3|q2>[@layers], "
+        "self-fp32@layers and <fp32|int8|...>",
     )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = p.parse_args(argv)
     try:
-        args.draft_list = [(d.strip(), *parse_draft(d.strip())) for d in args.drafts.split(",")]
+        args.draft_list = [
+            (d.strip(), *parse_draft(d.strip())) for d in args.drafts.split(";" if ";" in args.drafts else ",")
+        ]
     except ValueError as e:
         p.error(str(e))
     return args
@@ -112,15 +139,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     t_path = model_dir(hub.resolve(args.target, progress=False))
     d_path = model_dir(hub.resolve(args.draft, progress=False))
-    for name, self_draft, fmt, refine in args.draft_list:
+    encode = engine.encode
+    for name, self_draft, fmt, refine, layers in args.draft_list:
         del engine
         gc.collect()
         path = t_path if self_draft else d_path
-        draft = load_model(path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt, refine=refine)
+        keep = kept_layers(layers, target, encode) if layers else None
+        draft = load_model(
+            path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt, refine=refine, keep_layers=keep
+        )
         dequantize_resident(draft)  # nf4 / q*: the same outputs, without dequantizing every pass
         engine = Engine(target, tok, draft, context=ctx)
         fmt_name = f"{fmt} refined" if refine else fmt
         label = f"self ({args.target} in {fmt_name})" if self_draft else f"{args.draft} {fmt_name}"
+        if keep is not None:
+            label += f", layers {keep} ({len(keep)} of {target.cfg.num_layers})"
         methods: list[tuple[str, dict[str, Any]]] = [
             (f"specexec b={b}", dict(method="specexec", tree=TreeConfig(budget=b, early_stop=False))) for b in budgets
         ]
@@ -142,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 per_prompt.append(q)
             row: dict[str, Any] = {"draft": name, "label": label, "method": mname, "per_prompt": per_prompt}
+            if keep is not None:
+                row["layers"] = keep
             for kind in ("code", "prose", "all"):
                 sel = [q for q in per_prompt if kind in ("all", q["kind"])]
                 row[f"tokens_per_step_{kind}"] = sum(q["tokens"] for q in sel) / max(1, sum(q["steps"] for q in sel))

@@ -24,6 +24,12 @@ then one GEMM; no fused kernel), plus a 16-bit copy of every quantized weight wr
 
     python scripts/plan_draft_tradeoff.py --out docs/plan_draft_tradeoff.json
     python scripts/plan_draft_tradeoff.py --self-draft --out docs/plan_self_draft.json
+    python scripts/plan_draft_tradeoff.py --partial --out docs/plan_partial_self_draft.json
+
+``--partial``: the same question for a *partial* self-derived draft (``--draft-layers``: a subset of the target's
+layers, the rest skipped; :mod:`specexec.layer_select`), NF4 target layers: per format, drafts keeping 3/4, 1/2,
+3/8 and 1/4 of the layers, and the most layers that fit with no target layer resident and with half as many
+resident as beside the separate NF4 draft.
 """
 
 from __future__ import annotations
@@ -94,9 +100,21 @@ def config(name: str):
     return ModelConfig(max_position_embeddings=8192, **shape)
 
 
-def row(target: str, draft: str, target_fmt: str, draft_fmt: str, cap: float, context: int, budget: int):
+def row(
+    target: str,
+    draft: str,
+    target_fmt: str,
+    draft_fmt: str,
+    cap: float,
+    context: int,
+    budget: int,
+    kept: int | None = None,
+):
     """One placement: the plan's resident layers for this draft format under ``cap`` GB (None: does not fit).
-    ``draft`` == ``target``: a self-derived draft (the target's shape, so its KV cache is the target's size)."""
+    ``draft`` == ``target``: a self-derived draft (the target's shape, so its KV cache is the target's size);
+    ``kept``: a partial one with that many of the target's layers (weights and KV cache shrink with them)."""
+    from dataclasses import replace
+
     import torch
 
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
@@ -105,6 +123,8 @@ def row(target: str, draft: str, target_fmt: str, draft_fmt: str, cap: float, co
     from specexec.sizes import model_weight_bytes, plan_reservations
 
     t_cfg, d_cfg = config(target), config(draft)
+    if kept is not None:
+        d_cfg = replace(d_cfg, num_layers=kept)
     d_bytes = model_weight_bytes(d_cfg, "dense" if draft_fmt == "bf16" else draft_fmt, 2)
     tree = TreeConfig(budget=budget, max_budget=budget)
     res = plan_reservations(t_cfg, d_cfg, context, 2, 2, tree, draft_weights=d_bytes)
@@ -117,6 +137,7 @@ def row(target: str, draft: str, target_fmt: str, draft_fmt: str, cap: float, co
         "draft": draft,
         "target_format": target_fmt,
         "draft_format": draft_fmt,
+        "draft_layers": d_cfg.num_layers,
         "cap_gb": cap,
         "draft_gb": d_bytes / GB,
         "kv_and_buffers_gb": res.kv_bytes / GB,
@@ -165,11 +186,16 @@ SELF_CASES = (  # (target, cap GB, the separate draft to compare with)
 SELF_FORMATS = ("nf4", "q4", "q3", "q2")
 
 
-def quantized_params(name: str) -> int:
-    """Parameters a low-bit model of this shape holds quantized: every layer's four linears and the lm_head."""
+def quantized_params(name: str, layers: int | None = None) -> int:
+    """Parameters a low-bit model of this shape (with ``layers`` of its layers) holds quantized: every layer's four
+    linears and the lm_head."""
+    from dataclasses import replace
+
     from specexec.sizes import layer_params
 
     cfg = config(name)
+    if layers is not None:
+        cfg = replace(cfg, num_layers=layers)
     d = cfg.hidden_size
     small = 2 * d + ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0)
     return cfg.num_layers * (layer_params(cfg) - small) + cfg.vocab_size * d
@@ -185,12 +211,58 @@ def self_table(context: int, budget: int) -> list[dict[str, Any]]:
             base = group[0] if group[0]["fits"] else None
             for r in group:
                 r["self_derived"] = r["draft"] == target
-                q = quantized_params(r["draft"])
+                q = quantized_params(r["draft"], r["draft_layers"])
                 r["draft_pass_gb_fused"] = r["draft_gb"]  # every weight byte read once
                 r["draft_pass_gb_dequant"] = r["draft_gb"] + 4 * q / GB  # + a bf16 copy written, then read
                 if r["fits"] and base is not None:
                     r["keep_vs_separate_nf4"] = r["floor_s_pcie4"] / base["floor_s_pcie4"]
             rows += group
+    return rows
+
+
+PARTIAL_FRACTIONS = (0.75, 0.5, 0.375, 0.25)
+
+
+def most_layers(target: str, target_fmt: str, fmt: str, cap: float, context: int, budget: int, resident: int) -> int:
+    """The most of the target's layers a partial self draft in ``fmt`` may keep with at least ``resident`` target
+    layers still resident (0: none fits)."""
+    lo, hi = 0, config(target).num_layers
+    while lo < hi:  # fitting is monotone in the kept layers
+        mid = (lo + hi + 1) // 2
+        r = row(target, target, target_fmt, fmt, cap, context, budget, kept=mid)
+        if r["fits"] and r["resident_layers"] >= resident:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def partial_table(context: int, budget: int) -> list[dict[str, Any]]:
+    """Per case (NF4 target layers): the separate NF4 draft; then per format the partial self drafts keeping a
+    fraction of the layers, and the most layers that fit with none / half the separate draft's resident layers."""
+    rows = []
+    for target, cap, other in SELF_CASES:
+        base = row(target, other, "nf4", "nf4", cap, context, budget)
+        base.update(self_derived=False, draft_pass_gb_fused=base["draft_gb"])
+        base["draft_pass_gb_dequant"] = base["draft_gb"] + 4 * quantized_params(other) / GB
+        rows.append(base)
+        n = config(target).num_layers
+        for fmt in ("q4", "q3", "q2"):
+            counts = {round(f * n) for f in PARTIAL_FRACTIONS}
+            if base["fits"]:
+                for need in (0, base["resident_layers"] // 2):
+                    counts.add(most_layers(target, "nf4", fmt, cap, context, budget, need))
+            for k in sorted(counts, reverse=True):
+                if k <= 0:
+                    continue
+                r = row(target, target, "nf4", fmt, cap, context, budget, kept=k)
+                r["self_derived"] = True
+                q = quantized_params(target, k)
+                r["draft_pass_gb_fused"] = r["draft_gb"]
+                r["draft_pass_gb_dequant"] = r["draft_gb"] + 4 * q / GB
+                if r["fits"] and base["fits"]:
+                    r["keep_vs_separate_nf4"] = r["floor_s_pcie4"] / base["floor_s_pcie4"]
+                rows.append(r)
     return rows
 
 
@@ -204,7 +276,11 @@ def self_markdown(rows: list[dict[str, Any]], context: int, budget: int) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = f"self {r['draft_format']}" if r["self_derived"] else f"{r['draft']} {r['draft_format']}"
+        name = f"{r['draft']} {r['draft_format']}"
+        if r["self_derived"]:
+            name = f"self {r['draft_format']}"
+            if r["draft_layers"] < config(r["target"]).num_layers:
+                name += f", {r['draft_layers']} layers"
         head = f"| {r['target']} | {r['target_format']} | {r['cap_gb']:.0f} | {name} | {r['draft_gb']:.2f} | "
         head += f"{r['kv_and_buffers_gb']:.2f} | "
         tail = f" {r['draft_pass_gb_fused']:.1f} / {r['draft_pass_gb_dequant']:.1f} |"
@@ -250,8 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=256, help="tree budget the KV room and buffers are sized for")
     p.add_argument("--out", type=Path, help="write the JSON here")
     p.add_argument("--self-draft", action="store_true", help="the self-derived draft table (nf4, q4, q3, q2)")
+    p.add_argument(
+        "--partial", action="store_true", help="partial self-derived drafts (a subset of the layers; q4, q3, q2)"
+    )
     args = p.parse_args(argv)
-    if args.self_draft:
+    if args.partial:
+        rows = partial_table(args.context, args.budget)
+        print(self_markdown(rows, args.context, args.budget))
+    elif args.self_draft:
         rows = self_table(args.context, args.budget)
         print(self_markdown(rows, args.context, args.budget))
     else:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specexec import hub, memory, sizes
+from specexec import hub, layer_select, memory, sizes
 from specexec.config import TreeConfig
 from specexec.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
@@ -54,6 +54,7 @@ def load(
     progress: bool = True,
     cache_dir: str | Path | None = None,
     draft_vocab: int | None = None,
+    draft_layers: str | None = None,
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
@@ -69,7 +70,11 @@ def load(
     low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
     target. No second model or tokenizer (the tokenizers trivially match). It shares no weights and no KV prefix
     with the target: like every draft it keeps its own KV cache (sized and checked like any draft's), and its
-    weight bytes are counted in its low-bit format. ``draft_vocab``: restrict the draft's lm_head to that many
+    weight bytes are counted in its low-bit format. ``draft_layers`` (self-derived drafts only): a *partial* self
+    draft that keeps some of the target's layers and skips the rest (``all``, a number ``40``, a fraction ``0.5``
+    -- chosen by their influence on a calibration text, measured on the target at load -- or indices
+    ``0-11,20``; :mod:`specexec.layer_select`); its weights and KV cache shrink with the layers it keeps.
+    ``draft_vocab``: restrict the draft's lm_head to that many
     frequency-ranked token ids plus special ids and the tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft
     whose vocabulary is over twice that (its lm_head is then a large share of each draft pass), else the full
     vocabulary; 0: the full vocabulary. ``draft_dtype`` auto on a CPU: int8 weights where this machine runs them
@@ -102,6 +107,11 @@ def load(
         check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
     t_cfg = read_config(t_path)
     d_cfg = read_config(d_path) if d_path is not None else None
+    layers = layer_select.parse(draft_layers, t_cfg.num_layers)
+    if draft_layers is not None and not self_draft:
+        raise layer_select.needs_self_draft(draft_layers)
+    if d_cfg is not None and not layers.everything:  # sized (weights, KV cache) with the layers it keeps
+        d_cfg = replace(d_cfg, num_layers=layers.kept(d_cfg.num_layers))
     context = min(context, t_cfg.max_position_embeddings)
     d_dt, d_fmt = draft_format(draft_dtype, dtype, dev, d_cfg, self_draft) if d_cfg is not None else (None, "dense")
     d_isz = d_dt.itemsize if d_dt is not None else 4  # activations and the draft's KV cache
@@ -138,7 +148,14 @@ def load(
         memory.check_engine(
             t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
         )
-    # the draft first: it stays resident, and the target's memory plan accounted for it
+    # the draft first: it stays resident, and the target's memory plan accounted for it (a partial self draft
+    # whose layers are chosen by their influence needs the target first)
+    t_model = None
+    keep = list(layers.indices) if layers.indices is not None else None
+    if layers.count is not None:
+        t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
+        keep = layer_select.choose(t_model, layers.count, t_tok.tokenizer.encode)
+        log.info("partial self draft: %d of %d layers, %s", len(keep), t_cfg.num_layers, keep)
     d_model = None
     if d_path is not None and d_cfg is not None and d_dt is not None:
         vocab = draft_vocab
@@ -147,16 +164,21 @@ def load(
         head = draft_vocab_ids(d_tok, d_cfg.vocab_size, vocab) if vocab else None
         what = "self-derived draft (the target's weights)" if self_draft else f"draft {d_path.name}"
         log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, d_fmt, (d_weights or 0) / 1e9, d_dt)
-        d_model = _load(d_path, dev, d_dt, fmt=d_fmt, head_ids=head)
-    if plan is not None:
-        from offload import load_offloaded
-
-        t_model = load_offloaded(t_path, dev, dtype, offload, plan=plan)
-    else:
-        t_model = _load(t_path, dev, resolve_dtype(dtype, dev, t_cfg))
+        d_model = _load(d_path, dev, d_dt, fmt=d_fmt, head_ids=head, keep_layers=keep)
+    if t_model is None:
+        t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
     return Engine(
         t_model, t_tok, d_model, context=context, tree=tree, calibration_dir=hub.cache_home(cache_dir) / "calibration"
     )
+
+
+def _load_target(path: Path, dev: torch.device, dtype: str, cfg: Any, plan: Any, offload: Any):
+    """The target: through the offload manager when it has a plan, else resident."""
+    if plan is not None:
+        from offload import load_offloaded
+
+        return load_offloaded(path, dev, dtype, offload, plan=plan)
+    return _load(path, dev, resolve_dtype(dtype, dev, cfg))
 
 
 def _offloaded(offload: Any, dev: torch.device) -> bool:

@@ -58,6 +58,7 @@ class ModelOptions:
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
     cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
     draft_vocab: int | None = None  # the draft's head: N frequent ids, 0 = all; None: api.load's default
+    draft_layers: str | None = None  # a partial self draft's layers (api.load's draft_layers); None: all
 
 
 def load_engine(
@@ -73,7 +74,9 @@ def load_engine(
     """
     from specexec import api, hub
 
-    vocab = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: the library's default
+    vocab: dict[str, Any] = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: default
+    if opts.draft_layers is not None:
+        vocab["draft_layers"] = opts.draft_layers
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
     from specexec.loading import SELF_DRAFT
 

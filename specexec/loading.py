@@ -11,8 +11,8 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -321,11 +321,13 @@ def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
+def iter_layers(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, only: Sequence[int] | None = None
+) -> Iterator[tuple[int, dict[str, Tensor]]]:
     """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused; every tensor is
-    its own aligned copy (see :func:`_owned`)."""
+    its own aligned copy (see :func:`_owned`). ``only``: these layer indices (in order) instead of all."""
     shards = _Shards(path)
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers) if only is None else only:
         p = f"model.layers.{i}."
         g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
         o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
@@ -420,6 +422,7 @@ def load_model(
     nf4: bool = False,
     fmt: str | None = None,
     refine: bool = False,
+    keep_layers: Sequence[int] | None = None,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
@@ -434,6 +437,9 @@ def load_model(
     Activations, norms, biases and the KV cache stay in ``dtype``.
     ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
     it changes the logits).
+    ``keep_layers`` (drafts: a partial self-derived draft, :mod:`specexec.layer_select`): load only these decoder
+    layers, ascending; the model runs them in order and skips the rest (its config says ``len(keep_layers)``
+    layers, so its KV cache holds only those).
     """
     if int8 + nf4 + (fmt is not None) > 1:
         raise ValueError("int8, nf4 and fmt are exclusive ways to name the weight format")
@@ -443,6 +449,11 @@ def load_model(
     path = model_dir(path)
     cfg = read_config(path)
     _check_sizes(path)
+    only = None
+    if keep_layers is not None:
+        only = list(keep_layers)
+        if not only or only != sorted(set(only)) or only[0] < 0 or only[-1] >= cfg.num_layers:
+            raise ValueError(f"keep_layers must be ascending distinct indices in 0..{cfg.num_layers - 1}: {only}")
     if fmt != "dense":
         glob = _low_bit_globals(path, cfg, device, dtype, fmt, refine)
     else:
@@ -459,7 +470,7 @@ def load_model(
         glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
         loaded = []
-        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32):
+        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32, only):
             if fmt != "dense":
                 loaded.append(
                     {
@@ -472,6 +483,8 @@ def load_model(
             del w
             release_freed_memory()  # per layer: the temporaries' pages must not pile up into the load's peak
         layers = ResidentLayers(loaded)
+    if only is not None:
+        cfg = replace(cfg, num_layers=len(only))
     model = Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
     release_freed_memory()
     return model

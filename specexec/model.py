@@ -421,11 +421,13 @@ class Transformer:
         mask: Tensor,
         cache: KVCache,
         logits_rows: Tensor | slice | None = None,
+        trace: list[Tensor] | None = None,
     ) -> Tensor:
         """One pass. tokens/positions/cache_slots (T,) long; mask (T, L) bool, True = may attend to slot.
 
         Writes this pass's keys/values into ``cache`` at ``cache_slots`` (every slot a row attends to must be
         written before or in this pass). Returns fp32 logits (T', V) for ``logits_rows`` (default all rows).
+        ``trace``: append the residual stream (T, D) entering the first layer and leaving each layer.
         """
         c = self.cfg
         head = self.globals.lm_head
@@ -437,14 +439,22 @@ class Transformer:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         attn_mask = mask[None, None]  # (1, 1, T, L)
         with sdpa_kernel(_SDPA_BACKENDS):
-            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache)
+            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache, trace)
         if logits_rows is not None:
             x = x[logits_rows]
         x = rms_norm(x, self.globals.norm, c.rms_norm_eps)
         return linear(x, self.globals.lm_head).float()
 
     def _layers(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor, cache_slots: Tensor, L: int, cache: KVCache
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attn_mask: Tensor,
+        cache_slots: Tensor,
+        L: int,
+        cache: KVCache,
+        trace: list[Tensor] | None = None,
     ) -> Tensor:
         """The decoder layers over x (T, D); returns the final hidden states (T, D)."""
         c = self.cfg
@@ -453,6 +463,8 @@ class Transformer:
         gqa = c.num_heads != c.num_kv_heads
         groups = c.num_heads // c.num_kv_heads
         self.layers.begin()
+        if trace is not None:
+            trace.append(x)
         for i in range(c.num_layers):
             w = self.layers.layer(i)
             h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
@@ -473,5 +485,7 @@ class Transformer:
             h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
             gate, up = linear(h, w["w13"]).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w["w2"])
+            if trace is not None:
+                trace.append(x)
             self.layers.done(i)
         return x

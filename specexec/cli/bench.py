@@ -51,6 +51,7 @@ def bench(
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
     draft_vocab: str | None = o.draft_vocab(),
+    draft_layers: str | None = o.draft_layers(),
     quiet: bool = o.quiet("No spinner or progress bar."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -95,6 +96,7 @@ def bench(
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
             cache_dir_=cache_dir,
             draft_vocab_=draft_vocab,
+            draft_layers_=draft_layers,
         )
         o.notices_before_load(model)
         engine = load_engine(

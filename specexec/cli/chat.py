@@ -75,6 +75,7 @@ def chat(
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
     draft_vocab: str | None = o.draft_vocab(),
+    draft_layers: str | None = o.draft_layers(),
     quiet: bool = o.quiet("No spinners, progress bars or banner."),
     verbose: bool = o.verbose(),
 ) -> None:
@@ -97,6 +98,7 @@ def chat(
             method,
             cache_dir,
             draft_vocab_=draft_vocab,
+            draft_layers_=draft_layers,
         )
         tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
         o.check_method(method, model.draft)

@@ -72,6 +72,7 @@ def generate(
     cache_dir: Path | None = o.cache_dir(),
     draft_dtype: str | None = o.draft_dtype(),
     draft_vocab: str | None = o.draft_vocab(),
+    draft_layers: str | None = o.draft_layers(),
     as_json: bool = o.as_json("Print exactly one JSON object on stdout (with --samples N: one per line)."),
     quiet: bool = o.quiet(),
     verbose: bool = o.verbose(),
@@ -101,6 +102,7 @@ def generate(
             method,
             cache_dir,
             draft_vocab_=draft_vocab,
+            draft_layers_=draft_layers,
         )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)

@@ -78,6 +78,7 @@ FLAGS: dict[str, str] = {
     "dtype": "--dtype",
     "draft_dtype": "--draft-dtype",
     "draft_vocab": "--draft-vocab",
+    "draft_layers": "--draft-layers",
     "context": "--context",
     "max_new_tokens": "--max-new-tokens",
     "method": "--method",
@@ -166,6 +167,18 @@ def draft_vocab() -> Any:
         "plus the special ids and every token the draft is fed: a faster draft pass on a CPU; the output is "
         "unchanged (the target decides). 0 or 'full': the whole vocabulary. Default: on a CPU 32768 for a draft "
         "whose vocabulary is over twice that (e.g. Qwen2.5's), else the whole vocabulary.",
+    )
+
+
+def draft_layers() -> Any:
+    """``--draft-layers SPEC`` (None: all; see :mod:`specexec.layer_select`)."""
+    return typer.Option(
+        None,
+        "--draft-layers",
+        help="With --draft self: a partial self-derived draft that keeps only some of the target's layers and skips "
+        "the rest (less memory, a cheaper draft pass, lower acceptance): a number of layers (40), a fraction (0.5 or "
+        "50%; both keep the layers with the most influence on a calibration text, measured on the target at load), "
+        "or indices (0-11,20,24-27). Default: all.",
     )
 
 
@@ -405,10 +418,12 @@ def model_options(
     method_: str | None = None,
     cache_dir_: Path | None = None,
     draft_vocab_: str | None = None,
+    draft_layers_: str | None = None,
 ) -> Any:
     """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
     ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written;
-    ``draft_vocab_``: ``--draft-vocab``, see :func:`draft_vocab_size`)."""
+    ``draft_vocab_``: ``--draft-vocab``, see :func:`draft_vocab_size`; ``draft_layers_``: ``--draft-layers``, its
+    syntax checked here, its range at load where the target's layer count is known)."""
     from specexec.chat import ModelOptions
 
     if context_ < 8:
@@ -417,6 +432,7 @@ def model_options(
     vocab = draft_vocab_size(draft_vocab_)
     draft_name = resolve_draft(target_, draft_, method_)
     _check_self_draft(draft_name, draft_dtype_)
+    _check_draft_layers(draft_name, draft_layers_)
     return ModelOptions(
         target=target_,
         draft=draft_name,
@@ -427,7 +443,21 @@ def model_options(
         offload=offload_cfg,
         cache_dir=cache_dir_,
         draft_vocab=vocab,
+        draft_layers=draft_layers_,
     )
+
+
+def _check_draft_layers(draft_: str | None, spec: str | None) -> None:
+    """``--draft-layers`` needs ``--draft self`` and a well-formed spec (checked before anything loads; whether its
+    indices exist is checked at load, against the target's layer count)."""
+    from specexec import layer_select
+    from specexec.loading import SELF_DRAFT
+
+    if spec is None:
+        return
+    if draft_ != SELF_DRAFT:
+        raise layer_select.needs_self_draft(spec)
+    layer_select.parse(spec, layer_select.MAX_LAYERS)
 
 
 def draft_vocab_size(value: str | None) -> int | None:

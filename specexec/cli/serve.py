@@ -64,6 +64,7 @@ def serve(
     dtype: str = o.dtype(),
     draft_dtype: str | None = o.draft_dtype(),
     draft_vocab: str | None = o.draft_vocab(),
+    draft_layers: str | None = o.draft_layers(),
     offload: str = o.offload(),
     gpu_memory: float | None = o.gpu_memory(),
     target_dtype: str = o.target_dtype(),
@@ -97,6 +98,7 @@ def serve(
             o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
             cache_dir_=cache_dir,
             draft_vocab_=draft_vocab,
+            draft_layers_=draft_layers,
         )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
