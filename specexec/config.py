@@ -34,7 +34,8 @@ class TreeConfig:
     budget: int = 64  # draft tokens in the tree the target verifies (the root, i.e. the pending token, is extra)
     max_beams: int = 128  # nodes expanded by one draft pass
     max_branch: int = 32  # children proposed per expanded node
-    max_depth: int = 32  # draft passes per tree (so also the deepest node)
+    # the deepest node of a tree, so at most this many draft passes a step (a carried start counts its own depth)
+    max_depth: int = 32
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
     auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice

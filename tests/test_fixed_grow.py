@@ -465,3 +465,39 @@ def test_cuda_overlap_on_a_side_stream_equals_ar(noisy_pairs):
                 assert r.tokens == want, (mode, ids, seed)
                 reused += r.stats.reused_nodes
     assert reused > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_carried_start_grows_only_down_to_max_depth(noisy_pairs, mode):
+    """``max_depth`` bounds a tree's depth, carried start included: a step that starts from a subtree d deep waits
+    for at most max_depth - d levels (it used to grow max_depth - 1 more, deepening the tree instead of shortening
+    the step), and a fresh tree still grows its max_depth - 1 levels after the root's pass."""
+    from specexec.config import SamplingConfig as S
+    from specexec.propose import StepContext
+
+    model = load_model(noisy_pairs["llama"][1], CPU, torch.float32)
+    cfg = TreeConfig(budget=48, max_beams=64, max_branch=4, max_depth=5, reuse=True, grow=mode, overlap=8)
+    td = TreeDraft(DraftModel(model, 1024), cfg)
+    seq = [5, 6, 7, 8]
+    td.begin(seq)
+    ctx = StepContext(samp=S(), gen=None, budget=48)
+    p1 = td.propose(seq, ctx)
+    assert p1.tree.max_depth() <= cfg.max_depth
+    td.background(p1)
+    td._join()
+    _, k, full, index = td._grown
+    a = max(range(1, k), key=lambda i: float(p1.tree.logp[i]) if int(p1.tree.depth[i]) == 1 else float("-inf"))
+    fa = int(index[a])
+    kids = [c for c in range(full.size) if int(full.parents[c]) == fa and int(full.draft_slot[c]) >= 0]
+    assert kids, "8 background levels with 64 beams expand the likeliest depth-1 node's best children"
+    c = max(kids, key=lambda i: float(full.logp[i]))
+    seq2 = seq + [int(p1.tree.tokens[a]), int(full.tokens[c])]
+    td.commit(p1, p1.tree.path_to(a), seq2)
+    start = td._next
+    assert start is not None
+    p2 = td.propose(seq2, ctx)
+    assert p2.reused > 0
+    d = int(start.depth[: start.size][start.draft_slot[: start.size] >= 0].max()) + 1  # expanded depth + children
+    assert d >= 3, d  # the background levels went deep below the bonus root
+    assert p2.passes <= max(0, cfg.max_depth - d), (p2.passes, d)
+    assert p2.tree.max_depth() <= max(cfg.max_depth, d)

@@ -121,7 +121,10 @@ class FixedGrowth:
         self.n = n = len(seq) - 1
         self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
         self.W = W = cfg.max_beams
-        levels = cfg.max_depth - 1 + extra_levels
+        # the levels a step waits for: up to ``max_depth`` deep in all (a carried start already reaches its own
+        # depth, so it needs fewer), then the background ones
+        self.critical = cfg.max_depth - 1 if start is None else max(0, cfg.max_depth - start.max_depth())
+        levels = self.critical + extra_levels
         self.reader = _Reader(dev)
         if start is None:
             self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
@@ -298,7 +301,7 @@ def grow_fixed(
     node ever proposed (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the
     expanded nodes). ``extra_levels``: room for :meth:`FixedGrowth.extend`."""
     g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels)
-    g.run(cfg.budget, ahead, cfg.max_depth - 1)
+    g.run(cfg.budget, ahead, g.critical)
     return g
 
 

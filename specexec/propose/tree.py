@@ -326,7 +326,9 @@ class TreeDraft:
         early = cfg.early_stop if cfg.early_stop is not None else dev.type == "cpu"
         stop = cost if early else None
         stopped = False
-        for _ in range(cfg.max_depth - 1):
+        # at most ``max_depth`` deep in all: a carried start already reaches its own depth, so it grows fewer levels
+        levels = cfg.max_depth - 1 if start is None else max(0, cfg.max_depth - tree.max_depth())
+        for _ in range(levels):
             thr = tree.kth_logp(budget)
             live = tree.n_logp
             open_ = (tree.draft_slot[: tree.size] < 0) & (live > thr)
