@@ -519,3 +519,24 @@ def test_bench_self_draft_names_and_smoke(tiny_pair, tmp_path, capsys):
     assert report["all_exact"]
     layers = [c["layers"] for c in report["configs"]][::2]
     assert layers[:3] == [[0], [0, 1], [0, 1]] and len(layers[3]) == 1
+
+
+def test_bench_draft_pass_names_and_smoke(tmp_path):
+    """scripts/bench_draft_pass.py: draft names parse (bad ones refused), and the tiny CPU run covers every format
+    path it times on a GPU (dense, int8, group-wise, a partial layer count) and reports each pass."""
+    mod = script("bench_draft_pass")
+    assert mod.parse_draft("7b-nf4") == ("7b", None, "nf4") and mod.parse_draft("70b20-q3") == ("70b", 20, "q3")
+    for bad in ("7b-q5", "13b-bf16", "70b81-q3", "70b0-q3", "7b"):
+        with pytest.raises(ValueError):
+            mod.parse_draft(bad)
+    out = tmp_path / "p.json"
+    assert mod.main(["--smoke", "--repeats", "1", "--rows", "1,4", "--prefix", "8", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["draft"], r["rows"]) for r in runs][::2] == [
+        ("tiny-bf16", 1),
+        ("tiny-int8", 1),
+        ("tiny-q3", 1),
+        ("tiny2-q2", 1),
+    ]
+    assert runs[-1]["layers"] == 2 and all(r["pass_s"] > 0 and r["weight_gb"] > 0 for r in runs)
+    assert runs[-1]["weight_gb"] < runs[0]["weight_gb"]  # 2 layers at 2 bits weigh less than 4 dense ones
