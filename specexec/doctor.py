@@ -19,7 +19,7 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -346,18 +346,31 @@ def _cached_hf_config(spec: str) -> Path | None:
 
 
 def recommend(
-    spec: str, system: SystemInfo, context: int = 4096, home: Path | None = None, draft: str | None = None
+    spec: str,
+    system: SystemInfo,
+    context: int = 4096,
+    home: Path | None = None,
+    draft: str | None = None,
+    draft_layers: str | None = None,
 ) -> Recommendation:
     """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
     nothing is downloaded). Unknown specs raise :class:`SpecexecError`. ``draft``: a draft model (alias, id or
     path) charged to the plan: on a GPU each of its precisions (16-bit, int8, nf4) is planned, and the one
     ``--draft-dtype auto`` would load (the first that fits, as :func:`offload.load.plan_with_draft`) sets the
-    recommendation."""
+    recommendation. ``draft`` "self": a self-derived draft (the target's own layers, all or ``draft_layers`` of
+    them), planned in nf4, q4, q3 and q2 (it is never 16-bit); the first that fits sets the recommendation."""
+    from specexec import layer_select
+    from specexec.loading import SELF_DRAFT
+
+    if draft_layers is not None and draft != SELF_DRAFT:
+        raise layer_select.needs_self_draft(draft_layers)
     cfg, source, why = model_config(spec, home)
     if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
     d_cfg = None
-    if draft is not None:
+    if draft == SELF_DRAFT:
+        d_cfg = replace(cfg, num_layers=layer_select.parse(draft_layers, cfg.num_layers).kept(cfg.num_layers))
+    elif draft is not None:
         d_cfg, _, d_why = model_config(draft, home)
         if d_cfg is None:
             return Recommendation(target=spec, present=False, note=f"draft {draft}: {d_why}", draft=draft)
@@ -435,7 +448,11 @@ def _recommend_gpu(
     h2d = gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS
     plan = None
     error: SpecexecError | None = None
-    for fmt in ("dense", "int8", "nf4") if d_cfg is not None else ("dense",):
+    from specexec.loading import SELF_DRAFT
+
+    self_draft = rec.draft == SELF_DRAFT
+    formats = ("nf4", "q4", "q3", "q2") if self_draft else ("dense", "int8", "nf4") if d_cfg is not None else ("dense",)
+    for fmt in formats:
         d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
         mem = sizes.engine_memory(cfg, d_cfg, context, 2, 2, tree, target_weights=0, draft_weights=d_bytes)
         others = mem.total - mem.weights - mem.step.logits - mem.step.target_activations
@@ -474,10 +491,12 @@ def _recommend_gpu(
             + (f"{o['resident_layers']} resident, {o['floor_s_per_pass']:.2f} s/pass" if o["fits"] else "does not fit")
             for o in rec.draft_options
         )
-        rec.notes.append(
-            f"draft {rec.draft} in {rec.draft_dtype} (what --draft-dtype auto loads: the first that fits); "
-            f"by draft precision: {alts}"
-        )
+        if self_draft:
+            what = f"self-derived draft ({d_cfg.num_layers} of {cfg.num_layers} layers) in {rec.draft_dtype}"
+            auto = "the first that fits; --draft-dtype auto loads nf4 on a GPU"
+        else:
+            what, auto = f"draft {rec.draft} in {rec.draft_dtype}", "what --draft-dtype auto loads: the first that fits"
+        rec.notes.append(f"{what} ({auto}); by draft precision: {alts}")
     rec.dtype = "nf4" if plan.fmt.kind == "nf4" else "bf16"
     rec.tier = plan.mode
     rec.resident_layers, rec.streamed_layers = len(plan.resident), len(plan.streamed)
@@ -509,6 +528,7 @@ def run_doctor(
     measure: bool = True,
     disk_dir: Path | None = None,
     home: Path | None = None,
+    draft_layers: str | None = None,
 ) -> DoctorReport:
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
     root (``--cache-dir``; default :func:`specexec.hub.cache_home`), where models are looked up and whose disk is
@@ -516,5 +536,5 @@ def run_doctor(
     from specexec import hub
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
-    rec = recommend(target, system, context, home, draft) if target else None
+    rec = recommend(target, system, context, home, draft, draft_layers) if target else None
     return DoctorReport(system=system, recommendation=rec)

@@ -293,3 +293,35 @@ def test_doctor_draft_that_never_fits(tmp_path):
 def test_doctor_draft_needs_a_target():
     result = CliRunner().invoke(app, ["doctor", "--draft", "x", "--disk-mb", "0"])
     assert result.exit_code == 2 and "--draft needs --target" in result.output
+
+
+def test_doctor_plans_a_self_derived_draft(tmp_path):
+    """doctor --draft self [--draft-layers]: the target's own layers planned in nf4, q4, q3, q2 (never 16-bit);
+    a whole 70B self draft does not fit at 24 GB (docs/BENCHMARKS.md), a quarter of its layers in q3 does, and
+    fewer layers leave more target layers resident."""
+    t = tmp_path / "t"
+    t.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    whole = recommend(str(t), _system(24, 256), context=4096, draft="self")
+    assert [o["draft_dtype"] for o in whole.draft_options] == ["nf4", "q4", "q3", "q2"]
+    assert whole.tier == "does-not-fit" and not any(o["fits"] for o in whole.draft_options)
+    part = recommend(str(t), _system(24, 256), context=4096, draft="self", draft_layers="20")
+    opts = {o["draft_dtype"]: o for o in part.draft_options}
+    assert all(o["fits"] for o in opts.values()) and part.draft_dtype == "nf4"
+    assert opts["q3"]["draft_gb"] == pytest.approx(8.13, abs=0.05)  # plan_partial_self_draft.json, 20 of 80 q3
+    assert opts["nf4"]["resident_layers"] < opts["q3"]["resident_layers"] < opts["q2"]["resident_layers"]
+    assert any("self-derived draft (20 of 80 layers) in nf4" in n for n in part.notes)
+    fewer = recommend(str(t), _system(24, 256), context=4096, draft="self", draft_layers="0.125")
+    assert fewer.resident_layers > part.resident_layers
+
+
+def test_doctor_draft_layers_need_a_self_draft(tmp_path):
+    t = tmp_path / "t"
+    t.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    for args, message in (
+        (["--draft", str(t), "--draft-layers", "0.5"], "--draft-layers 0.5: only a self-derived draft"),
+        (["--draft", "self", "--draft-layers", "many"], "--draft-layers many: not a number"),
+    ):
+        result = CliRunner().invoke(app, ["doctor", "--target", str(t), "--disk-mb", "0", "-q", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
