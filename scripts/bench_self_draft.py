@@ -55,8 +55,9 @@ def parse_draft(name: str) -> tuple[bool, str, bool, str | None]:
     """``self-<fmt>[@<layers>]`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined, layers); a q4/q3/q2
     name with an ``r`` suffix (``self-q2r``) asks for the refined quantization. ``@<layers>``: a partial self draft,
     the library's ``draft_layers`` spec (``@0.5``: half the layers by block influence, ``@0-13,27``) or an
-    experiment rule, ``@even:N`` (N layers evenly spaced, first and last kept) or ``@tail:N`` (the first N-1 and
-    the last: skip one block just before the end); ``self-fp32@...`` is a dense partial draft (isolates the skip).
+    experiment rule, ``@even:N`` (N layers evenly spaced, first and last kept), ``@tail:N`` (the first N-1 and
+    the last: skip one block just before the end) or ``@agree:N`` (greedy elimination by top-1 agreement with the
+    target on calibration text); ``self-fp32@...`` is a dense partial draft (isolates the skip).
     A bad name raises ``ValueError``."""
     name, _, layers = name.partition("@")
     self_draft, fmt = (True, name.removeprefix("self-")) if name.startswith("self") else (False, name)
@@ -83,7 +84,47 @@ def kept_layers(spec: str, target: Any, encode: Any) -> list[int] | None:
         return sorted({round(i * (L - 1) / (int(n) - 1)) for i in range(int(n))})
     if rule == "tail":
         return [*range(int(n) - 1), L - 1]
+    if rule == "agree":
+        return greedy_agreement(target, int(n), encode)
     return layer_select.resolve(layer_select.parse(spec, L), target, encode)
+
+
+def greedy_agreement(target: Any, n: int, encode: Any, tokens: int = 128) -> list[int]:
+    """Experiment rule ``agree:N``: drop layers one at a time, each time the one whose removal keeps the most
+    top-1 agreement with the whole target on the first ``tokens`` calibration tokens (the target's own layers,
+    shared, not copied)."""
+    from dataclasses import replace
+
+    import torch
+
+    from specexec import layer_select
+    from specexec.model import ResidentLayers, Transformer
+
+    ids = layer_select.calibration_tokens(encode, target.cfg.vocab_size)[:tokens]
+    T = len(ids)
+    x = torch.tensor(ids)
+    pos = torch.arange(T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    layers = target.layers.layers
+
+    def top1(keep: list[int]) -> torch.Tensor:
+        m = Transformer(
+            cfg=replace(target.cfg, num_layers=len(keep)),
+            globals=target.globals,
+            layers=ResidentLayers([layers[i] for i in keep]),
+            device=target.device,
+            dtype=target.dtype,
+        )
+        return m.forward(x, pos, pos, mask, m.new_cache(T)).argmax(-1)
+
+    want = top1(list(range(target.cfg.num_layers)))
+    keep = list(range(target.cfg.num_layers))
+    while len(keep) > n:
+        scores = {i: float((top1([j for j in keep if j != i]) == want).float().mean()) for i in keep}
+        drop = max(scores, key=lambda i: (scores[i], -i))
+        keep.remove(drop)
+        print(f"agree: dropped layer {drop} (agreement {scores[drop]:.3f}), {len(keep)} left", flush=True)
+    return keep
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -513,12 +513,12 @@ def test_bench_self_draft_names_and_smoke(tiny_pair, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4", "q4r"]
     # partial self drafts: a layer list (semicolon-separated names), the experiment rules, and the library's count
-    spec = "self-fp32@0,;self-q4@even:2;self-int8@tail:2;self-int8@1"
+    spec = "self-fp32@0,;self-q4@even:2;self-int8@tail:2;self-int8@1;self-fp32@agree:1"
     assert mod.main([*argv, "--budgets", "4", "--drafts", spec, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["all_exact"]
     layers = [c["layers"] for c in report["configs"]][::2]
-    assert layers[:3] == [[0], [0, 1], [0, 1]] and len(layers[3]) == 1
+    assert layers[:3] == [[0], [0, 1], [0, 1]] and len(layers[3]) == len(layers[4]) == 1
 
 
 def test_bench_draft_pass_names_and_smoke(tmp_path):
