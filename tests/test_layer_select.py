@@ -10,18 +10,20 @@ really skipped (the residual passes through) and that the kept layers keep their
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec import api, layer_select, memory, sizes
+from specexec import api, layer_select, sizes
 from specexec.cli import app
 from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import ConfigError
 from specexec.layer_select import LayerSpec, parse
 from specexec.loading import load_model, read_config
 from tests.conftest import make_tiny
+from tests.test_self_draft import _weight_bytes, assert_tree_and_chain_equal_ar, spy_check_engine
 
 CPU = torch.device("cpu")
 PROMPT = [5, 9, 17, 33, 4]
@@ -136,8 +138,6 @@ def test_keep_layers_must_be_ascending_and_in_range(six):
 
 def test_low_bit_partial_weight_bytes_are_exact(six):
     model = load_model(six, CPU, torch.float32, fmt="int8", keep_layers=[0, 2, 5])
-    from tests.test_self_draft import _weight_bytes
-
     cfg = read_config(six)
     assert _weight_bytes(model) == sizes.model_weight_bytes(
         cfg.__class__(**{**cfg.__dict__, "num_layers": 3}), "int8", 4
@@ -167,11 +167,7 @@ def test_partial_self_draft_greedy_equals_ar(six, layers, kept):
             dense = engine.target.layers.layers[i]["w2"]
             deq = d.model.layers.layers[j]["w2"].dequantize(torch.float32)
             assert (deq - dense).abs().max() <= 0.05 * dense.abs().max() + 1e-6
-    want = engine.generate(PROMPT, 30, method="ar").tokens
-    assert len(want) >= 10
-    tree = engine.generate(PROMPT, 30, method="specexec", tree=TreeConfig(budget=8, early_stop=False))
-    chain = engine.generate(PROMPT, 30, method="chain", chain=ChainConfig(gamma=4))
-    assert tree.tokens == want and chain.tokens == want
+    assert_tree_and_chain_equal_ar(engine, 30)
 
 
 def test_a_fraction_skips_the_identity_layer_and_keeps_the_target_exactly(six):
@@ -187,17 +183,9 @@ def test_a_fraction_skips_the_identity_layer_and_keeps_the_target_exactly(six):
 
 
 def test_load_charges_the_partial_draft(six, monkeypatch):
-    seen = {}
-    real = memory.check_engine
-
-    def spy(*args, **kw):
-        seen.update(draft_cfg=args[1], draft_weights=kw["draft_weights"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(memory, "check_engine", spy)
+    seen = spy_check_engine(monkeypatch)
     _engine(six, "0-1,5")
-    cfg = read_config(six)
-    part = cfg.__class__(**{**cfg.__dict__, "num_layers": 3})
+    part = replace(read_config(six), num_layers=3)
     assert seen["draft_cfg"] == part  # its KV cache and buffers are sized for 3 layers
     assert seen["draft_weights"] == sizes.model_weight_bytes(part, "int8", 4) + sizes.stored_weights(six).largest * 4
 

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from specexec import api, sizes
 from specexec.cli import app
-from specexec.config import ChainConfig, TreeConfig
+from specexec.config import TreeConfig
 from specexec.engine import Engine
 from specexec.groupquant import GroupQuantLinear, dequantize_resident, pack_codes, unpack_codes
 from specexec.loading import draft_format, load_model, load_tokenizer, read_config
 from specexec.model import SubsetHead
-from tests.test_self_draft import _weight_bytes
+from tests.test_self_draft import _weight_bytes, assert_tree_and_chain_equal_ar
 
 CPU = torch.device("cpu")
 PROMPT = [5, 9, 17, 33, 4]
@@ -112,11 +112,7 @@ def test_dequantize_resident_keeps_the_outputs(tiny_models):
 def test_low_bit_self_draft_greedy_equals_ar(tiny_models, family, fmt):
     engine = api.load(str(tiny_models[family]), "self", device="cpu", dtype="fp32", draft_dtype=fmt, context=256)
     assert isinstance(engine.draft.layers.layers[0]["wqkv"], GroupQuantLinear)
-    want = engine.generate(PROMPT, 32, method="ar").tokens
-    assert len(want) >= 10
-    tree = engine.generate(PROMPT, 32, method="specexec", tree=TreeConfig(budget=8, early_stop=False))
-    chain = engine.generate(PROMPT, 32, method="chain", chain=ChainConfig(gamma=4))
-    assert tree.tokens == want and chain.tokens == want
+    assert_tree_and_chain_equal_ar(engine, 32)
 
 
 def test_separate_draft_in_q4_with_a_reduced_head(tiny_pair):

@@ -99,15 +99,35 @@ def test_self_draft_refuses_a_dense_dtype(tiny_models):
 # ---------------------------------------------------------------------------------------------- exactness
 
 
+def assert_tree_and_chain_equal_ar(engine, n: int):
+    """Greedy SpecExec (budget 8, no early stop) and a chain of 4 both give the target's AR tokens (at least 10:
+    EOS may end a run early); returns the tree run's result."""
+    want = engine.generate(PROMPT, n, method="ar").tokens
+    assert len(want) >= 10
+    tree = engine.generate(PROMPT, n, method="specexec", tree=TreeConfig(budget=8, early_stop=False))
+    chain = engine.generate(PROMPT, n, method="chain", chain=ChainConfig(gamma=4))
+    assert tree.tokens == want and chain.tokens == want
+    return tree
+
+
+def spy_check_engine(monkeypatch) -> dict:
+    """Record what api.load passes to memory.check_engine (the draft's config, itemsize and weight bytes)."""
+    seen: dict = {}
+    real = memory.check_engine
+
+    def spy(*args, **kw):
+        seen.update(draft_cfg=args[1], draft_itemsize=args[5], draft_weights=kw["draft_weights"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(memory, "check_engine", spy)
+    return seen
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama_tied", "llama3"])
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_self_draft_greedy_equals_ar(tiny_models, family, fmt):
     engine = _engine(tiny_models[family], fmt)
-    want = engine.generate(PROMPT, 40, method="ar").tokens
-    assert len(want) >= 10  # EOS may end it early
-    tree = engine.generate(PROMPT, 40, method="specexec", tree=TreeConfig(budget=8, early_stop=False))
-    chain = engine.generate(PROMPT, 40, method="chain", chain=ChainConfig(gamma=4))
-    assert tree.tokens == want and chain.tokens == want
+    tree = assert_tree_and_chain_equal_ar(engine, 40)
     # the draft is the target up to quantization: it is right far more often than a random model would be
     assert tree.stats.tokens_per_step > 1.5
 
@@ -140,14 +160,7 @@ def test_low_bit_weight_bytes_are_exact(tiny_models, family, fmt):
 
 def test_load_checks_the_low_bit_bytes_and_the_compute_dtype_kv(tiny_models, monkeypatch):
     """api.load charges the draft's int8 bytes (not fp32 ones) and sizes its KV cache at the compute dtype."""
-    seen = {}
-    real = memory.check_engine
-
-    def spy(*args, **kw):
-        seen.update(draft_itemsize=args[5], draft_weights=kw["draft_weights"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(memory, "check_engine", spy)
+    seen = spy_check_engine(monkeypatch)
     path = tiny_models["qwen2"]
     cfg = read_config(path)
     engine = _engine(path)
