@@ -79,8 +79,10 @@ def parse(spec: str | None, num_layers: int) -> LayerSpec:
             n = min(num_layers, max(MIN_KEPT, round(f * num_layers)))
         else:
             n = int(f)
-            if not 1 <= n <= num_layers:
-                raise bad(f"a number of layers must be in 1..{num_layers}")
+            if not 1 <= n <= num_layers:  # (before the target is known, num_layers is MAX_LAYERS: say >= 1)
+                raise bad(
+                    f"a number of layers must be in 1..{num_layers}" if num_layers < MAX_LAYERS else "must be >= 1"
+                )
         return LayerSpec() if n == num_layers else LayerSpec(count=n)
     idx: set[int] = set()
     for part in filter(None, text.split(",")):
