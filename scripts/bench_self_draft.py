@@ -51,26 +51,32 @@ PROMPTS = {
 }
 
 
-def parse_draft(name: str) -> tuple[bool, str, bool, str | None]:
-    """``self-<fmt>[@<layers>]`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined, layers); a q4/q3/q2
+def parse_draft(name: str) -> tuple[bool, str, bool, str | None, bool]:
+    """``self-<fmt>[@<layers>][/own]`` / ``self`` / ``<fmt>`` -> (self-derived, weight format, refined, layers,
+    shared prefix); a q4/q3/q2
     name with an ``r`` suffix (``self-q2r``) asks for the refined quantization. ``@<layers>``: a partial self draft,
     the library's ``draft_layers`` spec (``@0.5``: half the layers by block influence, ``@0-13,27``) or an
     experiment rule, ``@even:N`` (N layers evenly spaced, first and last kept), ``@tail:N`` (the first N-1 and
     the last: skip one block just before the end) or ``@agree:N`` (greedy elimination by top-1 agreement with the
-    target on calibration text); ``self-fp32@...`` is a dense partial draft (isolates the skip).
+    target on calibration text); ``self-fp32@...`` is a dense partial draft (isolates the skip). A self draft reads
+    the target's KV prefix (:class:`specexec.propose.draft_model.TargetPrefix`, the library's default) unless
+    ``/own`` ends its name: then it computes its own prefix (how every draft worked before).
     A bad name raises ``ValueError``."""
+    full = name
+    name, _, opt = name.partition("/")
     name, _, layers = name.partition("@")
     self_draft, fmt = (True, name.removeprefix("self-")) if name.startswith("self") else (False, name)
     if name == "self":
         fmt = "int8"
     refine = fmt in REFINED
     fmt = fmt.removesuffix("r") if refine else fmt
-    if fmt not in FORMATS or (self_draft and fmt == "fp32" and not layers) or (layers and not self_draft):
+    bad_opt = opt not in ("", "own") or (opt and not self_draft)
+    if fmt not in FORMATS or (self_draft and fmt == "fp32" and not layers) or (layers and not self_draft) or bad_opt:
         raise ValueError(
-            f"unknown draft {name!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r>[@layers], self-fp32@layers or "
-            f"<{'|'.join(FORMATS)}>"
+            f"unknown draft {full!r}: self-<int8|nf4|q4|q3|q2|q4r|q3r|q2r>[@layers][/own], self-fp32@layers[/own] "
+            f"or <{'|'.join(FORMATS)}>"
         )
-    return self_draft, fmt, refine, layers or None
+    return self_draft, fmt, refine, layers or None, self_draft and opt != "own"
 
 
 def kept_layers(spec: str, target: Any, encode: Any) -> list[int] | None:
@@ -138,8 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--drafts",
         default=DEFAULT_DRAFTS,
-        help="comma-separated (semicolons when a layer list has commas): self-<int8|nf4|q4|q3|q2>[@layers], "
-        "self-fp32@layers and <fp32|int8|...>",
+        help="comma-separated (semicolons when a layer list has commas): self-<int8|nf4|q4|q3|q2>[@layers][/own], "
+        "self-fp32@layers[/own] and <fp32|int8|...> (/own: the self draft computes its own KV prefix)",
     )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = p.parse_args(argv)
@@ -181,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_path = model_dir(hub.resolve(args.target, progress=False))
     d_path = model_dir(hub.resolve(args.draft, progress=False))
     encode = engine.encode
-    for name, self_draft, fmt, refine, layers in args.draft_list:
+    for name, self_draft, fmt, refine, layers, share in args.draft_list:
         del engine
         gc.collect()
         path = t_path if self_draft else d_path
@@ -190,11 +196,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             path, cpu, torch.float32, fmt="dense" if fmt == "fp32" else fmt, refine=refine, keep_layers=keep
         )
         dequantize_resident(draft)  # nf4 / q*: the same outputs, without dequantizing every pass
-        engine = Engine(target, tok, draft, context=ctx)
+        if self_draft:  # its layer i is the target's layer keep[i] (what api.load records for draft="self")
+            draft.source_layers = tuple(keep) if keep is not None else tuple(range(target.cfg.num_layers))
+        engine = Engine(target, tok, draft, context=ctx, share_prefix=share)
         fmt_name = f"{fmt} refined" if refine else fmt
         label = f"self ({args.target} in {fmt_name})" if self_draft else f"{args.draft} {fmt_name}"
         if keep is not None:
             label += f", layers {keep} ({len(keep)} of {target.cfg.num_layers})"
+        if self_draft:
+            label += ", the target's KV prefix" if share else ", its own KV prefix"
         methods: list[tuple[str, dict[str, Any]]] = [
             (f"specexec b={b}", dict(method="specexec", tree=TreeConfig(budget=b, early_stop=False))) for b in budgets
         ]
@@ -218,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"draft": name, "label": label, "method": mname, "per_prompt": per_prompt}
             if keep is not None:
                 row["layers"] = keep
+            if self_draft:
+                row["shared_prefix"] = share
             for kind in ("code", "prose", "all"):
                 sel = [q for q in per_prompt if kind in ("all", q["kind"])]
                 row[f"tokens_per_step_{kind}"] = sum(q["tokens"] for q in sel) / max(1, sum(q["steps"] for q in sel))

@@ -55,6 +55,7 @@ def load(
     cache_dir: str | Path | None = None,
     draft_vocab: int | None = None,
     draft_layers: str | None = None,
+    share_prefix: bool = True,
 ) -> Engine:
     """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
 
@@ -68,9 +69,11 @@ def load(
 
     ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
     low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
-    target. No second model or tokenizer (the tokenizers trivially match). It shares no weights and no KV prefix
-    with the target: like every draft it keeps its own KV cache (sized and checked like any draft's), and its
-    weight bytes are counted in its low-bit format. ``draft_layers`` (self-derived drafts only): a *partial* self
+    target. No second model or tokenizer (the tokenizers trivially match). It shares no weights with the target;
+    it shares the KV prefix: the committed tokens' keys/values are copied from the target's cache after each step
+    instead of computed by the draft (``share_prefix``; False: it computes its own, for comparisons). It still
+    keeps its own KV cache (sized and checked like any draft's) for its tree nodes, and its weight bytes are
+    counted in its low-bit format. ``draft_layers`` (self-derived drafts only): a *partial* self
     draft that keeps some of the target's layers and skips the rest (``all``, a number ``40``, a fraction ``0.5``
     -- chosen by their influence on a calibration text, measured on the target at load -- or indices
     ``0-11,20``; :mod:`specexec.layer_select`); its weights and KV cache shrink with the layers it keeps.
@@ -165,10 +168,18 @@ def load(
         what = "self-derived draft (the target's weights)" if self_draft else f"draft {d_path.name}"
         log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, d_fmt, (d_weights or 0) / 1e9, d_dt)
         d_model = _load(d_path, dev, d_dt, fmt=d_fmt, head_ids=head, keep_layers=keep)
+        if self_draft:  # its layer i is the target's layer keep[i]: it can read the target's prefix
+            d_model.source_layers = tuple(keep) if keep is not None else tuple(range(t_cfg.num_layers))
     if t_model is None:
         t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
     return Engine(
-        t_model, t_tok, d_model, context=context, tree=tree, calibration_dir=hub.cache_home(cache_dir) / "calibration"
+        t_model,
+        t_tok,
+        d_model,
+        context=context,
+        tree=tree,
+        calibration_dir=hub.cache_home(cache_dir) / "calibration",
+        share_prefix=share_prefix,
     )
 
 

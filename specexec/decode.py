@@ -123,6 +123,11 @@ class TargetState:
         self.t_len = _lcp(self.seq[: self.t_len], ids[:-1])
         self.seq = list(ids)
 
+    def held(self, seq: list[int]) -> int:
+        """How many leading tokens of ``seq[:-1]`` the target cache holds (a shared-prefix draft copies them)."""
+        k = min(self.t_len, len(seq) - 1)
+        return k if self.seq[:k] == seq[:k] else _lcp(self.seq[:k], seq[:k])
+
     def prefill(self) -> int:
         """Process the committed tokens the target cache lacks (all but the pending one). Returns how many."""
         n = self.n
@@ -192,8 +197,8 @@ def decode(
     gen = make_generator(samp, dev)
     seed = int(gen.initial_seed()) if gen is not None else None  # keys the walk's noise (and coupled drafts)
     t0 = time.perf_counter()
+    stats.prefill_tokens = state.prefill()  # first: a self-derived draft may take the prefix from the target
     proposer.begin(state.seq)
-    stats.prefill_tokens = state.prefill()
     sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))

@@ -37,7 +37,16 @@ from specexec.decode import Cancelled, OnStep, Stats, StepInfo, TargetState, dec
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
 from specexec.model import Transformer
-from specexec.propose import ChainDraft, DraftModel, NGramConfig, NGramDraft, NoDraft, Proposer, TreeDraft
+from specexec.propose import (
+    ChainDraft,
+    DraftModel,
+    NGramConfig,
+    NGramDraft,
+    NoDraft,
+    Proposer,
+    TargetPrefix,
+    TreeDraft,
+)
 from specexec.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 
 log = logging.getLogger(__name__)
@@ -166,6 +175,20 @@ class Generation:
         )
 
 
+def shared_layers(target: Transformer, draft: Transformer | None) -> tuple[int, ...] | None:
+    """The target layer of each of ``draft``'s layers when it is derived from ``target`` and can read the target's
+    keys/values as its own (same KV heads, head size and device); else None."""
+    if draft is None or draft.source_layers is None:
+        return None
+    t, d = target.cfg, draft.cfg
+    src = draft.source_layers
+    if len(src) != d.num_layers or (src and max(src) >= t.num_layers):
+        return None
+    if (t.num_kv_heads, t.head_dim) != (d.num_kv_heads, d.head_dim) or target.device != draft.device:
+        return None
+    return src
+
+
 class Engine:
     """A loaded target (+ optional draft) that generates many times, reusing its KV caches.
 
@@ -173,6 +196,9 @@ class Engine:
     passes of up to ``static_rows`` tokens padded to static shapes (CUDA graphs on a GPU); None = on CUDA only.
     ``calibration_dir``: where the auto budget's cost calibration is cached per machine and model pair (None:
     not cached); a cached calibration is reused at the next start and redone when measured costs drift from it.
+    ``share_prefix``: a self-derived draft (``draft.source_layers`` set) takes its committed prefix's keys/values
+    from the target's cache instead of computing its own (:class:`~specexec.propose.draft_model.TargetPrefix`);
+    False: it computes them (for comparisons). Other drafts always compute their own.
     """
 
     def __init__(
@@ -185,6 +211,7 @@ class Engine:
         static_draft: bool | None = None,
         static_rows: int = 128,
         calibration_dir: Path | None = None,
+        share_prefix: bool = True,
     ) -> None:
         if context > target.cfg.max_position_embeddings:
             log.warning(
@@ -203,6 +230,7 @@ class Engine:
         self._verify: VerifyCosts | None = None
         self._static = (static_draft, static_rows)
         self.calibration_dir = calibration_dir
+        self.share_prefix = share_prefix and shared_layers(target, draft) is not None
         self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
 
     # -- read-only views (tests, tools) ---------------------------------------------------------------------------
@@ -238,6 +266,10 @@ class Engine:
                 static=self._static[0],
                 static_rows=self._static[1],
             )
+            layers = shared_layers(self.target, self.draft)
+            if self.share_prefix and layers is not None:
+                state = self.state
+                self.draft_model.share_prefix(TargetPrefix(state.cache, layers, state.held))
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""

@@ -402,6 +402,9 @@ class Transformer:
     layers: LayerProvider
     device: torch.device
     dtype: torch.dtype
+    # a self-derived draft: the target layer each of its layers is (None: not derived from the target); lets it
+    # take its committed prefix's keys/values from the target (``DraftModel.share_prefix``)
+    source_layers: tuple[int, ...] | None = None
     inv_freq: Tensor = field(init=False)
 
     def __post_init__(self) -> None:

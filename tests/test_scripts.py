@@ -493,25 +493,23 @@ def test_plan_self_draft_table(tmp_path):
 def test_bench_self_draft_names_and_smoke(tiny_pair, tmp_path, capsys):
     """scripts/bench_self_draft.py: draft names parse (bad ones refused), and a tiny run is exact for every draft."""
     mod = script("bench_self_draft")
-    assert mod.parse_draft("self") == (True, "int8", False, None)
-    assert mod.parse_draft("self-q2") == (True, "q2", False, None)
-    assert mod.parse_draft("fp32") == (False, "fp32", False, None) and mod.parse_draft("q3r") == (
-        False,
-        "q3",
-        True,
-        None,
-    )
-    assert mod.parse_draft("self-fp32@even:3") == (True, "fp32", False, "even:3")
-    assert mod.parse_draft("self-q4@0-1,5") == (True, "q4", False, "0-1,5")
-    for bad in ("self-fp32", "q5", "self-", "self-int8r", "int8@0.5"):
+    assert mod.parse_draft("self") == (True, "int8", False, None, True)
+    assert mod.parse_draft("self-q2") == (True, "q2", False, None, True)
+    assert mod.parse_draft("self-q2/own") == (True, "q2", False, None, False)
+    assert mod.parse_draft("fp32") == (False, "fp32", False, None, False)
+    assert mod.parse_draft("q3r") == (False, "q3", True, None, False)
+    assert mod.parse_draft("self-fp32@even:3") == (True, "fp32", False, "even:3", True)
+    assert mod.parse_draft("self-q4@0-1,5/own") == (True, "q4", False, "0-1,5", False)
+    for bad in ("self-fp32", "q5", "self-", "self-int8r", "int8@0.5", "int8/own", "self-q4/mine"):
         with pytest.raises(ValueError, match="unknown draft"):
             mod.parse_draft(bad)
     target, draft = tiny_pair
     out = tmp_path / "b.json"
     argv = ["--target", str(target), "--draft", str(draft), "--num-prompts", "1", "--max-new-tokens", "8"]
-    assert mod.main([*argv, "--budgets", "4", "--drafts", "self-q2,self-nf4,q4r", "--out", str(out)]) == 0
+    assert mod.main([*argv, "--budgets", "4", "--drafts", "self-q2,self-nf4/own,q4r", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4", "q4r"]
+    assert report["all_exact"] and [c["draft"] for c in report["configs"]][::2] == ["self-q2", "self-nf4/own", "q4r"]
+    assert [c.get("shared_prefix") for c in report["configs"]][::2] == [True, False, None]
     # partial self drafts: a layer list (semicolon-separated names), the experiment rules, and the library's count
     spec = "self-fp32@0,;self-q4@even:2;self-int8@tail:2;self-int8@1;self-fp32@agree:1"
     assert mod.main([*argv, "--budgets", "4", "--drafts", spec, "--out", str(out)]) == 0

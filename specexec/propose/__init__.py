@@ -37,7 +37,7 @@ Every proposal is verified exactly, so a proposer can only change speed, never t
 
 from specexec.propose.base import Proposal, Proposer, StepContext
 from specexec.propose.chain import ChainDraft
-from specexec.propose.draft_model import DraftModel
+from specexec.propose.draft_model import DraftModel, TargetPrefix
 from specexec.propose.ngram import NGramConfig, NGramDraft
 from specexec.propose.nodraft import NoDraft
 from specexec.propose.tree import GrowCost, TreeDraft
@@ -52,5 +52,6 @@ __all__ = [
     "Proposal",
     "Proposer",
     "StepContext",
+    "TargetPrefix",
     "TreeDraft",
 ]

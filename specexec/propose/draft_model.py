@@ -8,9 +8,19 @@ Subtree reuse (:class:`~specexec.propose.tree.TreeDraft`): :meth:`commit` may al
 subtree (its root = the next pending token, then its expanded nodes) to slots n', n'+1, ... right behind the new
 committed prefix, so the next tree starts from them without a draft pass. ``epoch`` counts every change of the
 cache by anything else, so a proposer can tell that the entries it left behind are still there.
+
+A self-derived draft (the target's own layers in low bit, all or some) may take its committed prefix's keys/values
+from the target (:class:`TargetPrefix`, :meth:`DraftModel.share_prefix`): the target computed them anyway, at
+full precision and from the full-depth residual stream, so the draft reads the context exactly as the target does
+and never runs the prompt or an accepted token itself. After each step the entries of the newly committed tokens
+are copied from the target's cache (their own layers; a partial draft's layer i is the target's layer
+``layers[i]``); the draft still writes its tree nodes into its own cache, so its tree slots never collide with
+the target's. What the draft proposes changes; the output never does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -27,6 +37,28 @@ def _lcp(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+class TargetPrefix:
+    """The target's KV cache as the source of a self-derived draft's committed prefix.
+
+    ``layers``: the target layer of each draft layer (a partial self draft keeps some); ``held(seq)``: how many of
+    ``seq[:-1]``'s leading tokens the target's cache holds (its committed prefix in common with ``seq``)."""
+
+    def __init__(self, cache: KVCache, layers: Sequence[int], held: Callable[[list[int]], int]) -> None:
+        self.cache = cache
+        n = cache.k.shape[0]
+        self.layers: slice | Tensor = (
+            slice(None) if list(layers) == list(range(n)) else torch.tensor(list(layers), device=cache.k.device)
+        )
+        self.held = held
+        self.copied = 0  # committed tokens whose entries came from the target (all generations)
+
+    def copy_into(self, cache: KVCache, lo: int, hi: int) -> None:
+        """Slots [lo, hi) of every draft layer from the target's (cast to the draft's dtype)."""
+        cache.k[:, :, lo:hi] = self.cache.k[self.layers, :, lo:hi]
+        cache.v[:, :, lo:hi] = self.cache.v[self.layers, :, lo:hi]
+        self.copied += hi - lo
 
 
 class DraftModel:
@@ -53,6 +85,21 @@ class DraftModel:
         self.background_levels: int | None = None
         use = model.device.type == "cuda" if static is None else static
         self.static = StaticPasses(model, self.cache, static_rows) if use else None
+        self.prefix: TargetPrefix | None = None  # see :meth:`share_prefix`
+
+    def share_prefix(self, source: TargetPrefix | None) -> None:
+        """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).
+
+        The caller must run the target over each committed token before the draft needs it: the decode loop
+        prefills the target first and commits it before the proposer."""
+        if source is not None:
+            t = source.cache
+            if (t.k.shape[1], t.k.shape[3]) != (self.cache.k.shape[1], self.cache.k.shape[3]):
+                raise ValueError("the target's KV heads / head size differ from the draft's: no shared prefix")
+            if t.k.device != self.cache.k.device:
+                raise ValueError("the target's KV cache is on another device than the draft's")
+        self.prefix = source
+        self.reset()
 
     @property
     def device(self) -> torch.device:
@@ -98,9 +145,22 @@ class DraftModel:
             self.epoch += 1
             del self._tokens[keep:]
 
+    def _adopt(self, seq: list[int]) -> None:
+        """Shared prefix: take the entries of the committed tokens the target holds beyond this cache's prefix."""
+        if self.prefix is None:
+            return
+        m = self.length
+        k = min(self.prefix.held(seq), len(seq) - 1)
+        if k > m:
+            self.epoch += 1
+            self.prefix.copy_into(self.cache, m, k)
+            self._tokens = list(seq[:k])
+
     def prefill(self, seq: list[int]) -> None:
-        """Process every committed token except the pending last one."""
+        """Process every committed token except the pending last one (those the target holds are copied from it
+        when the prefix is shared)."""
         self.keep_prefix(seq)
+        self._adopt(seq)
         m, n = self.length, len(seq) - 1
         if m >= n:
             return
@@ -119,6 +179,7 @@ class DraftModel:
         Afterwards seq[:n] is committed in the cache and the root's keys/values sit at slot n (uncommitted).
         """
         self.keep_prefix(seq)
+        self._adopt(seq)
         self.epoch += 1
         m, n = self.length, len(seq) - 1
         dev = self.device
@@ -138,9 +199,22 @@ class DraftModel:
         behind the new prefix, to slots n', n'+1, ... (n' = len(seq) - 1). Only done when every path node was run
         and the path's tokens are all committed (no cut at EOS / the limit): then returns True, else False (the
         carried entries are dropped). One gather, so overlapping sources and destinations are safe.
+
+        Shared prefix (:meth:`share_prefix`): the committed tokens' entries come from the target instead (the
+        path's draft entries are not moved), so the carried subtree moves whenever the path's tokens were
+        committed whole, whether or not the draft ran every path node.
         """
         self.epoch += 1
         n = self.length
+        if self.prefix is not None:
+            new_len = min(self.prefix.held(seq), len(seq) - 1)
+            move = carry is not None and len(carry) > 0 and n + len(slots) == len(seq) - 1 == new_len
+            if move and carry is not None:  # before the prefix copy: the sources may lie in [n, new_len)
+                self.cache.compact(torch.tensor(carry, dtype=torch.long), new_len)
+            if new_len > n:
+                self.prefix.copy_into(self.cache, n, new_len)
+            self._tokens = list(seq[:new_len])
+            return move
         kept: list[int] = []
         for s in slots:
             if s < 0:
