@@ -266,10 +266,22 @@ class Engine:
                 static=self._static[0],
                 static_rows=self._static[1],
             )
-            layers = shared_layers(self.target, self.draft)
-            if self.share_prefix and layers is not None:
-                state = self.state
-                self.draft_model.share_prefix(TargetPrefix(state.cache, layers, state.held))
+            self._link_prefix()
+
+    def _link_prefix(self) -> None:
+        """Point the draft at the target's cache for its committed prefix (``share_prefix``), or unlink it."""
+        if self.draft_model is None or self.state is None:
+            return
+        layers = shared_layers(self.target, self.draft)
+        on = self.share_prefix and layers is not None
+        state = self.state
+        self.draft_model.share_prefix(TargetPrefix(state.cache, layers, state.held) if on and layers else None)
+
+    def set_share_prefix(self, on: bool) -> None:
+        """Turn the self-derived draft's shared KV prefix on or off (it stays off for a draft that cannot share);
+        the draft's cached prefix is dropped either way."""
+        self.share_prefix = on and shared_layers(self.target, self.draft) is not None
+        self._link_prefix()
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""

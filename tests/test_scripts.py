@@ -538,3 +538,20 @@ def test_bench_draft_pass_names_and_smoke(tmp_path):
     ]
     assert runs[-1]["layers"] == 2 and all(r["pass_s"] > 0 and r["weight_gb"] > 0 for r in runs)
     assert runs[-1]["weight_gb"] < runs[0]["weight_gb"]  # 2 layers at 2 bits weigh less than 4 dense ones
+
+
+def test_bench_shared_prefix_smoke(tiny_models, tmp_path):
+    """scripts/bench_shared_prefix.py: both settings per prompt length, every output equal to the target's AR."""
+    out = tmp_path / "sp.json"
+    argv = ["--target", str(tiny_models["qwen2"]), "--prompt-tokens", "16,40", "--new-tokens", "6", "--out", str(out)]
+    assert script("bench_shared_prefix").main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["all_exact"] and [(r["kind"], r["prompt_tokens"]) for r in rep["rows"]] == [
+        ("code-random", 16),  # the test tokenizer reads none of the source: pseudo-random ids
+        ("code-random", 40),
+        ("prose-random", 16),
+        ("prose-random", 40),
+    ]
+    assert all(r["shared"]["prefill_s"] > 0 and r["own"]["ttft_s"] > 0 for r in rep["rows"])
+    with pytest.raises(SystemExit):
+        script("bench_shared_prefix").parse_args(["--prompt-tokens", "1,x"])

@@ -63,9 +63,19 @@ def test_only_a_self_derived_draft_shares_and_it_can_be_turned_off(tiny_models, 
     assert whole.share_prefix and whole.draft_model.prefix is not None
     off = _self(tiny_models["qwen2"], share=False)
     assert not off.share_prefix and off.draft_model.prefix is None
+    want = off.generate(PROMPT, 20, method="ar").tokens
+    assert off.generate(PROMPT, 20, method="specexec", tree=DEEP).tokens == want
+    off.set_share_prefix(True)  # turned on (and off) on a loaded engine
+    assert off.share_prefix and off.draft_model.prefix is not None
+    assert off.generate(PROMPT, 20, method="specexec", tree=DEEP).tokens == want
+    assert_prefix_is_the_targets(off)
+    off.set_share_prefix(False)
+    assert off.draft_model.prefix is None and off.draft_model.length == 0
     separate = api.load(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", dtype="fp32", context=64)
     assert separate.draft.source_layers is None and separate.draft_model.prefix is None
     assert shared_layers(separate.target, separate.draft) is None
+    separate.set_share_prefix(True)  # a separate draft cannot share: stays off
+    assert not separate.share_prefix and separate.draft_model.prefix is None
 
 
 @pytest.mark.parametrize("which", ["whole", "partial"])
