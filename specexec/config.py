@@ -52,7 +52,8 @@ class TreeConfig:
     # each draft pass by the open nodes and compacts the tree every level (several host reads a level; measured,
     # the default); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a
     # level late, so the host never waits for the pass it just launched (one pass over padding rows at the end).
-    # The fixed-width modes exist for GPUs (no early stop there); their speed is not measured yet.
+    # The fixed-width modes exist for GPUs (early stop as configured, decided on values read with each level's count);
+    # their speed is not measured yet.
     grow: str = "dynamic"
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted

@@ -144,6 +144,50 @@ def test_fixed_levels_read_the_device_once_per_level(drafts):
     assert per_level["dynamic"] >= 3, per_level
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
+    """The cost-based early stop: "static" stops at the same level as the dynamic growth with the same costs (the
+    same tree, passes and flag) with still one device read a level; "ahead" decides a level late, so it runs at
+    most one pass more. Costs from cheap to dear passes, so some growths stop early and some do not."""
+    from specexec.propose import GrowCost
+
+    model = drafts[family]
+    stopped = []
+    for seq in PROMPTS:
+        for budget, beams in ((24, 4), (64, 8)):
+            for pass_s in (0.0, 0.001, 0.01, 0.05):  # 0: never worth stopping
+                cost = GrowCost(pass_s=pass_s, target_s=0.05)
+                base = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=16, early_stop=True)
+                td = TreeDraft(DraftModel(model, 512), base)
+                td.draft.prefill(seq)
+                ref, ref_passes, ref_log, ref_stop = td.grow(seq, base, cost=cost)
+                stopped.append(ref_stop)
+                for mode in MODES:
+                    where = (family, seq, budget, beams, pass_s, mode)
+                    cfg = replace(base, grow=mode)
+                    td = TreeDraft(DraftModel(model, 512), cfg)
+                    td.draft.prefill(seq)
+                    td.grow(seq, cfg, cost=cost)  # warm (the counted run's cache state is the same)
+                    with _count_device_reads() as n:
+                        tree, passes, log, stop = td.grow(seq, cfg, cost=cost)
+                    if mode == "static":
+                        _same_tree(ref, tree, where)
+                        assert (passes, log, stop) == (ref_passes, ref_log, ref_stop), where
+                        # E and U ride with each level's count: as many reads as the same levels without the
+                        # stop, plus the read of the level it stopped at
+                        plain = replace(cfg, early_stop=False, max_depth=passes)
+                        td = TreeDraft(DraftModel(model, 512), plain)
+                        td.draft.prefill(seq)
+                        td.grow(seq, plain)
+                        with _count_device_reads() as m:
+                            assert td.grow(seq, plain)[1] == passes
+                        assert n[0] <= m[0] + 1, where
+                    else:
+                        assert passes in (ref_passes, ref_passes + 1) and stop == ref_stop, where
+                        assert log[: len(ref_log)] == ref_log, where
+    assert any(stopped) and not all(stopped), stopped
+
+
 # -- exactness through the engine --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines(noisy_pairs):
@@ -159,12 +203,15 @@ def test_fixed_growth_greedy_equals_ar(engines):
             e.reset()
             ref = e.generate(ids, 40, method="ar").tokens
             for mode in MODES:
-                for budget, beams, reuse in ((4, 2, False), (16, 8, True), (64, 4, True)):
+                # early stop off: growth runs deep enough to leave carried subtrees; on (a CPU's default): the
+                # stop decided on the values read with each level's count
+                for budget, beams, reuse, early in ((4, 2, False, None), (16, 8, True, False), (64, 4, True, None)):
                     for ngram in (None, NGramConfig()):
                         n = 40 if ngram is None else 13
                         tree = TreeConfig(
-                            budget=budget, max_beams=beams, max_depth=16, max_branch=8, reuse=reuse, grow=mode
-                        )
+                            budget=budget, max_beams=beams, max_depth=16, max_branch=8, reuse=reuse, grow=mode,
+                            early_stop=early,
+                        )  # fmt: skip
                         e.reset()
                         r = e.generate(ids, n, method="specexec", tree=tree, ngram=ngram)
                         assert r.tokens == ref[:n], (family, ids, mode, budget, beams, reuse, ngram)

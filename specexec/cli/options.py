@@ -261,8 +261,8 @@ def grow() -> Any:
         "--grow",
         help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
         "open nodes (default); static: fixed-width levels, one device read a level; ahead: fixed-width levels, the "
-        "host queues the next level while the GPU runs this one. The fixed-width modes are meant for GPUs and have "
-        "no early stop.",
+        "host queues the next level while the GPU runs this one. The fixed-width modes are meant for GPUs; their "
+        "early stop (--early-stop) reads its numbers with each level's count, ahead one level late.",
     )
 
 

@@ -21,7 +21,9 @@ the attention span. "static" reads it before the level's pass (the host waits fo
 wasted). "ahead" reads the previous level's count through a pinned buffer and an event, so the host queues level
 l+1 while the GPU runs pass l; when growth ends, one pass over padding rows has run for nothing. The result is
 compacted once, at the end, into the same trees (node order included) as the dynamic growth; draft slots may
-differ. The cost-based early stop (a CPU policy) is not applied here.
+differ. The cost-based early stop (``TreeConfig.early_stop``, the dynamic growth's rule: one more pass only while
+its beams' mass U can pay for it, given E and the step's costs) is decided on E and U read with the level's count,
+in the same transfer; "ahead" decides it a level late (one pass more than "static" at most).
 
 Overlapped growth (``TreeConfig.overlap``): :meth:`FixedGrowth.extend` runs more levels that read nothing at all
 (each level's span is bounded by W more slots), so the host can queue them on a side CUDA stream and go straight on
@@ -54,7 +56,7 @@ from specexec.tree import Tree
 
 if TYPE_CHECKING:
     from specexec.config import TreeConfig
-    from specexec.propose.tree import TreeDraft
+    from specexec.propose.tree import GrowCost, TreeDraft
 
 NEG = float("-inf")
 # "carried" aim: the weight of a node's log-prob relative to its root (1: the absolute log-prob, as "frontier"
@@ -72,7 +74,7 @@ class _Reader:
     def send(self, t: Tensor) -> object:
         if not self.cuda:
             return t
-        buf = torch.empty((), dtype=t.dtype, pin_memory=True)
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         buf.copy_(t, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
@@ -85,6 +87,15 @@ class _Reader:
         buf, ev = cast("tuple[Tensor, torch.cuda.Event]", h)
         ev.synchronize()
         return int(buf)
+
+    def read_all(self, h: object) -> list[float]:
+        """A sent vector's values."""
+        if not self.cuda:
+            assert isinstance(h, Tensor)
+            return h.tolist()
+        buf, ev = cast("tuple[Tensor, torch.cuda.Event]", h)
+        ev.synchronize()
+        return buf.tolist()
 
 
 class _Store:
@@ -101,7 +112,7 @@ class _Store:
 class FixedGrowth:
     """One tree's growth in fixed-width levels: the store, the device-side slot counter and the host's bound on it.
 
-    :meth:`run` grows like :meth:`TreeDraft.grow` (without early stop); :meth:`extend` adds levels that read
+    :meth:`run` grows like :meth:`TreeDraft.grow`; :meth:`extend` adds levels that read
     nothing at all (their attention span is bounded by ``max_beams`` slots a level), which is what may run on a side
     stream while the target verifies (``TreeConfig.overlap``)."""
 
@@ -114,8 +125,11 @@ class FixedGrowth:
         start: Tree | None,
         seed: int | None,
         extra_levels: int = 0,
+        stop: GrowCost | None = None,
     ) -> None:
         d = self.draft = prop.draft
+        self.stop = stop  # the cost-based early stop of the levels a step waits for (None: off)
+        self.stopped = False
         self.prop, self.logprobs, self.seed = prop, logprobs, seed
         dev = self.device = d.device
         self.n = n = len(seq) - 1
@@ -199,7 +213,15 @@ class FixedGrowth:
         for _ in range(levels):
             if ahead and self.unread:
                 h, _k = self.unread.pop(0)
-                c = self.reader.read(h)
+                if self.stop is not None:  # (count, E, U, passes before that level): see :meth:`level`
+                    c_f, e, u, done = self.reader.read_all(h)
+                    c = int(c_f)
+                    if c and e == e and not self.stop.more(e, u, int(done)):  # e is NaN when the tree was not full
+                        self.known += c
+                        self.stopped = True
+                        break
+                else:
+                    c = self.reader.read(h)
                 self.known += c
                 if c == 0:  # the last pass expanded nothing, so nothing changed: nothing is open now either
                     break
@@ -222,6 +244,7 @@ class FixedGrowth:
         size = t.size
         k = min(self.W, size)
         lp = t.logp[:size]
+        top = None  # the verified tree's log-probs (the best ``budget``), once the store holds that many
         if self._aim is not None:  # "carried": likeliest roots first, open while the next tree would hold them
             _, root, thr = self._aim
             rel = lp - root[:size]  # NaN on padding (-inf - -inf): masked by the finite test
@@ -229,7 +252,8 @@ class FixedGrowth:
             cand = torch.where(open_, root[:size] + AIM_REL * rel, torch.full_like(lp, NEG))
         else:
             if size - 1 >= budget:
-                thr = torch.topk(lp[1:], budget).values[-1]
+                top = torch.topk(lp[1:], budget).values
+                thr = top[-1]
             else:
                 thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
             open_ = (t.draft_slot[:size] < 0) & (lp > thr)
@@ -237,21 +261,36 @@ class FixedGrowth:
         best, beams = torch.topk(cand, k)  # best first
         rank = torch.arange(k, device=dev)
         valid = (best > NEG) & (rank < d.usable - self.nxt)
+        count = valid.sum()
+        sent = count
+        if self.stop is not None and read != "none":  # early stop: E (1 + the tree's path mass) and U (the mass of
+            # this level's beams, a bound on what its pass can add) travel with the count, in the same read
+            nan = lp.new_full((), float("nan"))
+            e = 1.0 + top.exp().sum() if top is not None else nan
+            u = torch.where(valid, best, torch.full_like(best, NEG)).exp().sum()
+            sent = torch.stack([count.float(), e.float(), u.float(), lp.new_full((), float(self.passes))])
+        if read == "now":
+            if self.stop is not None:
+                c_f, e_h, u_h, _ = self.reader.read_all(self.reader.send(sent))
+                c = int(c_f)
+                if c and e_h == e_h and not self.stop.more(e_h, u_h, self.passes):  # only a full tree, as dynamic
+                    self.stopped = True
+                    return False
+            else:
+                c = self.reader.read(self.reader.send(count))
+            if c == 0:
+                return False
         beams, order = beams.sort()  # ascending node index, as the dynamic growth assigns slots
         valid = valid[order]
-        count = valid.sum()
         slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
         self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
         self.nxt = self.nxt + count  # the scratch slot (padding rows write there, no row reads it)
         if read == "now":
-            c = self.reader.read(self.reader.send(count))
-            if c == 0:
-                return False
             span = self.known + c
             self.known = span
         else:
             span = min(d.usable, self.bound + k)
-            self.unread.append((self.reader.send(count) if read == "late" else count, k))
+            self.unread.append((self.reader.send(sent) if read == "late" else count, k))
         self.counts.append(count)
         t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
         # ancestor-slot rows: the parent's row plus the beam's own slot at its depth (padding: the root's row)
@@ -296,11 +335,13 @@ def grow_fixed(
     seed: int | None,
     ahead: bool,
     extra_levels: int = 0,
+    stop: GrowCost | None = None,
 ) -> FixedGrowth:
-    """Grow like :meth:`TreeDraft.grow` (without early stop) in fixed-width levels. The result's store holds every
-    node ever proposed (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the
-    expanded nodes). ``extra_levels``: room for :meth:`FixedGrowth.extend`."""
-    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels)
+    """Grow like :meth:`TreeDraft.grow` in fixed-width levels. The result's store holds every node ever proposed
+    (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the expanded nodes).
+    ``extra_levels``: room for :meth:`FixedGrowth.extend`. ``stop``: the cost-based early stop (as the dynamic
+    growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
+    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop)
     g.run(cfg.budget, ahead, g.critical)
     return g
 

@@ -290,8 +290,10 @@ class TreeDraft:
         continues from it without the root's pass. Returns (tree, draft passes, tokens per pass, stopped early);
         ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
+        early = cfg.early_stop if cfg.early_stop is not None else self.draft.device.type == "cpu"
+        stop = cost if early else None
         if cfg.grow != "dynamic":
-            return self._grow_fixed(seq, cfg, logprobs, start, seed)
+            return self._grow_fixed(seq, cfg, logprobs, start, seed, stop)
         d = self.draft
         dev = d.device
         n = len(seq) - 1
@@ -323,8 +325,6 @@ class TreeDraft:
             self.reused_nodes = tree.size - 1
             beams_log, passes = [], 0
             next_slot = int(tree.draft_slot[: tree.size].max()) + 1
-        early = cfg.early_stop if cfg.early_stop is not None else dev.type == "cpu"
-        stop = cost if early else None
         stopped = False
         # at most ``max_depth`` deep in all: a carried start already reaches its own depth, so it grows fewer levels
         levels = cfg.max_depth - 1 if start is None else max(0, cfg.max_depth - tree.max_depth())
@@ -365,9 +365,10 @@ class TreeDraft:
         return tree, passes, beams_log, stopped
 
     def _grow_fixed(
-        self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None
+        self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None, stop: GrowCost | None
     ) -> tuple[Tree, int, list[int], bool]:
-        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead"; :mod:`.fixed_grow`)."""
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead"; :mod:`.fixed_grow`); ``stop``: the
+        early stop's costs (None: off)."""
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         keep_all = cfg.reuse
@@ -380,13 +381,13 @@ class TreeDraft:
             start = self._restart(start, start.size + budget + 1, cfg, budget)
             self.reused_nodes = start.size - 1
         levels = self.overlap_levels(cfg)
-        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", levels)
+        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", levels, stop)
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
             self._full = (full, index)
             if levels:  # grown on in :meth:`background` while the target verifies
                 self._growth = (g, chosen, OVERLAP_BUDGET * budget, levels)
-        return out, g.passes, g.tokens_per_pass(), False
+        return out, g.passes, g.tokens_per_pass(), g.stopped
 
     # -- overlapped growth ------------------------------------------------------------------------------------------
     def background(self, proposal: Proposal) -> None:
