@@ -54,8 +54,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=2, help="prompts per kind (code, prose), at most 3")
     p.add_argument("--gpu-costs", type=Path, default=Path("docs/bench_e2e_h100.json"), help="an H100 bench_e2e JSON")
     p.add_argument("--gpu-format", default="nf4", help="which target format's verify time to project with")
+    p.add_argument(
+        "--early-stop",
+        action="store_true",
+        help="the cost-based early stop on the levels a step waits for, decided with the replayed H100 costs "
+        "(--gpu-costs: the pass at --max-beams rows + bookkeeping, the verify) and the engine's learnt accuracy "
+        "scale, as a GPU run would decide it (default: off, every level up to max_depth)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    return args
 
 
 def gpu_costs(path: Path, fmt: str, budget: int) -> dict[str, Any] | None:
@@ -100,6 +108,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = [engine.encode(p) for _, p in prompts]
     ar = [engine.generate(x, args.max_new_tokens, method="ar").tokens for x in ids]
     costs = gpu_costs(args.gpu_costs, args.gpu_format, args.budget)
+    if args.early_stop:
+        if costs is None:
+            raise SystemExit(f"--early-stop needs the H100 costs in --gpu-costs ({args.gpu_costs})")
+        from specexec.propose import GrowCost
+
+        rows = min((k for k in costs["pass_s"] if k >= args.max_beams), default=max(costs["pass_s"]))
+        pass_s = costs["pass_s"][rows] + costs["bookkeeping_s"]
+        learnt = engine._costs  # the fixed-budget policy's costs: keep its learnt accuracy scale, replay the times
+        learnt.grow_cost = lambda budget: GrowCost(pass_s, costs["verify_s"], learnt.acc_scale)  # type: ignore
     report: dict[str, Any] = {
         "target": args.target,
         "draft": args.draft,
@@ -110,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "aim_rel": fixed_grow.AIM_REL,
         "max_new_tokens": args.max_new_tokens,
         "note": "counts on a CPU (acceptance does not depend on the device); projected_* replay measured H100 costs",
+        "early_stop": "replayed H100 costs" if args.early_stop else False,
         "gpu_costs": costs,
         "prompts": [{"kind": k, "prompt": p} for k, p in prompts],
         "configs": [],
@@ -120,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tree = TreeConfig(
             budget=args.budget,
             max_beams=args.max_beams,
-            early_stop=False,
+            early_stop=args.early_stop,
             grow=args.grow,
             reuse=True,
             overlap=n,
@@ -140,6 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "tokens": s.new_tokens,
                     "steps": s.steps,
                     "critical_passes": s.draft_passes,
+                    "early_stops": s.early_stops,
                     "background_passes": getattr(g.proposer, "background_passes", 0),
                     "reused_nodes": s.reused_nodes,
                     "reused_passes": s.reused_passes,

@@ -461,6 +461,15 @@ def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     for c in rep["configs"]:
         assert c["projected_step_s"] >= rep["gpu_costs"]["verify_s"] and "projected_tok_s" in c
         assert "tok_s" not in c and "step_s" not in c
+    # --early-stop: the levels a step waits for stop by the replayed H100 costs; still AR's text
+    argv[argv.index("0,3")] = "3"
+    assert script("bench_overlap").main([*argv, "--aims", "carried", "--early-stop"]) == 0
+    rep = json.loads(out.read_text())
+    (stopped,) = rep["configs"]
+    assert rep["all_exact"] and rep["early_stop"] == "replayed H100 costs"
+    # (the tiny pair's near-uniform draft ends growth by ties before any stop could: the stop itself is tested in
+    # tests/test_fixed_grow.py; here, that the option runs and keeps the text)
+    assert all("early_stops" in q for q in stopped["per_prompt"])
 
 
 def test_plan_self_draft_table(tmp_path):
