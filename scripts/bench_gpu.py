@@ -91,6 +91,8 @@ MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True)),  # ~ what fits beside a 0.7 s streamed pass
     ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier")),
     ("ahead+overlap auto", dict(grow="ahead", overlap=-1, reuse=True)),  # specexec.config.OVERLAP_AUTO
+    # the levels a step waits for stop by measured costs (fixed-width early stop; projected to help prose)
+    ("ahead+overlap auto+early stop", dict(grow="ahead", overlap=-1, reuse=True, early_stop=True)),
     ("dynamic+reuse", dict(reuse=True)),
 )
 
