@@ -135,14 +135,19 @@ class PhaseTimer:
         self._patch(NGramDraft, "propose", self._timed("ngram_propose", NGramDraft.propose))
         self._patch(NGramDraft, "merge_into", self._timed("ngram_propose", NGramDraft.merge_into))
         self._patch(NGramDraft, "commit", self._timed("ngram_commit", NGramDraft.commit))
-        prefill = decode.TargetState.prefill
+        from specexec.propose import ChainDraft, NoDraft, TreeDraft
 
-        def prefill_then_drop(state: Any) -> int:  # the draft's prefill (proposer.begin) ran just before
-            n = prefill(state)
-            self.take()
-            return n
+        def then_drop(f: Any) -> Any:  # the prefills (the target's, then the proposer's begin) are no step's
+            def g(*a: Any, **k: Any) -> Any:
+                out = f(*a, **k)
+                self.take()
+                return out
 
-        self._patch(decode.TargetState, "prefill", prefill_then_drop)
+            return g
+
+        self._patch(decode.TargetState, "prefill", then_drop(decode.TargetState.prefill))
+        for cls in (TreeDraft, ChainDraft, NGramDraft, NoDraft):
+            self._patch(cls, "begin", then_drop(cls.begin))
         return self
 
     def __exit__(self, *exc: Any) -> None:
