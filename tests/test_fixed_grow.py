@@ -234,14 +234,7 @@ def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory)
     samp = SamplingConfig(temperature=1.0, top_p=0.8)
     P = ts.truncate_at_eos(ts.joint(table, samp))
     tree = TreeConfig(budget=8, max_beams=2, max_depth=16, max_branch=8, early_stop=False, grow="ahead")
-    out, mismatched = [], 0
-    for s in range(1000):
-        cfg = replace(samp, seed=s)
-        r = e.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=tree)
-        if s < 200:
-            mismatched += r.tokens != e.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
-        t = r.tokens
-        out.append(tuple(t[: t.index(ts.EOS) + 1]) if ts.EOS in t[: ts.NEW] else tuple(t[: ts.NEW]))
+    out, mismatched, _ = ts.engine_samples(e, samp, tree)
     assert mismatched == 0
     assert ts.record("T1-p0.8", "engine: specexec budget=8, fixed-width growth", out, P) > ts.ALPHA
 

@@ -232,15 +232,8 @@ def test_sampling_with_reuse_follows_the_target(tmp_path_factory):
     samp = SamplingConfig(temperature=1.0, top_p=0.8)
     P = ts.truncate_at_eos(ts.joint(table, samp))
     tree = TreeConfig(budget=8, max_beams=2, **DEEP)
-    out, reused, mismatched = [], 0, 0
-    for s in range(1000):
-        cfg = replace(samp, seed=s)
-        r = e.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=tree)
-        reused += r.stats.reused_nodes
-        if s < 200:
-            mismatched += r.tokens != e.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
-        t = r.tokens
-        out.append(tuple(t[: t.index(ts.EOS) + 1]) if ts.EOS in t[: ts.NEW] else tuple(t[: ts.NEW]))
+    out, mismatched, results = ts.engine_samples(e, samp, tree)
+    reused = sum(r.stats.reused_nodes for r in results)
     assert reused > 0
     assert mismatched == 0
     assert ts.record("T1-p0.8", "engine: specexec budget=8 + reuse", out, P) > ts.ALPHA

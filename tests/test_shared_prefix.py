@@ -149,13 +149,6 @@ def test_sampling_with_a_shared_prefix_follows_the_target(tmp_path_factory):
     table = ts.Table(t_model, ts.PROMPT)
     samp = SamplingConfig(temperature=1.0, top_p=0.8)
     P = ts.truncate_at_eos(ts.joint(table, samp))
-    out, mismatched = [], 0
-    for s in range(1000):
-        cfg = replace(samp, seed=s)
-        r = e.generate(ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=replace(DEEP, budget=8))
-        if s < 200:
-            mismatched += r.tokens != e.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
-        t = r.tokens
-        out.append(tuple(t[: t.index(ts.EOS) + 1]) if ts.EOS in t[: ts.NEW] else tuple(t[: ts.NEW]))
+    out, mismatched, _ = ts.engine_samples(e, samp, replace(DEEP, budget=8))
     assert mismatched == 0
     assert ts.record("T1-p0.8", "engine: specexec budget=8 + shared prefix", out, P) > ts.ALPHA
