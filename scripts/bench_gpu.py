@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budgets-other", default="256", help="fixed budgets for the other settings")
     p.add_argument("--mode-budget", type=int, default=256, help="budget of the growth-mode / overlap runs")
     p.add_argument("--modes-other", action="store_true", help="run the growth modes in every setting (default: first)")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated growth/overlap runs to make (default: all of {', '.join(m for m, _ in MODE_RUNS)})",
+    )
+    p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
     p.add_argument("--prompts", type=int, default=2, help="prompts per run")
@@ -116,7 +122,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--accelerate-layers", type=int, default=4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the flow, not a measurement")
     p.add_argument("--out", type=Path, default=Path("bench_out/gpu.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known = [m for m, _ in MODE_RUNS]
+    args.mode_list = known if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in known]
+    if bad:
+        p.error(f"unknown mode(s) {', '.join(map(repr, bad))}; known: {', '.join(known)}")
+    return args
 
 
 def _cfg(shape: str):
@@ -274,7 +286,10 @@ def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: 
     return row
 
 
-def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: bool) -> dict[str, Any]:
+def bench_setting(
+    name: str, args: argparse.Namespace, dev, h2d: float, first: bool, save=lambda out: None
+) -> dict[str, Any]:
+    """One setting's runs; ``save(out)`` after each, so a run cut off by a time limit keeps what it measured."""
     import torch
 
     from specexec import sizes, synthetic
@@ -327,7 +342,7 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
             f"  {r['run']:22s} {r['tok_s']:7.2f} tok/s  {r['tok_per_step']:5.2f} tok/step  step {r['step_s']:.3f}s "
             f"= draft {r['draft_s_per_step']:.3f} + verify {r['verify_s_per_step']:.3f} "
             f"(step/verify {r['step_over_verify']:.2f})  x AR {r.get('speedup_vs_ar', float('nan')):.2f}  "
-            f"reused {r['reused_nodes_per_step']:.0f}  exact={r['exact']}",
+            f"reused {r['reused_nodes_per_step']:.0f}  exact={r['exact']}  [{r.get('wall_s', 0.0):.0f} s]",
             flush=True,
         )
 
@@ -337,11 +352,14 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
     )
     out["ar_no_draft_placement"] = info0
     eng = Engine(target, tok, None, context=context)
+    t_run = time.perf_counter()
     ar = run_engine(eng, "ar (no draft)", prompts, args.ar_tokens, "ar", None, ref)
+    ar["wall_s"] = time.perf_counter() - t_run
     ar.update(resident_layers=info0["resident_layers"], streamed_gb_per_pass=info0["streamed_gb_per_pass"])
     ar["speedup_vs_ar"] = 1.0
     out["runs"].append(ar)
     show(ar)
+    save(out)
     ar_rate = ar["tok_s"]
     del eng, target
     for hb in host:
@@ -359,18 +377,23 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
         flush=True,
     )
     eng = Engine(target, tok, draft, context=context, tree=big)
-    runs: list[tuple[str, str, Any, int]] = [("ar (draft loaded)", "ar", None, args.ar_tokens)]
+    runs: list[tuple[str, str, Any, int]] = (
+        [] if args.no_ar_loaded else [("ar (draft loaded)", "ar", None, args.ar_tokens)]
+    )
     runs += [(f"specexec {b}", "specexec", TreeConfig(budget=b), args.new_tokens) for b in budgets]
     if first or args.modes_other:
         runs += [
             (f"{lab} {args.mode_budget}", "specexec", TreeConfig(budget=args.mode_budget, **kw), args.new_tokens)
             for lab, kw in MODE_RUNS
+            if lab in args.mode_list
         ]
     if not args.no_auto:
         runs.append(("auto", "specexec", TreeConfig(auto=True, max_budget=max(budgets)), args.new_tokens))
     gbp = info["streamed_gb_per_pass"]
     for label, method, tree, n in runs:
+        t_run = time.perf_counter()
         r = run_engine(eng, label, prompts, n, method, tree, ref)
+        r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure
         r["speedup_vs_ar"] = r["tok_s"] / ar_rate if ar_rate > 0 else 0.0
         r.update(resident_layers=info["resident_layers"], streamed_gb_per_pass=gbp)
         # PCIe4 PROJECTION: each verify at least the streamed bytes at 25 GB/s, the draft's part as measured
@@ -378,6 +401,7 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, first: b
         r["projected_pcie4_tok_s"] = r["tok_per_step"] / (r["step_s"] - r["verify_s_per_step"] + v4)
         out["runs"].append(r)
         show(r)
+        save(out)
     ar4 = max(ar["step_s"], info0["streamed_gb_per_pass"] / PCIE4_GBPS)
     ar["projected_pcie4_tok_s"] = 1.0 / ar4
     for r in out["runs"]:
@@ -516,8 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):
-        report["settings"].append(bench_setting(name, args, dev, h2d, first=i == 0))
-        args.out.write_text(json.dumps(report, indent=1))  # a cut-off run keeps its finished settings
+
+        def save(partial: dict[str, Any], done: int = i) -> None:  # a cut-off run keeps every finished run
+            args.out.write_text(json.dumps({**report, "settings": report["settings"][:done] + [partial]}, indent=1))
+
+        report["settings"].append(bench_setting(name, args, dev, h2d, first=i == 0, save=save))
+        args.out.write_text(json.dumps(report, indent=1))
     if not args.no_accelerate:
         report["accelerate"] = bench_accelerate(args.accelerate_layers, dev, args.ar_tokens, h2d)
         a = report["accelerate"]
