@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated growth/overlap runs to make (default: all of {', '.join(m for m, _ in MODE_RUNS)})",
     )
+    p.add_argument(
+        "--sync-debug", action="store_true", help="per run, one more (untimed) generation listing host waits"
+    )
     p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
@@ -236,7 +239,9 @@ def greedy_reference(t_glob, prompts: list[list[int]], n: int) -> list[list[int]
     return out
 
 
-def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: list[list[int]]) -> dict[str, Any]:
+def run_engine(
+    engine, label: str, prompts, n_new: int, method: str, tree, ref: list[list[int]], sync_debug: bool = False
+) -> dict[str, Any]:
     """Generate for every prompt (one warm-up generation first, not counted); totals of the measured runs."""
     import torch
 
@@ -244,7 +249,9 @@ def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: 
 
     glob = engine.target.globals
     engine.generate(prompts[0], min(2, n_new), method=method, tree=tree)  # warm-up: graphs, calibration, ring
-    tot = dict(tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0)
+    static = getattr(engine.draft, "static", None)
+    caps0 = static.captures if static is not None else 0
+    tot = dict(tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0, bg=0.0)
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
         engine.reset()
@@ -258,6 +265,7 @@ def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: 
         tot["reused"] += s.reused_nodes
         tot["passes"] += s.draft_passes
         tot["calib"] += s.calibration_s
+        tot["bg"] += s.background_s
         want = ref[i][: len(r.tokens)]
         if r.tokens != want:
             exact = False
@@ -279,11 +287,49 @@ def run_engine(engine, label: str, prompts, n_new: int, method: str, tree, ref: 
         "verify_s_per_step": tot["target_s"] / steps,
         "draft_passes_per_step": tot["passes"] / steps,
         "reused_nodes_per_step": tot["reused"] / steps,
+        "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
+        "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
+        "auto_overlap_levels": getattr(engine.draft, "background_levels", None),  # --overlap auto's last choice
         "exact": exact,
         "first_diff": first_diff,
     }
     row["step_over_verify"] = row["step_s"] / max(row["verify_s_per_step"], 1e-12)
+    if sync_debug and method != "ar" and torch.cuda.is_available():
+        row["sync_sites"] = sync_sites(engine, prompts[0], n_new, method, tree)
     return row
+
+
+def sync_sites(engine, prompt: list[int], n_new: int, method: str, tree) -> list[tuple[str, int]]:
+    """One more generation with CUDA's sync debug mode on: where the host waited for the device (file:line of
+    the call in this library, most frequent first). Not timed."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: collections.Counter[str] = collections.Counter()
+    root = str(Path(__file__).resolve().parents[1])
+
+    def hook(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root) and "scripts" not in f.filename
+        ]
+        where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:3]) or f"{filename}:{lineno}"
+        sites[where] += 1
+
+    engine.reset()
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            engine.generate(prompt, n_new, method=method, tree=tree)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+    return sites.most_common(25)
 
 
 def bench_setting(
@@ -345,6 +391,14 @@ def bench_setting(
             f"reused {r['reused_nodes_per_step']:.0f}  exact={r['exact']}  [{r.get('wall_s', 0.0):.0f} s]",
             flush=True,
         )
+        if r.get("graph_captures") or r.get("background_host_s_per_step"):
+            print(
+                f"    background queued in {r['background_host_s_per_step']:.3f} s/step; {r['graph_captures']} graph "
+                f"captures; auto levels {r['auto_overlap_levels']}",
+                flush=True,
+            )
+        for site, n in r.get("sync_sites", [])[:12]:
+            print(f"    sync x{n}: {site}", flush=True)
 
     # 1. the honest baseline: no draft loaded, every byte of the cap to the target
     target, host, info0 = place_target(
@@ -392,7 +446,7 @@ def bench_setting(
     gbp = info["streamed_gb_per_pass"]
     for label, method, tree, n in runs:
         t_run = time.perf_counter()
-        r = run_engine(eng, label, prompts, n, method, tree, ref)
+        r = run_engine(eng, label, prompts, n, method, tree, ref, sync_debug=args.sync_debug)
         r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure
         r["speedup_vs_ar"] = r["tok_s"] / ar_rate if ar_rate > 0 else 0.0
         r.update(resident_layers=info["resident_layers"], streamed_gb_per_pass=gbp)

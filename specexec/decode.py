@@ -41,6 +41,7 @@ class Stats:
     tokens_per_step: float = 0.0
     tokens_per_s: float = 0.0
     draft_s: float = 0.0
+    background_s: float = 0.0  # of draft_s: the host's time queuing overlapped levels (on a CPU: running them)
     target_s: float = 0.0
     wall_s: float = 0.0
     prefill_s: float = 0.0
@@ -221,7 +222,9 @@ def decode(
             if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
                 stats.trimmed += policy.trim(prop.tree)
             if background is not None:  # overlapped growth: queued now, runs beside the target's pass on a GPU
+                tb = time.perf_counter()
                 background(prop)
+                stats.background_s += time.perf_counter() - tb
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)

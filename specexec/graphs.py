@@ -50,6 +50,7 @@ class StaticPasses:
         self.slots = torch.full((big,), self.scratch, dtype=torch.long, device=dev)
         self.mask = torch.zeros(big, self.C, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.captures = 0  # graphs captured so far (each waits for the whole device)
 
     @property
     def max_rows(self) -> int:
@@ -95,6 +96,7 @@ class StaticPasses:
             return self._run(b, span)[:k]
         if (b, span) not in self.graphs:
             self.graphs[(b, span)] = self._capture(b, span)
+            self.captures += 1
         graph, out = self.graphs[(b, span)]
         graph.replay()
         return out[:k]
