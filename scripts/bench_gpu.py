@@ -86,6 +86,7 @@ FULL = "64,256,1024,2048"  # budgets for the first setting; the others run --bud
 MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("static", dict(grow="static")),
     ("ahead", dict(grow="ahead")),
+    ("ahead+early stop", dict(grow="ahead", early_stop=True)),
     ("ahead+overlap 2", dict(grow="ahead", overlap=2, reuse=True)),
     ("ahead+overlap 4", dict(grow="ahead", overlap=4, reuse=True)),
     ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True)),  # ~ what fits beside a 0.7 s streamed pass

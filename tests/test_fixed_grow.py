@@ -7,6 +7,7 @@ and subtree reuse included."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -439,6 +440,111 @@ def test_overlap_greedy_equals_ar_and_carries_more(engines):
                     assert r.tokens == ref, (family, ids, mode, overlap)
                     reused[overlap] += r.stats.reused_nodes
     assert reused[6] > reused[0], reused
+
+
+def test_threaded_overlap_equals_inline(engines, monkeypatch):
+    """Queued from a host thread (the default on a GPU; forced here on a CPU, where the thread's levels run beside
+    the target's pass): the same text as AR, and the same carried subtrees as the levels grown inline, greedy and
+    sampled; the thread is joined before the step's commit reads the tree."""
+    from specexec.propose.fixed_grow import FixedGrowth
+
+    names: list[str] = []
+    real = FixedGrowth.extend
+
+    def extend(self, budget, levels):  # where the background levels ran
+        names.append(threading.current_thread().name)
+        return real(self, budget, levels)
+
+    monkeypatch.setattr(FixedGrowth, "extend", extend)
+    e = engines["qwen2"]
+    for mode in MODES:
+        tree = TreeConfig(  # no cost-based early stop: it reads the clock, and the trees must not depend on it
+            budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow=mode, overlap=6, early_stop=False
+        )
+        for ids in PROMPTS[:2]:
+            for seed in (None, 3):
+                samp = SamplingConfig() if seed is None else SamplingConfig(temperature=1.0, seed=seed)
+                e.reset()
+                want = e.generate(ids, 32, method="ar", sampling_cfg=samp).tokens
+                got = {}
+                for threaded in (False, True):
+                    monkeypatch.setattr(TreeDraft, "threaded", threaded)
+                    names.clear()
+                    e.reset()
+                    g = e.stream(ids, 32, method="specexec", sampling_cfg=samp, tree=tree)
+                    for _ in g:
+                        assert g.proposer._bg_thread is None  # joined by the step's commit, before it yields
+                    assert g.result is not None
+                    assert set(names) == ({"specexec-overlap"} if threaded else {threading.current_thread().name})
+                    s = g.result.stats
+                    got[threaded] = (g.result.tokens, s.reused_nodes, s.draft_passes, g.proposer.background_passes)
+                assert got[True][0] == want, (mode, ids, seed)
+                assert got[True] == got[False], (mode, ids, seed)
+                assert got[True][3] > 0
+
+
+def test_a_failing_background_thread_raises_on_the_decode_thread(engines, monkeypatch):
+    """An error in the overlap thread is not lost (nor a hang): the step's commit re-raises it, and the engine
+    generates again afterwards."""
+    from specexec.propose.fixed_grow import FixedGrowth
+
+    e = engines["qwen2"]
+    tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow="ahead", overlap=6)
+    e.reset()
+    ref = e.generate(PROMPTS[0], 16, method="ar").tokens
+    monkeypatch.setattr(TreeDraft, "threaded", True)
+    real = FixedGrowth.extend
+
+    def boom(self, budget, levels):
+        raise RuntimeError("planted failure in a background level")
+
+    monkeypatch.setattr(FixedGrowth, "extend", boom)
+    e.reset()
+    with pytest.raises(RuntimeError, match="planted failure"):
+        e.generate(PROMPTS[0], 16, method="specexec", tree=tree)
+    monkeypatch.setattr(FixedGrowth, "extend", real)
+    e.reset()
+    assert e.generate(PROMPTS[0], 16, method="specexec", tree=tree).tokens == ref
+
+
+def test_static_passes_defer_captures_while_a_thread_queues_levels(noisy_pairs):
+    """With ``capture_ok`` off (the overlap thread), a pass whose graph is missing runs eagerly and its bucket
+    is captured at the next pass allowed to capture; the results equal the eager passes'."""
+    from specexec.graphs import StaticPasses
+
+    model = load_model(noisy_pairs["llama"][1], CPU, torch.float32)
+    cache = model.new_cache(64)
+    sp = StaticPasses(model, cache, 8, use_graphs=True)
+    captured = []
+
+    class FakeGraph:  # replays the pass eagerly into the bucket's static output (a CPU stands in for CUDA)
+        def __init__(self, b, span):
+            self.b, self.span, self.out = b, span, None
+
+        def replay(self):
+            self.out.copy_(sp._run(self.b, self.span))
+
+    def capture(b, span):
+        g = FakeGraph(b, span)
+        g.out = sp._run(b, span).clone()
+        captured.append((b, span))
+        return g, g.out
+
+    sp._capture = capture
+    toks = torch.tensor([3, 4, 5])
+    pos = torch.tensor([0, 1, 2])
+    mask = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    eager = sp.model.forward(toks, pos, pos, mask, cache).clone()
+    sp.capture_ok = False
+    out = sp.forward(toks, pos, pos, mask)
+    assert captured == [] and sp.pending == {(4, 63)} and sp.captures == 0  # 3 rows -> bucket 4; span: 63 usable
+    torch.testing.assert_close(out, eager)
+    sp.capture_ok = True
+    out2 = sp.forward(toks[:1], pos[:1], pos[:1], mask[:1, :1])  # another bucket: the pending one first
+    assert captured == [(4, 63), (1, 63)] and sp.pending == set() and sp.captures == 2
+    torch.testing.assert_close(out2, sp.model.forward(toks[:1], pos[:1], pos[:1], mask[:1, :1], cache))
+    torch.testing.assert_close(sp.forward(toks, pos, pos, mask), eager)  # the deferred bucket, now "captured"
+    assert len(captured) == 2
 
 
 def test_overlap_sampled_equals_ar(engines):
