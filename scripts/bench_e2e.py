@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     from specexec.config import GROW_MODES
 
     b_grow = 1024 if 1024 in budgets else max(budgets)
-    growth = {mode: time_growth(draft, b_grow, args.context, 16, mode) for mode in GROW_MODES}
+    growth = {mode: time_growth(draft, b_grow, args.context, 16, mode) for mode in GROW_MODES if mode != "auto"}
     per_level = growth["dynamic"]["bookkeeping_s_per_level"]
     report.update(
         draft_pass_s_graphed=pass_graphed,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specexec.errors import ConfigError, check_finite, setting
+
+if TYPE_CHECKING:
+    import torch
 
 METHODS = ("ar", "chain", "specexec", "ngram")
 NEEDS_DRAFT = ("chain", "specexec")  # methods that need a draft model
@@ -21,7 +25,7 @@ def check_method(method: str) -> None:
         )
 
 
-GROW_MODES = ("dynamic", "static", "ahead")
+GROW_MODES = ("auto", "dynamic", "static", "ahead")
 OVERLAP_AIMS = ("carried", "frontier")
 OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
 OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
@@ -39,8 +43,10 @@ class TreeConfig:
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
     auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice
-    # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft,
-    # off on a GPU (measured: +15-35 % tok/s on the CPU; on H100 costs it cut code acceptance, see BENCHMARKS.md)
+    # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft and for
+    # fixed-width growth on a GPU, off for the dynamic growth on a GPU (measured: +15-35 % tok/s on the CPU; on H100
+    # costs it cut the dynamic growth's code acceptance; on an H200 with "ahead" levels it took the draft's time a
+    # step from 0.147 to 0.106 s at the same tokens per step, docs/BENCHMARKS.md)
     early_stop: bool | None = None
     # start each tree from the subtree the last one grew under the accepted path + bonus token (its nodes and draft
     # keys/values), instead of from the root alone: never changes the output. Off by default: in the sequential loop
@@ -49,12 +55,12 @@ class TreeConfig:
     # early stop off, never with it on. It pays once the draft grows beyond what is verified (overlapped growth).
     reuse: bool = False
     # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py): "dynamic" sizes
-    # each draft pass by the open nodes and compacts the tree every level (several host reads a level; measured,
-    # the default); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a
-    # level late, so the host never waits for the pass it just launched (one pass over padding rows at the end).
-    # The fixed-width modes exist for GPUs (early stop as configured, decided on values read with each level's count);
-    # their speed is not measured yet.
-    grow: str = "dynamic"
+    # each draft pass by the open nodes and compacts the tree every level (several host reads a level; the CPU's
+    # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
+    # late, so the host never waits for the pass it just launched (one pass over padding rows at the end). "auto":
+    # "ahead" for a GPU draft or with overlap, else "dynamic" (measured on an H200 with a 7B-shaped graphed draft:
+    # 0.147 vs 0.202 s of draft a step at budget 256, docs/BENCHMARKS.md)
+    grow: str = "auto"
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
     # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
@@ -91,6 +97,18 @@ class TreeConfig:
         for name in ("budget", "max_budget"):
             if getattr(self, name) > 65536:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "is absurdly large (max 65536)")
+
+    def grow_mode(self, device: torch.device) -> str:
+        """The growth mode for a draft on ``device`` ("auto" resolved)."""
+        if self.grow != "auto":
+            return self.grow
+        return "ahead" if device.type == "cuda" or self.overlap else "dynamic"
+
+    def stops_early(self, device: torch.device) -> bool:
+        """Whether the cost-based early stop is on for a draft on ``device`` (``early_stop`` None resolved)."""
+        if self.early_stop is not None:
+            return self.early_stop
+        return device.type == "cpu" or self.grow_mode(device) != "dynamic"
 
     @property
     def largest(self) -> int:

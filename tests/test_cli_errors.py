@@ -215,8 +215,11 @@ BEFORE_LOAD = {
     "budget 0": (("--budget", "0"), "--budget must be >= 1"),
     "max-budget 0": (("--max-budget", "0"), "--max-budget must be >= 1"),
     "max-beams 0": (("--max-beams", "0"), "--max-beams must be >= 1"),
-    "grow word": (("--grow", "fast"), "--grow must be one of dynamic, static, ahead"),
-    "overlap without fixed levels": (("--overlap", "4"), "--overlap needs --grow static or --grow ahead"),
+    "grow word": (("--grow", "fast"), "--grow must be one of auto, dynamic, static, ahead"),
+    "overlap without fixed levels": (
+        ("--overlap", "4", "--grow", "dynamic"),
+        "--overlap needs --grow static or --grow ahead",
+    ),
     "overlap -1": (("--overlap", "-1", "--grow", "ahead"), "--overlap must be in 0..64 or auto"),
     "overlap word": (("--overlap", "most", "--grow", "ahead"), "--overlap must be in 0..64 or auto"),
     "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
@@ -248,7 +251,7 @@ def test_checked_before_loading(no_load, command, case):
         (("--methods", "ar,beam"), "unknown method(s) beam in --methods; choose from ar, chain, specexec"),
         (("--budgets", "16,x"), "--budgets must be comma-separated integers"),
         (("--budgets", "0"), "--budget must be >= 1"),
-        (("--grow", "fast"), "--grow must be one of dynamic, static, ahead"),
+        (("--grow", "fast"), "--grow must be one of auto, dynamic, static, ahead"),
         (("--gpu-memory", "inf"), "--gpu-memory must be a finite number"),
     ],
 )

@@ -29,7 +29,20 @@ MODES = ("static", "ahead")
 
 
 def test_config_validates_grow():
-    assert TreeConfig().grow == "dynamic"
+    """``grow`` "auto" (the default): "ahead" for a GPU draft or with overlap, else "dynamic"; the early stop by
+    default on a CPU and for fixed-width growth on a GPU; explicit settings win."""
+    gpu = torch.device("cuda")  # a device object only: nothing runs on it
+    assert TreeConfig().grow == "auto"
+    assert TreeConfig().grow_mode(CPU) == "dynamic" and TreeConfig().grow_mode(gpu) == "ahead"
+    assert TreeConfig(overlap=4, reuse=True).grow_mode(CPU) == "ahead"
+    assert (
+        TreeConfig(grow="static").grow_mode(gpu) == "static" and TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"
+    )
+    assert TreeConfig().stops_early(CPU) and TreeConfig().stops_early(gpu)
+    assert not TreeConfig(grow="dynamic").stops_early(gpu) and TreeConfig(grow="static").stops_early(gpu)
+    assert not TreeConfig(early_stop=False).stops_early(CPU) and TreeConfig(
+        grow="dynamic", early_stop=True
+    ).stops_early(gpu)
     for mode in MODES:
         assert TreeConfig(grow=mode).grow == mode
     with pytest.raises(ConfigError, match="TreeConfig.grow"):
@@ -265,12 +278,18 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
 def test_config_validates_overlap():
     assert TreeConfig().overlap == 0
     TreeConfig(overlap=4, reuse=True, grow="ahead")
+    TreeConfig(overlap=4, reuse=True)  # grow "auto": fixed-width levels with overlap
     assert TreeConfig().overlap_aim == "carried"
     with pytest.raises(ConfigError, match="TreeConfig.overlap_aim"):
         TreeConfig(overlap_aim="deep")
     auto = TreeConfig(overlap=OVERLAP_AUTO, reuse=True, grow="static")
     assert auto.max_overlap == OVERLAP_AUTO_MAX and TreeConfig(overlap=5, reuse=True, grow="static").max_overlap == 5
-    for bad in (dict(overlap=4, reuse=True), dict(overlap=4, grow="static"), dict(overlap=-2), dict(overlap=65)):
+    for bad in (
+        dict(overlap=4, reuse=True, grow="dynamic"),
+        dict(overlap=4, grow="static"),
+        dict(overlap=-2),
+        dict(overlap=65),
+    ):
         with pytest.raises(ConfigError, match="TreeConfig.overlap"):
             TreeConfig(**bad)
 

@@ -251,18 +251,19 @@ def early_stop() -> Any:
         "--early-stop/--no-early-stop",
         help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
         "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-        "Default: on for a CPU draft, off on a GPU.",
+        "Default: on for a CPU draft and for fixed-width growth on a GPU (off for --grow dynamic on a GPU).",
     )
 
 
 def grow() -> Any:
     return typer.Option(
-        "dynamic",
+        "auto",
         "--grow",
         help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
-        "open nodes (default); static: fixed-width levels, one device read a level; ahead: fixed-width levels, the "
-        "host queues the next level while the GPU runs this one. The fixed-width modes are meant for GPUs; their "
-        "early stop (--early-stop) reads its numbers with each level's count, ahead one level late.",
+        "open nodes; static: fixed-width levels, one device read a level; ahead: fixed-width levels, the host "
+        "queues the next level while the GPU runs this one; auto (default): ahead for a GPU draft or with "
+        "--overlap, dynamic on a CPU. The fixed-width modes' early stop (--early-stop) reads its numbers with each "
+        "level's count, ahead one level late.",
     )
 
 
@@ -352,7 +353,7 @@ def tree_config(
     max_branch_: int,
     max_depth_: int,
     early_stop_: bool | None = None,
-    grow_: str = "dynamic",
+    grow_: str = "auto",
     overlap_: str | int = 0,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""

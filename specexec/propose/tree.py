@@ -294,14 +294,15 @@ class TreeDraft:
         ``seed`` (sampling): children are ranked and scored by the draft's log-probs perturbed by the walk's noise
         (:func:`specexec.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw, the
         token the target's walk draws wherever p is close to q. ``cost`` enables the early stop (when
-        ``cfg.early_stop``, by default on a CPU only); None grows up to ``max_depth`` levels. ``start``: a carried
-        subtree rooted at seq[-1] whose expanded nodes' draft entries are in the cache (see :meth:`commit`); growth
-        continues from it without the root's pass. Returns (tree, draft passes, tokens per pass, stopped early);
+        ``cfg.early_stop``; by default on a CPU, and for fixed-width growth on a GPU); None grows up to
+        ``max_depth`` levels. ``start``: a carried subtree rooted at seq[-1] whose expanded nodes' draft entries are
+        in the cache (see :meth:`commit`); growth continues from it without the root's pass. Returns (tree, draft
+        passes, tokens per pass, stopped early);
         ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
-        early = cfg.early_stop if cfg.early_stop is not None else self.draft.device.type == "cpu"
-        stop = cost if early else None
-        if cfg.grow != "dynamic":
+        dev = self.draft.device
+        stop = cost if cfg.stops_early(dev) else None
+        if cfg.grow_mode(dev) != "dynamic":
             return self._grow_fixed(seq, cfg, logprobs, start, seed, stop)
         d = self.draft
         dev = d.device
@@ -390,7 +391,7 @@ class TreeDraft:
             start = self._restart(start, start.size + budget + 1, cfg, budget)
             self.reused_nodes = start.size - 1
         levels = self.overlap_levels(cfg)
-        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow == "ahead", levels, stop)
+        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow_mode(self.draft.device) == "ahead", levels, stop)
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
             self._full = (full, index)
