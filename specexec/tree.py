@@ -61,8 +61,8 @@ class Tree:
         r = torch.arange(rows.shape[0], device=self.device)
         cur = rows.clone()
         for _ in range(int(self.depth[rows].max()) + 1 if rows.numel() else 0):
-            ok = cur >= 0
-            anc[r[ok], cur[ok]] = True
+            ok = cur >= 0  # a row past its root writes its own column again (set on the first round): no host wait
+            anc[r, torch.where(ok, cur, rows)] = True
             cur = torch.where(ok, self.parents[cur.clamp(min=0)], cur)
         return anc
 
@@ -74,9 +74,10 @@ class Tree:
         mask = torch.zeros(rows.shape[0], length, dtype=torch.bool, device=self.device) if base is None else base
         r = torch.arange(rows.shape[0], device=self.device)
         cur = rows.clone()
+        own = self.draft_slot[rows]
         for _ in range(int(self.depth[rows].max()) + 1):
-            ok = cur >= 0
-            mask[r[ok], self.draft_slot[cur[ok]]] = True
+            ok = cur >= 0  # a row past its root writes its own slot again (set on the first round): no host wait
+            mask[r, torch.where(ok, self.draft_slot[cur.clamp(min=0)], own)] = True
             cur = torch.where(ok, self.parents[cur.clamp(min=0)], cur)
         return mask
 
