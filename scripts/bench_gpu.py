@@ -79,22 +79,26 @@ SETTINGS: dict[str, tuple[str, str, str, float]] = {
     "70b-bf16@24": ("llama2-70b", "bf16", "llama2-7b", 24.0),
     "32b-nf4@24": ("qwen2.5-32b", "nf4", "qwen2.5-0.5b", 24.0),
     "8b-bf16@8": ("llama3-8b", "bf16", "llama3.2-1b", 8.0),
+    # the draft-precision trade-off under smaller caps (issue 16 item 2; a bf16 7B draft does not fit 12 GB)
+    "70b-nf4@16": ("llama2-70b", "nf4", "llama2-7b", 16.0),
+    "70b-nf4@12": ("llama2-70b", "nf4", "llama2-7b", 12.0),
 }
 DEFAULT_SETTINGS = "70b-nf4@24,70b-bf16@24,32b-nf4@24,8b-bf16@8"
 FULL = "64,256,1024,2048"  # budgets for the first setting; the others run --budgets-other
 # (run label, TreeConfig overrides) of the growth-mode and overlap runs, at --mode-budget
 MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("static", dict(grow="static")),
-    ("ahead", dict(grow="ahead")),
+    # early stop spelled out: the library's GPU default is "ahead" levels with it on ("specexec B" runs that)
+    ("dynamic", dict(grow="dynamic", early_stop=False)),  # the GPU default before the H200 run
+    ("static", dict(grow="static", early_stop=False)),
+    ("ahead", dict(grow="ahead", early_stop=False)),
     ("ahead+early stop", dict(grow="ahead", early_stop=True)),
-    ("ahead+overlap 2", dict(grow="ahead", overlap=2, reuse=True)),
-    ("ahead+overlap 4", dict(grow="ahead", overlap=4, reuse=True)),
-    ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True)),  # ~ what fits beside a 0.7 s streamed pass
-    ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier")),
-    ("ahead+overlap auto", dict(grow="ahead", overlap=-1, reuse=True)),  # specexec.config.OVERLAP_AUTO
-    # the levels a step waits for stop by measured costs (fixed-width early stop; projected to help prose)
+    ("ahead+overlap 2", dict(grow="ahead", overlap=2, reuse=True, early_stop=False)),
+    ("ahead+overlap 4", dict(grow="ahead", overlap=4, reuse=True, early_stop=False)),
+    ("ahead+overlap 16", dict(grow="ahead", overlap=16, reuse=True, early_stop=False)),
+    ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier", early_stop=False)),
+    ("ahead+overlap auto", dict(grow="ahead", overlap=-1, reuse=True, early_stop=False)),  # config.OVERLAP_AUTO
     ("ahead+overlap auto+early stop", dict(grow="ahead", overlap=-1, reuse=True, early_stop=True)),
-    ("dynamic+reuse", dict(reuse=True)),
+    ("dynamic+reuse", dict(grow="dynamic", reuse=True, early_stop=False)),
 )
 
 
@@ -250,7 +254,8 @@ def run_engine(
 
     glob = engine.target.globals
     engine.generate(prompts[0], min(2, n_new), method=method, tree=tree)  # warm-up: graphs, calibration, ring
-    static = getattr(engine.draft, "static", None)
+    dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
+    static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
     tot = dict(tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0, bg=0.0)
     exact, first_diff = True, None
@@ -290,7 +295,7 @@ def run_engine(
         "reused_nodes_per_step": tot["reused"] / steps,
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
-        "auto_overlap_levels": getattr(engine.draft, "background_levels", None),  # --overlap auto's last choice
+        "auto_overlap_levels": dm.background_levels if dm is not None else None,  # --overlap auto's last choice
         "exact": exact,
         "first_diff": first_diff,
     }
@@ -401,6 +406,13 @@ def bench_setting(
         for site, n in r.get("sync_sites", [])[:12]:
             print(f"    sync x{n}: {site}", flush=True)
 
+    if not args.smoke and draft_bytes + res.kv_bytes > cap * GB:  # the plan would refuse it; the GPU would not
+        out["skipped"] = (
+            f"the {args.draft_dtype} draft ({draft_bytes / GB:.1f} GB) and the KV caches ({res.kv_bytes / GB:.1f} GB) "
+            f"exceed the {cap:g} GB cap"
+        )
+        print(f"  skipped: {out['skipped']}", flush=True)
+        return out
     # 1. the honest baseline: no draft loaded, every byte of the cap to the target
     target, host, info0 = place_target(
         t_cfg, fmt, t_glob, dev, cap, 0, res0.kv_bytes, res0.max_tokens, args.host_layers, h2d
