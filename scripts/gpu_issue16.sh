@@ -28,9 +28,9 @@ run() {  # run LIMIT_S CMD...: the command's output into the log, its exit statu
     python3 -c "import torch, bitsandbytes as b; print('torch', torch.__version__, 'bnb', b.__version__, \
 torch.cuda.get_device_name())"
 
-    step "70B NF4 at 24 GB, code, 3 prompts: the default (ahead + early stop) against dynamic, ahead, overlap auto"
+    step "70B NF4 at 24 GB, code, 3 prompts: the default (ahead + early stop) at 256 and 1024 and auto (to 1024) against dynamic, ahead, overlap auto"
     run 200 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --no-accelerate --no-ar-loaded --prompts 3 \
-        --new-tokens 48 --ar-tokens 8 --budgets 256 --modes "dynamic,ahead,ahead+overlap auto+early stop" \
+        --new-tokens 48 --ar-tokens 8 --budgets 256,1024 --modes "dynamic,ahead,ahead+overlap auto+early stop" \
         --out "$OUT/gpu_70b_nf4.json"
 
     step "draft precision under 24 / 16 / 12 GB caps: NF4 and int8 7B drafts, the default growth"
