@@ -234,9 +234,11 @@ def test_fixed_growth_greedy_equals_ar(engines):
     assert all(reused.values()), reused
 
 
-def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory):
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory, early_stop):
     """For the same seed the fixed-width growth emits AR's tokens (so its text follows the target's distribution,
-    which tests/test_sampling.py checks for AR); and an engine-level chi-square of its own."""
+    which tests/test_sampling.py checks for AR); and an engine-level chi-square of its own. With the early stop
+    too (``ahead`` + early stop is the GPU default): trees cut by measured costs, some of them."""
     from tests import test_sampling as ts
 
     root = tmp_path_factory.mktemp("fixed_grow_sampling")
@@ -247,10 +249,13 @@ def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory)
     table = ts.Table(models[0], ts.PROMPT)
     samp = SamplingConfig(temperature=1.0, top_p=0.8)
     P = ts.truncate_at_eos(ts.joint(table, samp))
-    tree = TreeConfig(budget=8, max_beams=2, max_depth=16, max_branch=8, early_stop=False, grow="ahead")
-    out, mismatched, _ = ts.engine_samples(e, samp, tree)
+    tree = TreeConfig(budget=8, max_beams=2, max_depth=16, max_branch=8, early_stop=early_stop, grow="ahead")
+    out, mismatched, results = ts.engine_samples(e, samp, tree)
     assert mismatched == 0
-    assert ts.record("T1-p0.8", "engine: specexec budget=8, fixed-width growth", out, P) > ts.ALPHA
+    stops = sum(r.stats.early_stops for r in results)
+    assert (stops > 0) == early_stop, stops
+    name = "fixed-width growth" + (", early stop" if early_stop else "")
+    assert ts.record("T1-p0.8", f"engine: specexec budget=8, {name}", out, P) > ts.ALPHA
 
 
 @pytest.mark.cuda
