@@ -300,12 +300,11 @@ class TreeDraft:
         passes, tokens per pass, stopped early);
         ``reused_nodes`` / ``reused_passes`` tell what ``start`` gave.
         """
-        dev = self.draft.device
+        d = self.draft
+        dev = d.device
         stop = cost if cfg.stops_early(dev) else None
         if cfg.grow_mode(dev) != "dynamic":
             return self._grow_fixed(seq, cfg, logprobs, start, seed, stop)
-        d = self.draft
-        dev = d.device
         n = len(seq) - 1
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
@@ -448,15 +447,9 @@ class TreeDraft:
             levels()
             return
 
-        n_threads = torch.get_num_threads()
-
         def work() -> None:
             try:
-                if cuda:
-                    with torch.cuda.device(g.device):
-                        levels()
-                else:  # the caller's intra-op threads (per thread under OpenMP): the same sums, the same tree
-                    torch.set_num_threads(n_threads)
+                with torch.cuda.device(g.device) if cuda else contextlib.nullcontext():
                     levels()
             except BaseException as e:  # noqa: BLE001 - re-raised on the decode loop's thread by _join
                 self._bg_error = e
