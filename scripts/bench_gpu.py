@@ -117,6 +117,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sync-debug", action="store_true", help="per run, one more (untimed) generation listing host waits"
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="per run, one more (untimed) generation under torch.profiler: its trace (gzipped) into DIR and a "
+        "host/GPU split of the draft phase (scripts/trace_summary.py) into the JSON",
+    )
     p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
@@ -245,7 +253,15 @@ def greedy_reference(t_glob, prompts: list[list[int]], n: int) -> list[list[int]
 
 
 def run_engine(
-    engine, label: str, prompts, n_new: int, method: str, tree, ref: list[list[int]], sync_debug: bool = False
+    engine,
+    label: str,
+    prompts,
+    n_new: int,
+    method: str,
+    tree,
+    ref: list[list[int]],
+    sync_debug: bool = False,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """Generate for every prompt (one warm-up generation first, not counted); totals of the measured runs."""
     import torch
@@ -302,7 +318,67 @@ def run_engine(
     row["step_over_verify"] = row["step_s"] / max(row["verify_s_per_step"], 1e-12)
     if sync_debug and method != "ar" and torch.cuda.is_available():
         row["sync_sites"] = sync_sites(engine, prompts[0], n_new, method, tree)
+    if profile is not None and method != "ar":
+        row["profile"] = profile_run(engine, prompts[0], n_new, method, tree, profile / f"{_slug(label)}.json.gz")
     return row
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label).strip("_")
+
+
+def profile_run(engine, prompt: list[int], n_new: int, method: str, tree, path: Path) -> dict[str, Any]:
+    """One more generation under torch.profiler, with the decode loop's phases and the draft's levels, passes and
+    reads marked (monkeypatched here, restored after): the trace goes to ``path`` (gzipped chrome JSON) and its
+    summary (:func:`scripts.trace_summary.summarize`) is returned. Not timed."""
+    import gzip
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from scripts.trace_summary import summarize
+    from specexec import decode
+    from specexec.propose import draft_model, fixed_grow
+    from specexec.propose import tree as tree_mod
+
+    def marked(fn, name: str):  # noqa: ANN001, ANN202
+        def inner(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            with record_function(name):
+                return fn(*a, **kw)
+
+        return inner
+
+    patches = [
+        (tree_mod.TreeDraft, "propose", "step.propose"),
+        (decode, "score_tree", "step.verify"),
+        (decode, "sync", "step.sync"),
+        (fixed_grow.FixedGrowth, "level", "draft.level"),
+        (draft_model.DraftModel, "forward", "draft.pass"),
+        (fixed_grow._Reader, "read", "draft.read"),
+        (fixed_grow._Reader, "read_all", "draft.read"),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    engine.reset()
+    try:
+        for obj, attr, name in patches:
+            setattr(obj, attr, marked(getattr(obj, attr), name))
+        with profile(activities=acts) as prof:
+            engine.generate(prompt, n_new, method=method, tree=tree)
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        data = raw.read_bytes()
+    with gzip.open(path, "wb") as f:
+        f.write(data)
+    summary = summarize(json.loads(data)["traceEvents"])
+    summary["trace"] = str(path)
+    return summary
 
 
 def sync_sites(engine, prompt: list[int], n_new: int, method: str, tree) -> list[tuple[str, int]]:
@@ -403,6 +479,17 @@ def bench_setting(
                 f"captures; auto levels {r['auto_overlap_levels']}",
                 flush=True,
             )
+        m = r.get("profile", {}).get("mean")
+        if m:
+            pl = m["per_level"]
+            print(
+                f"    profile: draft {m['propose_ms']:.1f} ms/step, GPU busy {m['gpu_busy_ms']:.1f} (passes "
+                f"{m['gpu_pass_ms']:.1f} + bookkeeping {m['gpu_book_ms']:.1f}), idle {m['gpu_idle_ms']:.1f}; "
+                f"{m['levels']:.1f} levels, per level host {pl['host_level_ms']:.2f} ms (pass launch "
+                f"{pl['host_pass_ms']:.2f}, read wait {pl['host_read_ms']:.2f}), GPU pass {pl['gpu_pass_ms']:.2f} + "
+                f"bookkeeping {pl['gpu_book_ms']:.2f} ms; sync after {m['host_sync_ms']:.1f} ms",
+                flush=True,
+            )
         for site, n in r.get("sync_sites", [])[:12]:
             print(f"    sync x{n}: {site}", flush=True)
 
@@ -459,7 +546,7 @@ def bench_setting(
     gbp = info["streamed_gb_per_pass"]
     for label, method, tree, n in runs:
         t_run = time.perf_counter()
-        r = run_engine(eng, label, prompts, n, method, tree, ref, sync_debug=args.sync_debug)
+        r = run_engine(eng, label, prompts, n, method, tree, ref, sync_debug=args.sync_debug, profile=args.profile)
         r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure
         r["speedup_vs_ar"] = r["tok_s"] / ar_rate if ar_rate > 0 else 0.0
         r.update(resident_layers=info["resident_layers"], streamed_gb_per_pass=gbp)

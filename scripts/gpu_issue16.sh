@@ -5,7 +5,9 @@
 # so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
 #   bash scripts/gpu_issue16.sh            # on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh profile    # ~3 min: where the draft phase's time goes (host vs GPU), CUDA tests
 set -u
+WHAT=${1:-all}
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 LOG="$OUT/session.log"
@@ -28,6 +30,21 @@ run() {  # run LIMIT_S CMD...: the command's output into the log, its exit statu
     python3 -c "import torch, bitsandbytes as b; print('torch', torch.__version__, 'bnb', b.__version__, \
 torch.cuda.get_device_name())"
 
+    if [ "$WHAT" = profile ]; then
+        step "profile: 70B NF4 at 24 GB, bf16 7B draft: the default (ahead + early stop) and dynamic, traced"
+        run 120 python3 scripts/bench_gpu.py --settings 70b-nf4@24,8b-bf16@8 --no-accelerate --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --budgets-other 256 --modes dynamic \
+            --profile "$OUT/traces" --out "$OUT/prof_bf16.json"
+        step "profile: 70B NF4 at 24 GB, NF4 7B draft, traced"
+        run 60 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype nf4 --no-accelerate --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" \
+            --profile "$OUT/traces_nf4" --out "$OUT/prof_nf4.json"
+        step "CUDA tests"
+        run 70 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
+            tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py
+        step done
+        exit 0
+    fi
     step "70B NF4 at 24 GB, code, 3 prompts: the default (ahead + early stop) at 256 and 1024 and auto (to 1024) against dynamic, ahead, overlap auto"
     run 200 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --no-accelerate --no-ar-loaded --prompts 3 \
         --new-tokens 48 --ar-tokens 8 --budgets 256,1024 --modes "dynamic,ahead,ahead+overlap auto+early stop" \
