@@ -106,16 +106,18 @@ def plan_with_draft(
     formats: Sequence[str],
     *,
     resources: Resources | None = None,
+    pick: Callable[[list[tuple[str, Plan]]], str] | None = None,
 ) -> tuple[Plan, str]:
     """The plan for the first draft weight format of ``formats`` (e.g. dense, int8, nf4) whose draft leaves room
     for the streamed target, and that format. ``reserve(fmt)`` gives the :class:`~specexec.sizes.PlanReservations`
     with the draft in ``fmt``. Only a lack of GPU memory moves on to the next format; when none fits, the error
     of the last one is raised, saying which precisions were tried. ``resources``: the machine (default: probed).
+    ``pick``: plan every format and let ``pick([(format, plan) of those that fit])`` name the one to load
+    (``--draft-dtype auto`` on a GPU: :func:`specexec.draft_choice.choose`); None: the first that fits.
 
-    This is what ``--draft-dtype auto`` does on a GPU: a 16-bit 7B draft takes 13.5 GB, more than a 16 GB card
-    has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits. Where the 16-bit draft
-    fits, it is kept: what a lower precision costs in acceptance against what its freed VRAM saves in streamed
-    bytes is measured for the demo pair only (docs/BENCHMARKS.md), not yet on a GPU.
+    ``--draft-dtype auto`` on a GPU plans the 16-bit, int8 and NF4 drafts: a 16-bit 7B draft takes 13.5 GB, more
+    than a 16 GB card has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits; among
+    those that fit, the picker weighs the streamed bytes each leaves against its draft passes and acceptance.
     """
     path = model_dir(Path(path))
     cfg = read_config(path)
@@ -123,6 +125,7 @@ def plan_with_draft(
     root = offload.offload_root
     res = resources or Resources.probe(device, root, None)
     names = [{"dense": "16-bit"}.get(f, f) for f in formats]
+    fits: list[tuple[str, Plan]] = []
     for i, fmt in enumerate(formats):
         r = reserve(fmt)
         model = PlanModel.from_checkpoint(
@@ -131,23 +134,31 @@ def plan_with_draft(
         try:
             plan = make_plan(res, model, offload)
         except OutOfMemory as e:
-            if e.resource != "GPU memory" or i == len(formats) - 1:
+            if e.resource != "GPU memory" or (i == len(formats) - 1 and not fits):
                 if i and e.resource == "GPU memory":
                     raise OutOfMemory(
                         f"{e} (the draft was tried in {', '.join(names)})", e.resource, e.need, e.have
                     ) from None
                 raise
             continue
-        if i:
-            log.warning(
-                "the draft in %s does not fit beside the streamed target under this GPU's budget: loading it in %s "
-                "(%.1f GB; --draft-dtype chooses)",
-                names[0],
-                names[i],
-                r.draft_bytes / 1e9,
-            )
-        return plan, fmt
-    raise ValueError("no draft formats to try")
+        fits.append((fmt, plan))
+        if pick is None:
+            break
+    if not fits:
+        raise ValueError("no draft formats to try")
+    fmt, plan = fits[0]
+    if pick is not None and len(fits) > 1:
+        fmt = pick(fits)
+        plan = dict(fits)[fmt]
+    elif fmt != formats[0]:
+        log.warning(
+            "the draft in %s does not fit beside the streamed target under this GPU's budget: loading it in %s "
+            "(%.1f GB; --draft-dtype chooses)",
+            names[0],
+            {"dense": "16-bit"}.get(fmt, fmt),
+            reserve(fmt).draft_bytes / 1e9,
+        )
+    return plan, fmt
 
 
 def build_layers(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specexec import hub, layer_select, memory, sizes
+from specexec import draft_choice, hub, layer_select, memory, sizes
 from specexec.config import TreeConfig
 from specexec.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
@@ -65,7 +65,9 @@ def load(
     ``dtype``; also the low-bit weight formats ``int8`` -- fbgemm on a CPU, bitsandbytes' int8 GEMM on CUDA -- and
     ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests -- and the group-wise ``q4``,
     ``q3``, ``q2`` (:mod:`specexec.groupquant`: 4/3/2-bit codes, an fp16 scale and offset per 64 input columns,
-    dequantized every pass); see :func:`specexec.loading.draft_format`).
+    dequantized every pass); see :func:`specexec.loading.draft_format`). ``draft_dtype`` auto (or None) on a GPU
+    with a streamed target: the 16-bit, int8 or NF4 draft, whichever is expected to decode fastest -- fewer streamed
+    bytes against dearer draft passes and a little acceptance (:mod:`specexec.draft_choice`).
 
     ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
     low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
@@ -133,9 +135,11 @@ def load(
         # --draft-dtype auto on a GPU: a 16-bit draft that leaves no room for the streamed target's ring goes
         # int8, then NF4 (bitsandbytes), rather than failing the load
         formats = [d_fmt]
+        pick = None
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
             formats += list(AUTO_DRAFT_FALLBACK)
-        plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats)
+            pick = draft_choice.picker(d_cfg, dev)  # the format expected to decode fastest among those that fit
+        plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
         if d_stored is not None:
             d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt)
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from specexec import sizes
+from specexec import draft_choice, sizes
 from specexec.config import TreeConfig
 from specexec.errors import SpecexecError
 from specexec.model import ModelConfig
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 GB = 1e9
 MIB = 1 << 20
 ASSUMED_H2D_GBPS = 25.0  # pinned host→device, PCIe 4.0 x16, when not measured
+ASSUMED_DEVICE_GBPS = 1000.0  # device memory, a consumer card's (RTX 4090: ~1 TB/s), when not measured
 ASSUMED_RAM_GBPS = 20.0  # CPU-only: memory bandwidth a decoder pass reads its weights at (rough)
 TREE_TOKENS = 256  # tree size the workspace is sized for
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "safetensors", "accelerate", "huggingface_hub", "specexec")
@@ -51,6 +52,7 @@ class GpuInfo:
     vram_free: int
     pinned_h2d_gbps: float | None = None
     pageable_h2d_gbps: float | None = None
+    device_gbps: float | None = None  # device memory bandwidth (what a resident draft's passes read)
     note: str = ""
 
 
@@ -173,6 +175,7 @@ def gpu_info(measure: bool = True) -> GpuInfo | None:
         except RuntimeError as e:  # pinning refused (e.g. WSL caps pinned memory)
             info.note = f"pinned allocation failed ({str(e).splitlines()[0]}): the offload manager stages copies"
         info.pageable_h2d_gbps = h2d_gbps(dev, pinned=False)
+        info.device_gbps = draft_choice.device_memory_gbps(dev)
         torch.cuda.empty_cache()
     return info
 
@@ -447,6 +450,7 @@ def _recommend_gpu(
     )
     h2d = gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS
     plan = None
+    plans: dict[str, Any] = {}  # format -> its plan, for those that fit
     error: SpecexecError | None = None
     from specexec.loading import SELF_DRAFT
 
@@ -476,10 +480,21 @@ def _recommend_gpu(
                 "floor_s_per_pass": p.bytes_per_forward / (h2d * GB),
             }
         )
+        plans[fmt] = p
         if plan is None:
             plan, rec.draft_dtype = p, name if d_cfg is not None else None
     if d_cfg is None:
         rec.draft_options = []
+    elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)
+        dev_gbps = gpu.device_gbps or ASSUMED_DEVICE_GBPS
+        opts = draft_choice.options(d_cfg, {f: q.bytes_per_forward for f, q in plans.items()}, h2d, dev_gbps)
+        best = draft_choice.choose(opts)
+        plan, rec.draft_dtype = plans[best.fmt], {"dense": "16-bit"}.get(best.fmt, best.fmt)
+        by_name = {o["draft_dtype"]: o for o in rec.draft_options}
+        for o in opts:
+            by_name[{"dense": "16-bit"}.get(o.fmt, o.fmt)].update(
+                modelled_ms_per_token=o.s_per_token * 1e3, keep_prior=o.keep, break_even_keep=o.break_even_keep
+            )
     if plan is None:
         rec.tier = "does-not-fit"
         tried = f" (the draft in {', '.join(o['draft_dtype'] for o in rec.draft_options)})" if d_cfg else ""
@@ -489,13 +504,20 @@ def _recommend_gpu(
         alts = ", ".join(
             f"{o['draft_dtype']} {o['draft_gb']:.1f} GB -> "
             + (f"{o['resident_layers']} resident, {o['floor_s_per_pass']:.2f} s/pass" if o["fits"] else "does not fit")
+            + (f", ~{o['modelled_ms_per_token']:.0f} ms/token modelled" if "modelled_ms_per_token" in o else "")
             for o in rec.draft_options
         )
         if self_draft:
             what = f"self-derived draft ({d_cfg.num_layers} of {cfg.num_layers} layers) in {rec.draft_dtype}"
             auto = "the first that fits; --draft-dtype auto loads nf4 on a GPU"
         else:
-            what, auto = f"draft {rec.draft} in {rec.draft_dtype}", "what --draft-dtype auto loads: the first that fits"
+            what = f"draft {rec.draft} in {rec.draft_dtype}"
+            auto = (
+                "what --draft-dtype auto loads: the least modelled time a token, streamed bytes against draft passes "
+                "and acceptance"
+                if len(plans) > 1
+                else "what --draft-dtype auto loads: the first that fits"
+            )
         rec.notes.append(f"{what} ({auto}); by draft precision: {alts}")
     rec.dtype = "nf4" if plan.fmt.kind == "nf4" else "bf16"
     rec.tier = plan.mode

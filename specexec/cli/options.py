@@ -149,7 +149,8 @@ def draft_dtype() -> Any:
     return typer.Option(
         None,
         "--draft-dtype",
-        help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU): auto, fp32, bf16, "
+        help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU; auto on a GPU beside a "
+        "streamed target: 16-bit, int8 or nf4, whichever is expected to decode fastest): auto, fp32, bf16, "
         "fp16, or the low-bit weights int8 (CPU and GPU), nf4 (GPU; bitsandbytes) and the group-wise q4, q3, q2 "
         "(4/3/2-bit codes with an fp16 scale and offset per 64 columns; dequantized each pass, no fused kernel).",
     )
