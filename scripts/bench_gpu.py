@@ -168,21 +168,16 @@ def _free(dev) -> None:
         torch.cuda.empty_cache()
 
 
-def place_target(
-    t_cfg, fmt: str, glob, dev, cap_gb: float, draft_bytes: int, kv_bytes: int, max_tokens: int, host_n: int, h2d
-) -> tuple[Any, list[Any], dict[str, Any]]:
-    """The target: planted globals, random layers packed in ``fmt``, as many resident as the library's memory
-    plan allows under ``cap_gb`` (after ``draft_bytes`` + ``kv_bytes``), the rest streamed from pinned RAM
-    (``host_n`` distinct layers cycled: the PCIe traffic is that of all of them)."""
+def resident_layers(
+    t_cfg, fmt: str, dev, cap_gb: float, draft_bytes: int, kv_bytes: int, max_tokens: int, h2d: float
+) -> tuple[int, str]:
+    """How many target layers the library's memory plan keeps resident under ``cap_gb`` beside ``draft_bytes`` +
+    ``kv_bytes``, and the plan's text (from the VRAM budget alone where the plan refuses: it also checks RAM for
+    every layer, and this script cycles a few)."""
     import torch
 
     from offload.layout import LayerFormat, layer_layout
     from offload.plan import OffloadConfig, PlanModel, Resources, globals_bytes, make_plan, workspace_bytes
-    from offload.quant import quantize_layer
-    from offload.store import HostBuffer, RamStore
-    from offload.streamer import StreamedLayers
-    from specexec import synthetic
-    from specexec.model import Transformer
 
     bf16 = torch.bfloat16
     layout = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", bf16))
@@ -193,7 +188,7 @@ def place_target(
             OffloadConfig(mode="ram", gpu_memory_gb=cap_gb, target_dtype=fmt),
         )
         resident, plan_text = len(plan.resident), plan.describe()
-    except Exception as e:  # noqa: BLE001 - the plan also checks RAM for every layer; this machine cycles a few
+    except Exception as e:  # noqa: BLE001
         fixed = (
             (globals_bytes(t_cfg, bf16) + workspace_bytes(t_cfg, layout.fmt, dev, max_tokens) + 2 * layout.nbytes)
             + draft_bytes
@@ -201,7 +196,70 @@ def place_target(
         )
         resident = max(0, int((cap_gb * GB - fixed) // layout.nbytes))
         plan_text = f"plan refused ({e}); resident layers from the VRAM budget: {resident}"
-    resident = min(resident, t_cfg.num_layers)
+    return min(resident, t_cfg.num_layers), plan_text
+
+
+def modelled_choice(
+    t_cfg, fmt: str, d_cfg, dev, cap_gb: float, kv_bytes: int, max_tokens: int, h2d: float, hbm: float
+) -> dict[str, Any]:
+    """What ``--draft-dtype auto`` (:mod:`specexec.draft_choice`) models for this setting: each draft format's
+    placement and modelled time a token, and its pick (the VRAM cap and bandwidths as measured here)."""
+    import torch
+
+    from offload.layout import LayerFormat, layer_layout
+    from specexec import draft_choice, sizes
+
+    layer = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", torch.bfloat16)).nbytes
+    streamed = {}
+    for f in ("dense", "int8", "nf4"):
+        d_bytes = sizes.model_weight_bytes(d_cfg, f, 2)
+        if d_bytes + kv_bytes > cap_gb * GB:
+            continue
+        resident, _ = resident_layers(t_cfg, fmt, dev, cap_gb, d_bytes, kv_bytes, max_tokens, h2d)
+        streamed[f] = (t_cfg.num_layers - resident) * layer
+    opts = draft_choice.options(d_cfg, streamed, h2d, hbm)
+    if not opts:
+        return {}
+    best = draft_choice.choose(opts)
+    return {
+        "h2d_gbps": h2d,
+        "device_gbps": hbm,
+        "chosen": best.fmt,
+        "options": [
+            {
+                "fmt": o.fmt,
+                "resident_layers": t_cfg.num_layers - o.streamed_bytes // layer,
+                "streamed_gb": o.streamed_bytes / GB,
+                "modelled_stream_s": o.stream_s,
+                "modelled_draft_s_per_step": o.draft_s,
+                "modelled_pass_ms": 1e3 * draft_choice.pass_seconds(d_cfg, o.fmt, hbm),
+                "keep_prior": o.keep,
+                "modelled_ms_per_token": o.s_per_token * 1e3,
+                "break_even_keep": o.break_even_keep,
+            }
+            for o in opts
+        ],
+    }
+
+
+def place_target(
+    t_cfg, fmt: str, glob, dev, cap_gb: float, draft_bytes: int, kv_bytes: int, max_tokens: int, host_n: int, h2d
+) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The target: planted globals, random layers packed in ``fmt``, as many resident as the library's memory
+    plan allows under ``cap_gb`` (after ``draft_bytes`` + ``kv_bytes``), the rest streamed from pinned RAM
+    (``host_n`` distinct layers cycled: the PCIe traffic is that of all of them)."""
+    import torch
+
+    from offload.layout import LayerFormat, layer_layout
+    from offload.quant import quantize_layer
+    from offload.store import HostBuffer, RamStore
+    from offload.streamer import StreamedLayers
+    from specexec import synthetic
+    from specexec.model import Transformer
+
+    bf16 = torch.bfloat16
+    layout = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", bf16))
+    resident, plan_text = resident_layers(t_cfg, fmt, dev, cap_gb, draft_bytes, kv_bytes, max_tokens, h2d)
     templates = []
     for j in range(max(1, min(host_n, t_cfg.num_layers))):
         dense = synthetic.layer_tensors(t_cfg, bf16, dev, seed=100 + j)
@@ -308,6 +366,7 @@ def run_engine(
         "draft_s_per_step": tot["draft_s"] / steps,
         "verify_s_per_step": tot["target_s"] / steps,
         "draft_passes_per_step": tot["passes"] / steps,
+        "draft_s_per_pass": tot["draft_s"] / max(tot["passes"], 1),  # bookkeeping included
         "reused_nodes_per_step": tot["reused"] / steps,
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
@@ -493,6 +552,19 @@ def bench_setting(
         for site, n in r.get("sync_sites", [])[:12]:
             print(f"    sync x{n}: {site}", flush=True)
 
+    choice = modelled_choice(t_cfg, fmt, d_cfg, dev, cap, res.kv_bytes, res.max_tokens, h2d, args.device_gbps)
+    if choice:
+        out["draft_choice"] = choice
+        print(
+            "  --draft-dtype auto models: "
+            + "; ".join(
+                f"{o['fmt']} {o['resident_layers']} resident, pass {o['modelled_pass_ms']:.1f} ms, "
+                f"{o['modelled_ms_per_token']:.0f} ms/token"
+                for o in choice["options"]
+            )
+            + f" -> {choice['chosen']}",
+            flush=True,
+        )
     if not args.smoke and draft_bytes + res.kv_bytes > cap * GB:  # the plan would refuse it; the GPU would not
         out["skipped"] = (
             f"the {args.draft_dtype} draft ({draft_bytes / GB:.1f} GB) and the KV caches ({res.kv_bytes / GB:.1f} GB) "
@@ -679,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     from offload.plan import measure_h2d_bandwidth
 
     h2d = measure_h2d_bandwidth(dev) if dev.type == "cuda" else 25.0
+    from specexec.draft_choice import device_memory_gbps
+
+    args.device_gbps = device_memory_gbps(dev) if dev.type == "cuda" else 1000.0
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
@@ -691,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "settings": [],
     }
-    print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s", flush=True)
+    report["device_gbps"] = args.device_gbps
+    print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s, device memory {args.device_gbps:.0f} GB/s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):
 

@@ -30,9 +30,16 @@ class StaticPasses:
     """``forward(tokens, positions, slots, mask)`` with padded static shapes; CUDA graphs when on a GPU."""
 
     def __init__(
-        self, model: Transformer, cache: KVCache, max_rows: int, use_graphs: bool | None = None, span_step: int = 256
+        self,
+        model: Transformer,
+        cache: KVCache,
+        max_rows: int,
+        use_graphs: bool | None = None,
+        span_step: int = 256,
+        fused_norm: bool = False,
     ) -> None:
         self.model, self.cache = model, cache
+        self.fused_norm = fused_norm  # passed to every pass (see Transformer.forward)
         self.span_step = span_step
         self.C = cache.capacity
         self.scratch = self.C - 1
@@ -88,7 +95,9 @@ class StaticPasses:
         self._pad_rows(k, b, span)
 
     def _run(self, b: int, span: int) -> Tensor:
-        return self.model.forward(self.tokens[:b], self.pos[:b], self.slots[:b], self.mask[:b, :span], self.cache)
+        return self.model.forward(
+            self.tokens[:b], self.pos[:b], self.slots[:b], self.mask[:b, :span], self.cache, fused_norm=self.fused_norm
+        )
 
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """Logits (k, V) for k rows; ``mask`` (k, L) with L <= C-1 (the scratch slot is reserved)."""

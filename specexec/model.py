@@ -17,7 +17,7 @@ Per-layer weight names (a mapping ``str -> Tensor | QuantizedLinear``):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -377,11 +377,27 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE. x (T, heads, hd); cos/sin (T, 1, hd)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate-half RoPE. x (T, heads, hd); cos (T, 1, hd); ``sin_signed`` (T, 1, hd) is sin with its first half
+    negated (:func:`rope_tables`), so the rotation is a swap of halves: ``x2 * -sin == -x2 * sin`` exactly."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin_signed
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin (T, 1, hd) for :func:`apply_rope` at ``positions`` (T,)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos = torch.cat((freqs, freqs), dim=-1).cos()
+    sin = freqs.sin()
+    return cos.to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+
+
+def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm through ``F.rms_norm`` (one fused kernel on CUDA where torch has it). Not bit-identical to
+    :func:`rms_norm` (the weight multiplies before the cast): for a draft, whose numerics only change what it
+    proposes, never for a target."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @dataclass
@@ -425,27 +441,31 @@ class Transformer:
         cache: KVCache,
         logits_rows: Tensor | slice | None = None,
         trace: list[Tensor] | None = None,
+        fused_norm: bool = False,
     ) -> Tensor:
         """One pass. tokens/positions/cache_slots (T,) long; mask (T, L) bool, True = may attend to slot.
 
         Writes this pass's keys/values into ``cache`` at ``cache_slots`` (every slot a row attends to must be
         written before or in this pass). Returns fp32 logits (T', V) for ``logits_rows`` (default all rows).
         ``trace``: append the residual stream (T, D) entering the first layer and leaving each layer.
+        ``fused_norm``: RMSNorm through one fused kernel (:func:`fused_rms_norm`; a draft's passes on a GPU, never
+        a target's).
         """
         c = self.cfg
         head = self.globals.lm_head
         if isinstance(head, SubsetHead):
             head.observe(tokens)
+        norm = fused_rms_norm if fused_norm else rms_norm
         x = embed_rows(self.globals.embed, tokens).to(self.dtype)  # (T, D)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        attn_mask = mask[None, None]  # (1, 1, T, L)
+        cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
+        # the additive bias SDPA would make from the boolean mask in every layer, made once (the same values)
+        attn_mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        attn_mask = attn_mask[None, None]  # (1, 1, T, L)
         with sdpa_kernel(_SDPA_BACKENDS):
-            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache, trace)
+            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache, trace, norm)
         if logits_rows is not None:
             x = x[logits_rows]
-        x = rms_norm(x, self.globals.norm, c.rms_norm_eps)
+        x = norm(x, self.globals.norm, c.rms_norm_eps)
         return linear(x, self.globals.lm_head).float()
 
     def _layers(
@@ -458,6 +478,7 @@ class Transformer:
         L: int,
         cache: KVCache,
         trace: list[Tensor] | None = None,
+        norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm,
     ) -> Tensor:
         """The decoder layers over x (T, D); returns the final hidden states (T, D)."""
         c = self.cfg
@@ -470,14 +491,15 @@ class Transformer:
             trace.append(x)
         for i in range(c.num_layers):
             w = self.layers.layer(i)
-            h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+            h = norm(x, w["attn_norm"], c.rms_norm_eps)
             qkv = linear(h, w["wqkv"])
             if "bqkv" in w:
                 qkv = qkv + w["bqkv"]
-            q, k, v = qkv.split((q_dim, kv_dim, kv_dim), dim=-1)
-            q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
-            keys, values = cache.write(i, cache_slots, k, v.view(T, c.num_kv_heads, c.head_dim), L)
+            # RoPE on the queries and keys together (one set of kernels; the same arithmetic per element)
+            qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = qkv[:, q_dim + kv_dim :]
+            keys, values = cache.write(i, cache_slots, k, v.reshape(T, c.num_kv_heads, c.head_dim), L)
             if gqa:  # expand KV heads: SDPA's GQA mode falls back to the slow math kernel when a mask is given
                 keys = keys.repeat_interleave(groups, dim=0)
                 values = values.repeat_interleave(groups, dim=0)
@@ -485,7 +507,7 @@ class Transformer:
                 q.transpose(0, 1)[None], keys[None], values[None], attn_mask=attn_mask
             )  # (1, H, T, hd)
             x = x + linear(o[0].transpose(0, 1).reshape(T, q_dim), w["wo"])
-            h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
+            h = norm(x, w["mlp_norm"], c.rms_norm_eps)
             gate, up = linear(h, w["w13"]).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w["w2"])
             if trace is not None:

@@ -109,3 +109,33 @@ def test_fp32_model_keeps_a_16_bit_untied_embedding(tiny_models, tmp_path):
     a = m.forward(toks, pos, pos, mask, m.new_cache(8))
     b = ref.forward(toks, pos, pos, mask, ref.new_cache(8))
     assert torch.equal(a, b)
+
+
+def test_rope_with_a_sign_folded_sin_is_the_rotate_half_formula_bit_for_bit():
+    """apply_rope swaps halves and folds the rotation's sign into sin (rope_tables): the same arithmetic per
+    element as HF's ``x * cos + rotate_half(x) * sin``, so the target's numerics did not move."""
+    from specexec.model import apply_rope, rope_tables
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 5, 16, dtype=dtype)
+        pos, inv = torch.arange(100, 107), 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        cos, sin_signed = rope_tables(pos, inv, dtype)
+        freqs = pos.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        c, s = emb.cos().to(dtype), emb.sin().to(dtype)
+        rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+        assert torch.equal(apply_rope(x, cos, sin_signed), x * c + rotated * s)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_drafts_fused_norm_only_moves_logits_by_rounding(tiny_models, family):
+    """fused_norm=True (a draft's passes on a GPU) runs RMSNorm through F.rms_norm: the logits stay within
+    rounding of the default pass, which a target always uses."""
+    m = load_model(tiny_models[family], torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    ids = torch.randint(3, m.cfg.vocab_size, (12,))
+    t = torch.arange(12)
+    a = m.forward(ids, t, t, _causal(0, 12, 12), m.new_cache(16))
+    b = m.forward(ids, t, t, _causal(0, 12, 12), m.new_cache(16), fused_norm=True)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -83,8 +83,11 @@ class DraftModel:
         # ``--overlap auto``: the background levels learnt to fit beside the target's pass (None: not yet); kept here
         # so that the next generation (a chat turn) starts from them
         self.background_levels: int | None = None
+        # a draft's numerics only change what it proposes: on a GPU its RMSNorm runs as one fused kernel (a 7B pass
+        # had ~520 of its ~1330 kernels in the norms' separate steps, docs/BENCHMARKS.md)
+        self.fused_norm = model.device.type == "cuda"
         use = model.device.type == "cuda" if static is None else static
-        self.static = StaticPasses(model, self.cache, static_rows) if use else None
+        self.static = StaticPasses(model, self.cache, static_rows, fused_norm=self.fused_norm) if use else None
         self.prefix: TargetPrefix | None = None  # see :meth:`share_prefix`
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
@@ -122,7 +125,13 @@ class DraftModel:
             out = self.static.forward(tokens, pos, slots, mask)
             return out[-1:] if last_only else out
         return self.model.forward(
-            tokens, pos, slots, mask, self.cache, logits_rows=slice(-1, None) if last_only else None
+            tokens,
+            pos,
+            slots,
+            mask,
+            self.cache,
+            logits_rows=slice(-1, None) if last_only else None,
+            fused_norm=self.fused_norm,
         )
 
     def _in_vocab(self, tokens: Tensor) -> Tensor:
@@ -169,7 +178,13 @@ class DraftModel:
         pos = torch.arange(m, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
         self.model.forward(
-            self._in_vocab(torch.tensor(seq[m:n], device=dev)), pos, pos, mask, self.cache, logits_rows=slice(-1, None)
+            self._in_vocab(torch.tensor(seq[m:n], device=dev)),
+            pos,
+            pos,
+            mask,
+            self.cache,
+            logits_rows=slice(-1, None),
+            fused_norm=self.fused_norm,
         )
         self._tokens = list(seq[:n])
 
