@@ -64,6 +64,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=152064, hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
         num_layers=24, qkv_bias=True, rope_theta=1e6,
     ),
+    "llama3-70b": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128,
+        num_layers=80, rope_theta=5e5,
+    ),
     "llama3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
         num_layers=32, rope_theta=5e5,
@@ -82,6 +86,10 @@ SETTINGS: dict[str, tuple[str, str, str, float]] = {
     # the draft-precision trade-off under smaller caps (issue 16 item 2; a bf16 7B draft does not fit 12 GB)
     "70b-nf4@16": ("llama2-70b", "nf4", "llama2-7b", 16.0),
     "70b-nf4@12": ("llama2-70b", "nf4", "llama2-7b", 12.0),
+    # an 8B-shaped draft (Llama-3.1-70B / 8B): its bf16 copy (16 GB) does not fit 24 GB beside the streamed target
+    "70b3-nf4@24": ("llama3-70b", "nf4", "llama3-8b", 24.0),
+    "70b3-nf4@16": ("llama3-70b", "nf4", "llama3-8b", 16.0),
+    "70b3-nf4@12": ("llama3-70b", "nf4", "llama3-8b", 12.0),
 }
 DEFAULT_SETTINGS = "70b-nf4@24,70b-bf16@24,32b-nf4@24,8b-bf16@8"
 FULL = "64,256,1024,2048"  # budgets for the first setting; the others run --budgets-other
@@ -125,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per run, one more (untimed) generation under torch.profiler: its trace (gzipped) into DIR and a "
         "host/GPU split of the draft phase (scripts/trace_summary.py) into the JSON",
     )
+    p.add_argument("--profile-runs", type=int, default=1000, help="with --profile: trace only the first N runs")
     p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
@@ -377,9 +386,14 @@ def run_engine(
     row["step_over_verify"] = row["step_s"] / max(row["verify_s_per_step"], 1e-12)
     if sync_debug and method != "ar" and torch.cuda.is_available():
         row["sync_sites"] = sync_sites(engine, prompts[0], n_new, method, tree)
-    if profile is not None and method != "ar":
-        row["profile"] = profile_run(engine, prompts[0], n_new, method, tree, profile / f"{_slug(label)}.json.gz")
+    if profile is not None and method != "ar" and PROFILED[0] < PROFILE_LIMIT[0]:
+        PROFILED[0] += 1
+        name = f"{PROFILED[0]:02d}_{_slug(label)}.json.gz"
+        row["profile"] = profile_run(engine, prompts[0], n_new, method, tree, profile / name)
     return row
+
+
+PROFILED, PROFILE_LIMIT = [0], [1000]  # traced runs so far, and --profile-runs
 
 
 def _slug(label: str) -> str:
@@ -540,13 +554,18 @@ def bench_setting(
             )
         m = r.get("profile", {}).get("mean")
         if m:
-            pl = m["per_level"]
+            pl = m.get("per_level")
+            levels = (
+                f"; {m['levels']:.1f} levels, per level host {pl['host_level_ms']:.2f} ms (pass launch "
+                f"{pl['host_pass_ms']:.2f}, read wait {pl['host_read_ms']:.2f}), GPU pass {pl['gpu_pass_ms']:.2f} + "
+                f"bookkeeping {pl['gpu_book_ms']:.2f} ms"
+                if pl
+                else ""
+            )
             print(
                 f"    profile: draft {m['propose_ms']:.1f} ms/step, GPU busy {m['gpu_busy_ms']:.1f} (passes "
-                f"{m['gpu_pass_ms']:.1f} + bookkeeping {m['gpu_book_ms']:.1f}), idle {m['gpu_idle_ms']:.1f}; "
-                f"{m['levels']:.1f} levels, per level host {pl['host_level_ms']:.2f} ms (pass launch "
-                f"{pl['host_pass_ms']:.2f}, read wait {pl['host_read_ms']:.2f}), GPU pass {pl['gpu_pass_ms']:.2f} + "
-                f"bookkeeping {pl['gpu_book_ms']:.2f} ms; sync after {m['host_sync_ms']:.1f} ms",
+                f"{m['gpu_pass_ms']:.1f} + bookkeeping {m['gpu_book_ms']:.1f}), idle {m['gpu_idle_ms']:.1f}"
+                f"{levels}; sync after {m['host_sync_ms']:.1f} ms",
                 flush=True,
             )
         for site, n in r.get("sync_sites", [])[:12]:
@@ -706,7 +725,7 @@ def _shrink() -> None:
     """--smoke: tiny shapes so the whole flow runs on a CPU in seconds (the planted agreement needs a few hundred
     hidden dims to mean anything; the smoke run checks the flow and exactness, not speed or acceptance)."""
     for name, kw in SHAPES.items():
-        big = name in ("llama2-70b", "qwen2.5-32b", "llama3-8b")
+        big = name in ("llama2-70b", "llama3-70b", "qwen2.5-32b", "llama3-8b")
         kw.update(
             vocab_size=512,
             hidden_size=256 if big else 128,
@@ -722,6 +741,7 @@ def _shrink() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    PROFILE_LIMIT[0] = args.profile_runs
     import torch
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]

@@ -110,7 +110,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     mean = {k: sum(s[k] for s in out_steps) / n for k in (out_steps[0] if out_steps else {})}
     if mean:
         mean["gpu_idle_ms"] = mean["propose_ms"] - mean["gpu_busy_ms"]
-        lv = max(mean["levels"], 1e-9)
+    if mean and mean["levels"] > 0:  # fixed-width growth ("dynamic" growth has no levels to divide by)
+        lv = mean["levels"]
         mean["per_level"] = {
             k: mean[k] / lv for k in ("gpu_pass_ms", "gpu_book_ms", "host_level_ms", "host_read_ms", "host_pass_ms")
         }

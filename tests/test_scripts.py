@@ -564,3 +564,46 @@ def test_bench_shared_prefix_smoke(tiny_models, tmp_path):
     assert all(r["shared"]["prefill_s"] > 0 and r["own"]["ttft_s"] > 0 for r in rep["rows"])
     with pytest.raises(SystemExit):
         script("bench_shared_prefix").parse_args(["--prompt-tokens", "1,x"])
+
+
+def test_trace_summary_splits_the_draft_phase_into_host_and_gpu_time(tmp_path):
+    """scripts/trace_summary.py on a hand-made chrome trace: a kernel belongs to the range its launch falls in
+    (pass or bookkeeping), busy time is the union of kernel intervals inside the draft window (propose start to
+    the verify's start), and per-level means divide by the levels."""
+    import gzip
+    import json
+
+    ts = script("trace_summary")
+
+    def x(name, cat, t, dur, **args):  # noqa: ANN001, ANN003, ANN202
+        return {"ph": "X", "name": name, "cat": cat, "ts": t, "dur": dur, "args": args}
+
+    events = [
+        x("step.propose", "user_annotation", 0, 90),
+        x("step.sync", "user_annotation", 90, 10),
+        x("step.verify", "user_annotation", 100, 100),
+        x("draft.level", "user_annotation", 10, 10),
+        x("draft.level", "user_annotation", 30, 10),
+        x("draft.pass", "user_annotation", 12, 3),
+        x("draft.pass", "user_annotation", 32, 3),
+        x("draft.read", "user_annotation", 22, 4),
+        x("cudaGraphLaunch", "cuda_runtime", 13, 1, correlation=1),
+        x("cudaLaunchKernel", "cuda_runtime", 25, 1, correlation=2),
+        x("cudaGraphLaunch", "cuda_runtime", 33, 1, correlation=3),
+        x("k1", "kernel", 14, 36, correlation=1),  # 14..50
+        x("k2", "kernel", 40, 20, correlation=2),  # 40..60, overlaps k1 by 10
+        x("k3", "kernel", 60, 20, correlation=3),  # 60..80
+        x("late", "kernel", 150, 10, correlation=9),  # inside the verify: not the draft's
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = ts.summarize(ts._load(path))
+    m = s["mean"]
+    assert s["steps"] == 1 and m["levels"] == 2
+    assert m["propose_ms"] == pytest.approx(0.1) and m["gpu_busy_ms"] == pytest.approx(0.066)
+    assert m["gpu_pass_ms"] == pytest.approx(0.056) and m["gpu_book_ms"] == pytest.approx(0.020)
+    assert m["host_level_ms"] == pytest.approx(0.020) and m["host_pass_ms"] == pytest.approx(0.006)
+    assert m["host_read_ms"] == pytest.approx(0.004) and m["host_sync_ms"] == pytest.approx(0.010)
+    assert m["per_level"]["gpu_pass_ms"] == pytest.approx(0.028)
+    assert ts.main([str(path)]) == 0 and ts.main([str(tmp_path / "missing.json")]) == 2
