@@ -219,14 +219,17 @@ def modelled_choice(
     from specexec import draft_choice, sizes
 
     layer = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", torch.bfloat16)).nbytes
-    streamed = {}
+    streamed, resident = {}, {}
     for f in ("dense", "int8", "nf4"):
         d_bytes = sizes.model_weight_bytes(d_cfg, f, 2)
         if d_bytes + kv_bytes > cap_gb * GB:
             continue
-        resident, _ = resident_layers(t_cfg, fmt, dev, cap_gb, d_bytes, kv_bytes, max_tokens, h2d)
-        streamed[f] = (t_cfg.num_layers - resident) * layer
-    opts = draft_choice.options(d_cfg, streamed, h2d, hbm)
+        resident[f], _ = resident_layers(t_cfg, fmt, dev, cap_gb, d_bytes, kv_bytes, max_tokens, h2d)
+        streamed[f] = (t_cfg.num_layers - resident[f]) * layer
+    t_fmt = "nf4" if fmt == "nf4" else "dense"
+    opts = draft_choice.options(
+        d_cfg, streamed, h2d, hbm, resident, draft_choice.cost_model().resident_ms(t_cfg, t_fmt)
+    )
     if not opts:
         return {}
     best = draft_choice.choose(opts)

@@ -138,7 +138,7 @@ def load(
         pick = None
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
             formats += list(AUTO_DRAFT_FALLBACK)
-            pick = draft_choice.picker(d_cfg, dev)  # the format expected to decode fastest among those that fit
+            pick = draft_choice.picker(d_cfg, t_cfg, dev)  # the format expected to decode fastest among those that fit
         plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
         if d_stored is not None:
             d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt)

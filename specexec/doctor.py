@@ -487,7 +487,15 @@ def _recommend_gpu(
         rec.draft_options = []
     elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)
         dev_gbps = gpu.device_gbps or ASSUMED_DEVICE_GBPS
-        opts = draft_choice.options(d_cfg, {f: q.bytes_per_forward for f, q in plans.items()}, h2d, dev_gbps)
+        t_fmt = "nf4" if next(iter(plans.values())).fmt.kind == "nf4" else "dense"
+        opts = draft_choice.options(
+            d_cfg,
+            {f: q.bytes_per_forward for f, q in plans.items()},
+            h2d,
+            dev_gbps,
+            {f: len(q.resident) for f, q in plans.items()},
+            draft_choice.cost_model().resident_ms(cfg, t_fmt),
+        )
         best = draft_choice.choose(opts)
         plan, rec.draft_dtype = plans[best.fmt], {"dense": "16-bit"}.get(best.fmt, best.fmt)
         by_name = {o["draft_dtype"]: o for o in rec.draft_options}

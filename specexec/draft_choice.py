@@ -7,6 +7,7 @@ matmul beyond one row dequantizes each weight to 16 bits and reads it back). :fu
 model whose constants are data (``configs/draft_formats.toml``, calibrated on an H200, see there):
 
     seconds per token(f) = (streamed bytes a pass with the draft in f / pinned H2D bandwidth
+                            + resident target layers * their compute
                             + draft passes a step * pass time in f) / keep(f)
 
 with the bandwidths measured on this machine (:func:`measure_bandwidths`). Where the 16-bit draft leaves nothing
@@ -30,6 +31,7 @@ from specexec.model import ModelConfig
 
 CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "draft_formats.toml"
 GB = 1e9
+LAYER_70B = 855_654_400  # a Llama-2/3-70B decoder layer's parameters (the calibration's)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class CostModel:
     levels_per_step: float
     layer_ms: float
     formats: dict[str, FormatCost]
+    resident_layer_ms: dict[str, float]  # target layer format (dense, nf4) -> a 70B-sized layer's verify compute
+
+    def resident_ms(self, t_cfg: ModelConfig, t_fmt: str) -> float:
+        """A resident layer of ``t_cfg`` (stored as ``t_fmt``: dense or nf4) in a verify pass, ms, scaled from the
+        70B-sized layer's figure by its parameters."""
+        return self.resident_layer_ms.get(t_fmt, 0.0) * sizes.layer_params(t_cfg) / LAYER_70B
 
 
 @cache
@@ -56,7 +64,8 @@ def cost_model(path: Path = CONFIG_PATH) -> CostModel:
             name: FormatCost(float(v["keep"]), float(v["layer_ms"]), float(v["rewrite"]))
             for name, v in raw["formats"].items()
         }
-        model = CostModel(float(raw["levels_per_step"]), float(raw["layer_ms"]), formats)
+        resident = {str(k): float(v) for k, v in raw.get("resident_layer_ms", {}).items()}
+        model = CostModel(float(raw["levels_per_step"]), float(raw["layer_ms"]), formats, resident)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: malformed draft format costs ({e})") from e
     if "dense" not in formats or any(not 0 < c.keep <= 1 for c in formats.values()):
@@ -87,7 +96,7 @@ def pass_seconds(cfg: ModelConfig, fmt: str, hbm_gbps: float) -> float:
 class Option:
     fmt: str
     streamed_bytes: int  # per target pass, with the draft in this format
-    stream_s: float  # streamed bytes / pinned H2D
+    stream_s: float  # streamed bytes / pinned H2D + the resident target layers' compute
     draft_s: float  # draft passes a step x modelled pass time
     keep: float
     s_per_token: float
@@ -110,16 +119,24 @@ class Option:
         )
 
 
-def options(d_cfg: ModelConfig, streamed: dict[str, int], h2d_gbps: float, hbm_gbps: float) -> list[Option]:
+def options(
+    d_cfg: ModelConfig,
+    streamed: dict[str, int],
+    h2d_gbps: float,
+    hbm_gbps: float,
+    resident: dict[str, int] | None = None,
+    resident_ms: float = 0.0,
+) -> list[Option]:
     """Every format of ``streamed`` (format -> streamed bytes a target pass with the draft in it; only formats
-    whose plan fits), modelled. Needs "dense" among them for the break-even."""
+    whose plan fits), modelled; ``resident`` (format -> resident target layers) at ``resident_ms`` each
+    (:meth:`CostModel.resident_ms`). The break-even needs "dense" among them."""
     m = cost_model()
     raw = []
     for fmt, nbytes in streamed.items():
         c = m.formats.get(fmt)
         if c is None:
             continue
-        stream_s = nbytes / (h2d_gbps * GB)
+        stream_s = nbytes / (h2d_gbps * GB) + (resident or {}).get(fmt, 0) * resident_ms / 1e3
         draft_s = m.levels_per_step * pass_seconds(d_cfg, fmt, hbm_gbps)
         raw.append((fmt, nbytes, stream_s, draft_s, c.keep))
     base = next(((s + d) for f, _, s, d, _ in raw if f == "dense"), None)
@@ -162,7 +179,9 @@ def measure_bandwidths(device: torch.device, nbytes: int = 1 << 28) -> tuple[flo
     return measure_h2d_bandwidth(device, nbytes, repeats=4), device_memory_gbps(device, nbytes)
 
 
-def picker(d_cfg: ModelConfig, device: torch.device, bandwidths: tuple[float, float] | None = None):  # noqa: ANN201
+def picker(  # noqa: ANN201
+    d_cfg: ModelConfig, t_cfg: ModelConfig, device: torch.device, bandwidths: tuple[float, float] | None = None
+):
     """A ``pick`` for :func:`offload.load.plan_with_draft`: measures this GPU's bandwidths (once, when there is a
     choice to make), logs every option and returns the chosen format."""
     import logging
@@ -171,7 +190,15 @@ def picker(d_cfg: ModelConfig, device: torch.device, bandwidths: tuple[float, fl
 
     def pick(fits: list[tuple[str, Any]]) -> str:
         h2d, hbm = bandwidths or measure_bandwidths(device)
-        opts = options(d_cfg, {fmt: plan.bytes_per_forward for fmt, plan in fits}, h2d, hbm)
+        t_fmt = "nf4" if fits[0][1].fmt.kind == "nf4" else "dense"
+        opts = options(
+            d_cfg,
+            {fmt: plan.bytes_per_forward for fmt, plan in fits},
+            h2d,
+            hbm,
+            {fmt: len(plan.resident) for fmt, plan in fits},
+            cost_model().resident_ms(t_cfg, t_fmt),
+        )
         best = choose(opts)
         log.info(
             "--draft-dtype auto (pinned H2D %.1f GB/s, device memory %.0f GB/s measured): %s; loading the draft in %s",
