@@ -130,3 +130,29 @@ def test_picker_plans_every_format_and_loads_the_chosen_one(monkeypatch, tmp_pat
         resources=object(),
     )  # fmt: skip
     assert (plan, fmt) == ("plan-3", "dense") and calls == ["3"]
+
+
+def test_picker_weighs_the_plans_it_is_given(caplog):
+    """draft_choice.picker (what specexec.load hands plan_with_draft on a GPU): from each fitting plan's streamed
+    bytes and resident layers, with the bandwidths given (measured on a GPU), it names the modelled fastest and
+    logs every option."""
+    import logging
+    from types import SimpleNamespace
+
+    seventy = ModelConfig(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128,
+        num_layers=80,
+    )  # fmt: skip
+
+    def plan(fmt: str) -> SimpleNamespace:
+        n = RESIDENT_24[fmt]
+        return SimpleNamespace(
+            bytes_per_forward=STREAMED_24[fmt], resident=tuple(range(n)), fmt=SimpleNamespace(kind="nf4")
+        )
+
+    pick = dc.picker(LLAMA2_7B, seventy, None, bandwidths=(25.0, 1000.0))
+    with caplog.at_level(logging.INFO, logger="specexec"):
+        assert pick([(f, plan(f)) for f in ("dense", "int8", "nf4")]) == "int8"
+    assert "loading the draft in int8" in caplog.text and "ties the 16-bit draft at keep" in caplog.text
+    fast = dc.picker(LLAMA2_7B, seventy, None, bandwidths=(100_000.0, 4190.0))
+    assert fast([(f, plan(f)) for f in ("dense", "int8", "nf4")]) == "dense"
