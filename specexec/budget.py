@@ -110,6 +110,11 @@ class AutoBudget:
     max_budget: int = 2048
     budget: int = 64  # current choice
     grid: tuple[int, ...] = field(default=GRID)
+    # every this many steps, the grid budget above the best one is tried once if no step has measured it yet:
+    # beyond the largest tree grown, the acceptance curve is a damped extrapolation and the draft passes a prior,
+    # and both can keep a bigger budget from ever being chosen (simulated with a streamed verifier's flat costs:
+    # stuck at 512 of a best 2048, tests/test_budget.py); one step at twice the budget measures both
+    explore_every: int = 8
     _curve: list[float] = field(default_factory=list)  # E[emitted | b] for b = 1..B of the last tree
     _passes: dict[int, float] = field(default_factory=dict)  # EMA of draft passes per tree, by budget
     _target_scale: float = 1.0  # EMA of actual / calibrated target time
@@ -166,10 +171,18 @@ class AutoBudget:
 
     # -- decisions ------------------------------------------------------------------------------------------
     def choose(self) -> int:
-        """The best grid budget, moving up at most one doubling from the current budget."""
+        """The best grid budget, moving up at most one doubling from the current budget; every
+        ``explore_every`` steps the one above it instead, while no step has measured that one."""
         cap = self.budget * 2
         options = [b for b in self.grid if b <= cap] or [self.grid[0]]
         best = max(options, key=self.rate)
+        up = next((b for b in self.grid if b > best), None)
+        if (
+            up is not None
+            and up not in self._passes
+            and len(self.history) % self.explore_every == self.explore_every - 1
+        ):
+            best = up
         self.budget = best
         self.history.append(best)
         return best

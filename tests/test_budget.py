@@ -1,0 +1,77 @@
+"""AutoBudget (--budget auto on a GPU) in simulated environments: the choice it converges to, with and without
+exploring the budget above its best. No timing: the step costs are given."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specexec.budget import AutoBudget, StepRecord
+
+
+def _probs(b: int) -> list[float]:
+    """A best-first tree's path probabilities, heavy-tailed: E[emitted | b] grows by ~1 token a doubling."""
+    return [min(0.95, 1 / (i * math.log(2))) for i in range(1, b + 1)]
+
+
+def _simulate(policy: AutoBudget, target_s, steps: int = 40, pass_s: float = 0.009) -> list[int]:
+    for _ in range(steps):
+        b = policy.choose()
+        passes = 8 + 2 * math.log2(max(b, 64) / 64)
+        probs = _probs(b)
+        policy.update(
+            StepRecord(
+                budget=b,
+                tree_logp=[math.log(p) for p in probs],
+                emitted=round(min(33.0, 1 + sum(probs))),
+                draft_s=passes * pass_s,
+                target_s=target_s(b),
+                passes=round(passes),
+            )
+        )
+    return policy.history
+
+
+def _streamed() -> AutoBudget:
+    # a streamed 70B on an H200 (docs/BENCHMARKS.md): verification ~flat in the tree size, and a draft pass
+    # calibrated eagerly at ~3x what its graphed passes then take
+    return AutoBudget(
+        target_s={1: 0.62, 64: 0.625, 256: 0.64, 1024: 0.66, 2048: 0.68},
+        draft_pass_s={1: 0.028, 16: 0.028, 64: 0.027, 128: 0.028},
+        max_beams=128,
+        max_depth=32,
+        max_budget=2048,
+        budget=64,
+    )
+
+
+def test_exploring_the_budget_above_finds_a_flat_verifiers_best():
+    """With verification flat in the tree size, the best budget is the largest (2048 here, 14.7 tokens/s
+    against 13.3 at 512); the extrapolated curve and the passes prior alone leave the policy at 512; trying the
+    next budget once every 8 steps measures it, and the policy climbs."""
+    flat = lambda b: 0.64 + 0.02 * b / 1024  # noqa: E731
+    stuck = _streamed()
+    stuck.explore_every = 10**9  # no exploration: the old behaviour
+    assert set(_simulate(stuck, flat)[5:]) == {512}
+    hist = _simulate(_streamed(), flat)
+    assert hist[-10:] == [2048] * 10
+    assert hist.index(1024) == 7 and hist.index(2048) == 15  # one exploration step each, 8 steps apart
+
+
+@pytest.mark.parametrize("explore_every", [4, 8])
+def test_exploration_returns_when_the_bigger_budget_loses(explore_every):
+    """A compute-bound verifier (cost ~linear in the tree): the budget above is tried once, measured worse, and
+    left; exploration never repeats a measured budget."""
+    costs = {64: 0.12, 128: 0.2, 256: 0.4, 512: 0.7, 1024: 1.3, 2048: 2.5}
+    policy = AutoBudget(
+        target_s={1: 0.1, 64: 0.12, 256: 0.4, 1024: 1.3, 2048: 2.5},
+        draft_pass_s={1: 0.01, 16: 0.01, 64: 0.01, 128: 0.01},
+        max_beams=128,
+        max_depth=32,
+        max_budget=2048,
+        budget=64,
+        explore_every=explore_every,
+    )
+    hist = _simulate(policy, lambda b: costs[b], pass_s=0.01)
+    assert hist.count(128) == 1 and set(hist) == {64, 128}
