@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specexec import sampling
 from specexec.accept import accept
@@ -289,9 +290,14 @@ def decode(
             stats.budgets = dict(chosen)
 
 
-def pass_timer(model: Transformer, cache: KVCache) -> Callable[[int, int], float]:
-    """``time(size, reps)``: the best of a few timed forwards of ``size`` random tokens (uses the cache as scratch)."""
+def pass_timer(
+    model: Transformer, cache: KVCache, forward: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+) -> Callable[[int, int], float]:
+    """``time(size, reps)``: the best of a few timed forwards of ``size`` random tokens (uses the cache as scratch).
+    ``forward(tokens, positions, slots, mask)``: the pass to time instead of ``model.forward`` over ``cache`` (a
+    draft's: its graphed passes on a GPU, which is what its steps run)."""
     dev = model.device
+    run = forward or (lambda toks, pos, slots, mask: model.forward(toks, pos, slots, mask, cache))
 
     def timed(size: int, reps: int) -> float:
         pos = torch.arange(size, device=dev)
@@ -301,7 +307,7 @@ def pass_timer(model: Transformer, cache: KVCache) -> Callable[[int, int], float
         while i < reps or (spent < 0.2 and i < 5):  # fast passes: repeat, keep the best (least noisy)
             sync(dev)
             t = time.perf_counter()
-            model.forward(toks, pos, pos, mask, cache)
+            run(toks, pos, pos, mask)
             sync(dev)
             dt = time.perf_counter() - t
             best, spent, i = min(best, dt), spent + dt, i + 1

@@ -404,3 +404,33 @@ def test_coupling_raises_acceptance_over_the_argmax():
         argmax += int((q_logits.argmax(-1) == target).sum())
     n = 2000 * 64
     assert coupled / n > argmax / n + 0.1, (coupled / n, argmax / n)
+
+
+def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_path, monkeypatch):
+    """The cost-model auto budget times the draft through DraftModel.forward (its graphed passes on a GPU, what
+    its steps run), not its model's eager forward: on an H200 the eager timing was ~3x the steps' passes, so the
+    drift check recalibrated before every generation."""
+    from specexec.propose.draft_model import DraftModel
+
+    monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
+    calls: list[int] = []
+    orig = DraftModel.forward
+
+    def counted(self, tokens, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(int(tokens.shape[0]))
+        return orig(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(DraftModel, "forward", counted)
+    target, draft = noisy_pairs["llama"]
+    tree = TreeConfig(auto=True, max_budget=64, max_beams=16)
+    e = Engine(
+        load_model(target, CPU, torch.float32),
+        load_tokenizer(target),
+        load_model(draft, CPU, torch.float32),
+        context=256,
+        tree=tree,
+        calibration_dir=tmp_path,
+    )
+    e.generate([5, 6, 7], 4, method="specexec", tree=tree)
+    assert {1, 16} <= set(calls), "the calibration's beam counts ran through DraftModel.forward"
+    assert e._auto is not None and set(e._auto.draft_pass_s) == {1, 16}
