@@ -381,6 +381,8 @@ def run_engine(
         "draft_s_per_pass": tot["draft_s"] / max(tot["passes"], 1),  # bookkeeping included
         "reused_nodes_per_step": tot["reused"] / steps,
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
+        "calibration_s": tot["calib"],  # --budget auto's calibrations in the measured generations (not in tok/s)
+        "auto_budgets": list(engine._auto.history) if getattr(engine, "_auto", None) is not None else None,
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
         "auto_overlap_levels": dm.background_levels if dm is not None else None,  # --overlap auto's last choice
         "exact": exact,
@@ -549,6 +551,11 @@ def bench_setting(
             f"reused {r['reused_nodes_per_step']:.0f}  exact={r['exact']}  [{r.get('wall_s', 0.0):.0f} s]",
             flush=True,
         )
+        if r.get("auto_budgets"):
+            print(
+                f"    auto budgets {r['auto_budgets']}; calibration {r['calibration_s']:.2f} s in the measured runs",
+                flush=True,
+            )
         if r.get("graph_captures") or r.get("background_host_s_per_step"):
             print(
                 f"    background queued in {r['background_host_s_per_step']:.3f} s/step; {r['graph_captures']} graph "

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 GB = 1e9
 MIB = 1 << 20
 ASSUMED_H2D_GBPS = 25.0  # pinned host→device, PCIe 4.0 x16, when not measured
-ASSUMED_DEVICE_GBPS = 1000.0  # device memory, a consumer card's (RTX 4090: ~1 TB/s), when not measured
 ASSUMED_RAM_GBPS = 20.0  # CPU-only: memory bandwidth a decoder pass reads its weights at (rough)
 TREE_TOKENS = 256  # tree size the workspace is sized for
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "safetensors", "accelerate", "huggingface_hub", "specexec")
@@ -175,7 +174,10 @@ def gpu_info(measure: bool = True) -> GpuInfo | None:
         except RuntimeError as e:  # pinning refused (e.g. WSL caps pinned memory)
             info.note = f"pinned allocation failed ({str(e).splitlines()[0]}): the offload manager stages copies"
         info.pageable_h2d_gbps = h2d_gbps(dev, pinned=False)
-        info.device_gbps = draft_choice.device_memory_gbps(dev)
+        try:
+            info.device_gbps = draft_choice.device_memory_gbps(dev)
+        except RuntimeError:  # no room for the test buffers: the draft choice assumes a consumer card's
+            info.device_gbps = None
         torch.cuda.empty_cache()
     return info
 
@@ -486,7 +488,7 @@ def _recommend_gpu(
     if d_cfg is None:
         rec.draft_options = []
     elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)
-        dev_gbps = gpu.device_gbps or ASSUMED_DEVICE_GBPS
+        dev_gbps = gpu.device_gbps or draft_choice.ASSUMED_DEVICE_GBPS
         t_fmt = "nf4" if next(iter(plans.values())).fmt.kind == "nf4" else "dense"
         opts = draft_choice.options(
             d_cfg,

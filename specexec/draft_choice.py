@@ -31,6 +31,7 @@ from specexec.model import ModelConfig
 
 CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "draft_formats.toml"
 GB = 1e9
+ASSUMED_DEVICE_GBPS = 1000.0  # device memory when not measurable: a consumer card's (RTX 4090: ~1 TB/s)
 LAYER_70B = 855_654_400  # a Llama-2/3-70B decoder layer's parameters (the calibration's)
 
 
@@ -189,7 +190,14 @@ def picker(  # noqa: ANN201
     log = logging.getLogger("specexec")
 
     def pick(fits: list[tuple[str, Any]]) -> str:
-        h2d, hbm = bandwidths or measure_bandwidths(device)
+        if bandwidths is not None:
+            h2d, hbm = bandwidths
+        else:
+            try:
+                h2d, hbm = measure_bandwidths(device)
+            except RuntimeError as e:  # pinning refused (e.g. WSL's cap), or no room for the test buffers
+                h2d, hbm = fits[0][1].h2d_gbps, ASSUMED_DEVICE_GBPS
+                log.info("bandwidths not measured (%s): assuming %.0f GB/s H2D, %.0f GB/s device", e, h2d, hbm)
         t_fmt = "nf4" if fits[0][1].fmt.kind == "nf4" else "dense"
         opts = options(
             d_cfg,

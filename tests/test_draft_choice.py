@@ -156,3 +156,23 @@ def test_picker_weighs_the_plans_it_is_given(caplog):
     assert "loading the draft in int8" in caplog.text and "ties the 16-bit draft at keep" in caplog.text
     fast = dc.picker(LLAMA2_7B, seventy, None, bandwidths=(100_000.0, 4190.0))
     assert fast([(f, plan(f)) for f in ("dense", "int8", "nf4")]) == "dense"
+
+
+def test_picker_without_measurable_bandwidths_assumes_a_consumer_card(monkeypatch, caplog):
+    """Pinned memory refused (e.g. under WSL) or no room for the test buffers: the picker takes the plan's H2D
+    figure and a consumer card's device bandwidth instead of failing the load."""
+    import logging
+    from types import SimpleNamespace
+
+    def refuse(device):  # noqa: ANN001, ANN202
+        raise RuntimeError("pinned allocation failed")
+
+    monkeypatch.setattr(dc, "measure_bandwidths", refuse)
+    plans = [
+        (f, SimpleNamespace(bytes_per_forward=STREAMED_24[f], resident=range(RESIDENT_24[f]), h2d_gbps=25.0,
+                            fmt=SimpleNamespace(kind="nf4")))
+        for f in ("dense", "int8", "nf4")
+    ]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="specexec"):
+        assert dc.picker(LLAMA2_7B, LLAMA2_7B, None)(plans) == "int8"
+    assert "bandwidths not measured" in caplog.text and "1000 GB/s device" in caplog.text
