@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # --draft-dtype auto on a GPU: the draft's weight formats tried, in order, when the 16-bit draft leaves no room
 # for the streamed target (offload.load.plan_with_draft)
-AUTO_DRAFT_FALLBACK = ("int8", "nf4")
 
 
 def load(
@@ -137,7 +136,7 @@ def load(
         formats = [d_fmt]
         pick = None
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
-            formats += list(AUTO_DRAFT_FALLBACK)
+            formats += draft_choice.lighter_formats(torch.cuda.get_device_capability(dev))
             pick = draft_choice.picker(d_cfg, t_cfg, dev)  # the format expected to decode fastest among those that fit
         plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
         if d_stored is not None:

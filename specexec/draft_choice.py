@@ -155,6 +155,12 @@ def choose(opts: list[Option]) -> Option:
     return min(opts, key=lambda o: o.s_per_token)
 
 
+def lighter_formats(capability: tuple[int, int]) -> list[str]:
+    """The low-bit formats ``--draft-dtype auto`` may take on a GPU of this compute capability: bitsandbytes'
+    int8 matmul needs integer tensor cores (Turing, 7.5, and later); NF4 runs everywhere it does."""
+    return (["int8"] if capability >= (7, 5) else []) + ["nf4"]
+
+
 def device_memory_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
     """Device memory bandwidth in GB/s: the best of a few timed device copies of ``nbytes`` (a copy moves its
     bytes twice, read and written)."""

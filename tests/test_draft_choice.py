@@ -176,3 +176,10 @@ def test_picker_without_measurable_bandwidths_assumes_a_consumer_card(monkeypatc
     with caplog.at_level(logging.INFO, logger="specexec"):
         assert dc.picker(LLAMA2_7B, LLAMA2_7B, None)(plans) == "int8"
     assert "bandwidths not measured" in caplog.text and "1000 GB/s device" in caplog.text
+
+
+def test_int8_is_offered_only_where_bitsandbytes_runs_it():
+    """bitsandbytes' int8 matmul needs integer tensor cores (compute capability 7.5+): an older card is offered
+    NF4 only."""
+    assert dc.lighter_formats((8, 9)) == ["int8", "nf4"] and dc.lighter_formats((7, 5)) == ["int8", "nf4"]
+    assert dc.lighter_formats((6, 1)) == ["nf4"]
