@@ -131,8 +131,8 @@ def load(
             weights = d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
             return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=weights)
 
-        # --draft-dtype auto on a GPU: a 16-bit draft that leaves no room for the streamed target's ring goes
-        # int8, then NF4 (bitsandbytes), rather than failing the load
+        # --draft-dtype auto on a GPU: the 16-bit, int8 and NF4 drafts are planned, and among those that leave room
+        # for the streamed target's ring the picker takes the one modelled fastest (specexec/draft_choice.py)
         formats = [d_fmt]
         pick = None
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
