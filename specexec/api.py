@@ -175,7 +175,7 @@ def load(
             d_model.source_layers = tuple(keep) if keep is not None else tuple(range(t_cfg.num_layers))
     if t_model is None:
         t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
-    return Engine(
+    engine = Engine(
         t_model,
         t_tok,
         d_model,
@@ -184,6 +184,9 @@ def load(
         calibration_dir=hub.cache_home(cache_dir) / "calibration",
         share_prefix=share_prefix,
     )
+    if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
+        engine.draft_weights = d_fmt if d_fmt != "dense" else str(d_dt).removeprefix("torch.")
+    return engine
 
 
 def _load_target(path: Path, dev: torch.device, dtype: str, cfg: Any, plan: Any, offload: Any):

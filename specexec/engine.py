@@ -218,6 +218,7 @@ class Engine:
                 "context %d exceeds the model's max_position_embeddings %d", context, target.cfg.max_position_embeddings
             )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.draft_weights: str | None = None  # the draft's weight format, as specexec.load chose it (int8, ...)
         self.context = context
         self.state: TargetState | None = None
         self.draft_model: DraftModel | None = None

@@ -332,3 +332,18 @@ def test_stats_histogram_counts_only_emitted_tokens(engine):
     assert sum(k * n for k, n in st.accepted_hist.items()) == st.new_tokens
     assert max(st.accepted_hist) <= 2 and sum(st.accepted_hist.values()) == st.steps
     assert any(line.strip().startswith("2 ") for line in format_stats(st))
+
+
+def test_cli_banner_names_the_drafts_weight_format(engine, capsys):
+    """The chat banner says in which format the draft was loaded (--draft-dtype auto may pick int8 or NF4)."""
+    from types import SimpleNamespace
+
+    from specexec.cli.chat import _banner
+
+    model = SimpleNamespace(target="t", draft="d")
+    engine.draft_weights = "int8"
+    _banner(model, engine, None)
+    assert "draft d in int8 (specexec)" in capsys.readouterr().err
+    engine.draft_weights = None
+    _banner(model, engine, None)
+    assert "draft d (specexec)" in capsys.readouterr().err

@@ -111,14 +111,16 @@ def test_dequantize_resident_keeps_the_outputs(tiny_models):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_low_bit_self_draft_greedy_equals_ar(tiny_models, family, fmt):
     engine = api.load(str(tiny_models[family]), "self", device="cpu", dtype="fp32", draft_dtype=fmt, context=256)
-    assert isinstance(engine.draft.layers.layers[0]["wqkv"], GroupQuantLinear)
+    assert isinstance(engine.draft.layers.layers[0]["wqkv"], GroupQuantLinear) and engine.draft_weights == fmt
     assert_tree_and_chain_equal_ar(engine, 32)
 
 
 def test_separate_draft_in_q4_with_a_reduced_head(tiny_pair):
     target, draft = tiny_pair
     engine = api.load(str(target), str(draft), device="cpu", dtype="fp32", draft_dtype="q4", context=256)
-    assert isinstance(engine.draft.layers.layers[0]["w2"], GroupQuantLinear)
+    assert isinstance(engine.draft.layers.layers[0]["w2"], GroupQuantLinear) and engine.draft_weights == "q4"
+    dense = api.load(str(target), str(draft), device="cpu", dtype="fp32", draft_dtype="fp32", context=256)
+    assert dense.draft_weights == "float32"
     want = engine.generate(PROMPT, 24, method="ar").tokens
     assert engine.generate(PROMPT, 24, method="specexec", tree=TreeConfig(budget=8)).tokens == want
     sub = load_model(draft, CPU, torch.float32, fmt="q2", head_ids=torch.arange(10))

@@ -127,7 +127,9 @@ spinner = o.spinner  # also used by specexec.cli.doctor
 def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:
     method = method or ("specexec" if engine.draft is not None else "ar")
     typer.secho(
-        f"specexec chat: target {model.target}, draft {model.draft or 'none'} ({method}), "
+        f"specexec chat: target {model.target}, draft {model.draft or 'none'}"
+        + (f" in {engine.draft_weights}" if getattr(engine, "draft_weights", None) else "")
+        + f" ({method}), "
         f"context {engine.context} tokens. /help for commands, Ctrl-D to quit.",
         fg="cyan",
         err=True,
