@@ -33,8 +33,8 @@ torch.cuda.get_device_name())"
 
     if [ "$WHAT" = profile ]; then
         step "profile: 70B NF4 at 24 GB, bf16 7B draft: the default (ahead + early stop) and dynamic, traced"
-        run 120 python3 scripts/bench_gpu.py --settings 70b-nf4@24,8b-bf16@8 --no-accelerate --no-ar-loaded \
-            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --budgets-other 256 --modes dynamic \
+        run 120 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --no-accelerate --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes dynamic \
             --profile "$OUT/traces" --out "$OUT/prof_bf16.json"
         step "profile: 70B NF4 at 24 GB, NF4 7B draft, traced"
         run 60 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype nf4 --no-accelerate --no-ar-loaded \
