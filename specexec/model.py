@@ -240,6 +240,7 @@ class Int8Linear:
         if self.kernel not in INT8_KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}")
         self._packed: Any = None
+        self._scb = self.scale * 127.0  # bitsandbytes' SCB, made once: not a kernel in every (graphed) pass
 
     def _prepacked(self) -> Any:
         if self._packed is None:
@@ -266,7 +267,7 @@ class Int8Linear:
         out = Int8Linear.__new__(Int8Linear)
         out.shape = (int(ids.shape[0]), self.shape[1])
         out.scale, out.qweight = self.scale[ids].contiguous(), self.qweight[ids].contiguous()
-        out.kernel, out._packed = self.kernel, None
+        out.kernel, out._packed, out._scb = self.kernel, None, out.scale * 127.0
         return out
 
     def to(self, device: torch.device) -> Int8Linear:
@@ -274,7 +275,7 @@ class Int8Linear:
         out = Int8Linear.__new__(Int8Linear)
         out.shape, out.qweight, out.scale = self.shape, self.qweight.to(device), self.scale.to(device)
         out.kernel = self.kernel if device.type == self.qweight.device.type else _int8_kernel(device)
-        out._packed = None
+        out._packed, out._scb = None, out.scale * 127.0
         return out
 
     def linear(self, x: Tensor) -> Tensor:
@@ -284,7 +285,7 @@ class Int8Linear:
 
             a = x.to(torch.float16) if x.device.type == "cuda" else x
             qa, row_stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(a.contiguous())
-            return torch.ops.bitsandbytes.int8_scaled_mm(qa, self.qweight, row_stats, self.scale * 127.0, dtype=x.dtype)
+            return torch.ops.bitsandbytes.int8_scaled_mm(qa, self.qweight, row_stats, self._scb, dtype=x.dtype)
         if self.kernel == "dynamic":
             y = torch.ops.quantized.linear_dynamic(x.float(), self._prepacked(), True)
             return y.to(x.dtype)
