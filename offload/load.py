@@ -113,7 +113,7 @@ def plan_with_draft(
     with the draft in ``fmt``. Only a lack of GPU memory moves on to the next format; when none fits, the error
     of the last one is raised, saying which precisions were tried. ``resources``: the machine (default: probed).
     ``pick``: plan every format and let ``pick([(format, plan) of those that fit])`` name the one to load
-    (``--draft-dtype auto`` on a GPU: :func:`specexec.draft_choice.choose`); None: the first that fits.
+    (``--draft-dtype auto`` on a GPU: :func:`specexec.draft_choice.picker`); None: the first that fits.
 
     ``--draft-dtype auto`` on a GPU plans the 16-bit, int8 and NF4 drafts: a 16-bit 7B draft takes 13.5 GB, more
     than a 16 GB card has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits; among

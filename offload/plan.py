@@ -417,22 +417,28 @@ def _resident_count(
     return int(min(k, n))
 
 
-def measure_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Pinned host→device copy bandwidth in GB/s (1e9 bytes/s): one big copy timed with CUDA events, best of
-    ``repeats`` after three warm-up copies (the PCIe link may idle in a low-power state)."""
-    if device.type != "cuda":
-        raise ValueError("measure_h2d_bandwidth needs a CUDA device")
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for _ in range(3):
+def best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int, warmup: int = 3) -> float:
+    """The fastest of ``repeats`` ``dst.copy_(src)`` on the current CUDA stream, timed with CUDA events, after
+    ``warmup`` untimed copies (a PCIe link may idle in a low-power state)."""
+    for _ in range(warmup):
         dst.copy_(src, non_blocking=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(repeats):
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(dst.device)
         start.record()
         dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return nbytes / best / GB
+    return best
+
+
+def measure_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Pinned host→device copy bandwidth in GB/s (1e9 bytes/s): one big copy timed with CUDA events, best of
+    ``repeats`` after three warm-up copies."""
+    if device.type != "cuda":
+        raise ValueError("measure_h2d_bandwidth needs a CUDA device")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / best_copy_seconds(dst, src, repeats) / GB

@@ -37,9 +37,6 @@ from specexec.loading import (
 
 log = logging.getLogger(__name__)
 
-# --draft-dtype auto on a GPU: the draft's weight formats tried, in order, when the 16-bit draft leaves no room
-# for the streamed target (offload.load.plan_with_draft)
-
 
 def load(
     target: str,

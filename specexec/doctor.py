@@ -146,19 +146,11 @@ def versions() -> dict[str, str | None]:
 
 def h2d_gbps(device: torch.device, pinned: bool, nbytes: int = 256 * MIB, repeats: int = 3) -> float:
     """Host→device copy bandwidth (GB/s), best of ``repeats`` copies of ``nbytes``, timed with CUDA events."""
+    from offload.plan import best_copy_seconds
+
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=pinned)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        start.record()
-        dst.copy_(src, non_blocking=pinned)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return nbytes / best / GB
+    return nbytes / best_copy_seconds(dst, src, repeats, warmup=1) / GB
 
 
 def gpu_info(measure: bool = True) -> GpuInfo | None:
@@ -489,15 +481,7 @@ def _recommend_gpu(
         rec.draft_options = []
     elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)
         dev_gbps = gpu.device_gbps or draft_choice.ASSUMED_DEVICE_GBPS
-        t_fmt = "nf4" if next(iter(plans.values())).fmt.kind == "nf4" else "dense"
-        opts = draft_choice.options(
-            d_cfg,
-            {f: q.bytes_per_forward for f, q in plans.items()},
-            h2d,
-            dev_gbps,
-            {f: len(q.resident) for f, q in plans.items()},
-            draft_choice.cost_model().resident_ms(cfg, t_fmt),
-        )
+        opts = draft_choice.plan_options(d_cfg, cfg, plans, h2d, dev_gbps)
         best = draft_choice.choose(opts)
         plan, rec.draft_dtype = plans[best.fmt], {"dense": "16-bit"}.get(best.fmt, best.fmt)
         by_name = {o["draft_dtype"]: o for o in rec.draft_options}

@@ -81,7 +81,8 @@ def pass_bytes(cfg: ModelConfig, fmt: str, itemsize: int = 2) -> int:
     weights = sizes.model_weight_bytes(cfg, fmt, itemsize)
     if fmt != "int8" or not cfg.tie_word_embeddings:
         weights -= embed
-    rewrite = cost_model().formats[fmt].rewrite if fmt in cost_model().formats else 0.0
+    c = cost_model().formats.get(fmt)
+    rewrite = c.rewrite if c is not None else 0.0
     dense_linears = sizes.model_weight_bytes(cfg, "dense", itemsize) - embed
     return int(weights + rewrite * dense_linears)
 
@@ -147,6 +148,20 @@ def options(
     ]
 
 
+def plan_options(d_cfg: ModelConfig, t_cfg: ModelConfig, plans: dict[str, Any], h2d_gbps: float, hbm_gbps: float):  # noqa: ANN201
+    """:func:`options` for memory plans (:class:`offload.plan.Plan`, format -> the plan with the draft in it): their
+    streamed bytes and resident layers, the target's layers costed by their format."""
+    t_fmt = "nf4" if next(iter(plans.values())).fmt.kind == "nf4" else "dense"
+    return options(
+        d_cfg,
+        {f: p.bytes_per_forward for f, p in plans.items()},
+        h2d_gbps,
+        hbm_gbps,
+        {f: len(p.resident) for f, p in plans.items()},
+        cost_model().resident_ms(t_cfg, t_fmt),
+    )
+
+
 def choose(opts: list[Option]) -> Option:
     """The option with the least expected seconds per token; the 16-bit draft when nothing streams with it."""
     dense = next((o for o in opts if o.fmt == "dense"), None)
@@ -164,19 +179,10 @@ def lighter_formats(capability: tuple[int, int]) -> list[str]:
 def device_memory_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
     """Device memory bandwidth in GB/s: the best of a few timed device copies of ``nbytes`` (a copy moves its
     bytes twice, read and written)."""
+    from offload.plan import best_copy_seconds
+
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(2):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / best / GB
+    return 2 * nbytes / best_copy_seconds(torch.empty_like(src), src, repeats=5, warmup=2) / GB
 
 
 def measure_bandwidths(device: torch.device, nbytes: int = 1 << 28) -> tuple[float, float]:
@@ -204,15 +210,7 @@ def picker(  # noqa: ANN201
             except RuntimeError as e:  # pinning refused (e.g. WSL's cap), or no room for the test buffers
                 h2d, hbm = fits[0][1].h2d_gbps, ASSUMED_DEVICE_GBPS
                 log.info("bandwidths not measured (%s): assuming %.0f GB/s H2D, %.0f GB/s device", e, h2d, hbm)
-        t_fmt = "nf4" if fits[0][1].fmt.kind == "nf4" else "dense"
-        opts = options(
-            d_cfg,
-            {fmt: plan.bytes_per_forward for fmt, plan in fits},
-            h2d,
-            hbm,
-            {fmt: len(plan.resident) for fmt, plan in fits},
-            cost_model().resident_ms(t_cfg, t_fmt),
-        )
+        opts = plan_options(d_cfg, t_cfg, dict(fits), h2d, hbm)
         best = choose(opts)
         log.info(
             "--draft-dtype auto (pinned H2D %.1f GB/s, device memory %.0f GB/s measured): %s; loading the draft in %s",

@@ -33,17 +33,22 @@ def _simulate(policy: AutoBudget, target_s, steps: int = 40, pass_s: float = 0.0
     return policy.history
 
 
-def _streamed() -> AutoBudget:
-    # a streamed 70B on an H200 (docs/BENCHMARKS.md): verification ~flat in the tree size, and a draft pass
-    # calibrated eagerly at ~3x what its graphed passes then take
+def _policy(target_s: dict[int, float], pass_s: float, **kw) -> AutoBudget:  # noqa: ANN003
     return AutoBudget(
-        target_s={1: 0.62, 64: 0.625, 256: 0.64, 1024: 0.66, 2048: 0.68},
-        draft_pass_s={1: 0.028, 16: 0.028, 64: 0.027, 128: 0.028},
+        target_s=target_s,
+        draft_pass_s={1: pass_s, 16: pass_s, 64: pass_s, 128: pass_s},
         max_beams=128,
         max_depth=32,
         max_budget=2048,
         budget=64,
+        **kw,
     )
+
+
+def _streamed() -> AutoBudget:
+    # a streamed 70B on an H200 (docs/BENCHMARKS.md): verification ~flat in the tree size, and a draft pass
+    # calibrated eagerly at ~3x what its graphed passes then take
+    return _policy({1: 0.62, 64: 0.625, 256: 0.64, 1024: 0.66, 2048: 0.68}, 0.028)
 
 
 def test_exploring_the_budget_above_finds_a_flat_verifiers_best():
@@ -64,14 +69,6 @@ def test_exploration_returns_when_the_bigger_budget_loses(explore_every):
     """A compute-bound verifier (cost ~linear in the tree): the budget above is tried once, measured worse, and
     left; exploration never repeats a measured budget."""
     costs = {64: 0.12, 128: 0.2, 256: 0.4, 512: 0.7, 1024: 1.3, 2048: 2.5}
-    policy = AutoBudget(
-        target_s={1: 0.1, 64: 0.12, 256: 0.4, 1024: 1.3, 2048: 2.5},
-        draft_pass_s={1: 0.01, 16: 0.01, 64: 0.01, 128: 0.01},
-        max_beams=128,
-        max_depth=32,
-        max_budget=2048,
-        budget=64,
-        explore_every=explore_every,
-    )
+    policy = _policy({1: 0.1, 64: 0.12, 256: 0.4, 1024: 1.3, 2048: 2.5}, 0.01, explore_every=explore_every)
     hist = _simulate(policy, lambda b: costs[b], pass_s=0.01)
     assert hist.count(128) == 1 and set(hist) == {64, 128}
