@@ -136,7 +136,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-runs", type=int, default=1000, help="with --profile: trace only the first N runs")
     p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
+    p.add_argument(
+        "--echo",
+        action="store_true",
+        help="prompts that hold their own continuation, as an edit or a quote does (prompt lookup's best case: "
+        "the n-gram branches merged into the trees by default carry it); otherwise random prompts, which never repeat",
+    )
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
+    p.add_argument(
+        "--ngram-nodes",
+        type=int,
+        default=None,
+        help="n-gram nodes merged into every tree (default: the library's GPU default, also in a --smoke run; 0: none)",
+    )
     p.add_argument("--prompts", type=int, default=2, help="prompts per run")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per speculative generation")
@@ -153,6 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in known]
     if bad:
         p.error(f"unknown mode(s) {', '.join(map(repr, bad))}; known: {', '.join(known)}")
+    if args.echo and args.prompt_tokens < 2 * args.new_tokens + 8:
+        p.error(f"--echo needs --prompt-tokens >= {2 * args.new_tokens + 8} (twice --new-tokens + 8)")
+    if args.ngram_nodes is not None and not 0 <= args.ngram_nodes <= 1024:
+        p.error("--ngram-nodes must be in 0..1024")
     return args
 
 
@@ -322,6 +338,17 @@ def greedy_reference(t_glob, prompts: list[list[int]], n: int) -> list[list[int]
     return out
 
 
+def echo_prompt(t_glob, p: list[int], n: int) -> list[int]:
+    """``p`` (same length) rewritten to hold its own greedy continuation: a quarter in, its last two ids and the
+    ``n`` tokens the target then generates, and it still ends on those two ids -- so the answer repeats a passage
+    of the prompt, as an edit or a quote does. The planted target is a bigram model, so the continuation depends on
+    the last id alone."""
+    walk = greedy_reference(t_glob, [p], n)[0]
+    q = len(p) // 4
+    head = p[:q] + p[-2:] + walk
+    return head + p[len(head) : len(p) - 2] + p[-2:]
+
+
 def run_engine(
     engine,
     label: str,
@@ -343,7 +370,9 @@ def run_engine(
     dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
-    tot = dict(tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0, bg=0.0)
+    tot = dict(
+        tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0, bg=0.0, ngram=0
+    )
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
         engine.reset()
@@ -358,6 +387,7 @@ def run_engine(
         tot["passes"] += s.draft_passes
         tot["calib"] += s.calibration_s
         tot["bg"] += s.background_s
+        tot["ngram"] += s.ngram_tokens
         want = ref[i][: len(r.tokens)]
         if r.tokens != want:
             exact = False
@@ -380,6 +410,9 @@ def run_engine(
         "draft_passes_per_step": tot["passes"] / steps,
         "draft_s_per_pass": tot["draft_s"] / max(tot["passes"], 1),  # bookkeeping included
         "reused_nodes_per_step": tot["reused"] / steps,
+        # tokens from the prompt-lookup branches merged into the trees (the default; the planted text has no
+        # repeats, so these should be ~0 here: the runs measure what merging costs, not what it brings)
+        "ngram_tokens": tot["ngram"],
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
         "calibration_s": tot["calib"],  # --budget auto's calibrations in the measured generations (not in tok/s)
         "auto_budgets": list(engine._auto.history) if getattr(engine, "_auto", None) is not None else None,
@@ -499,7 +532,7 @@ def bench_setting(
     import torch
 
     from specexec import sizes, synthetic
-    from specexec.config import TreeConfig
+    from specexec.config import NGRAM_NODES_GPU, TreeConfig
     from specexec.engine import Engine
 
     t_shape, fmt, d_shape, cap = SETTINGS[name]
@@ -524,6 +557,8 @@ def bench_setting(
     res = sizes.plan_reservations(t_cfg, d_cfg, context, 2, 2, big, draft_weights=draft_bytes)
     res0 = sizes.plan_reservations(t_cfg, None, context, 2, 2, TreeConfig(budget=1))
     prompts = synthetic.prompts(planted, args.prompts, args.prompt_tokens)
+    if args.echo:
+        prompts = [echo_prompt(t_glob, p, args.new_tokens) for p in prompts]
     ref = greedy_reference(t_glob, prompts, args.new_tokens)
     tok = synthetic.tokenizer_info(t_cfg.vocab_size)
     out: dict[str, Any] = {
@@ -534,6 +569,7 @@ def bench_setting(
         "draft_dtype": args.draft_dtype,
         "gpu_memory_cap_gb": cap,
         "planted": {"domain": args.domain, "agreement": agree, "coverage": cover, **realised},
+        "echo_prompts": args.echo,
         "runs": [],
     }
     print(
@@ -635,15 +671,22 @@ def bench_setting(
     runs: list[tuple[str, str, Any, int]] = (
         [] if args.no_ar_loaded else [("ar (draft loaded)", "ar", None, args.ar_tokens)]
     )
-    runs += [(f"specexec {b}", "specexec", TreeConfig(budget=b), args.new_tokens) for b in budgets]
+    # the GPU's default n-gram branches (named in a --smoke run, whose CPU default merges none into fixed trees)
+    ng = args.ngram_nodes if args.ngram_nodes is not None else NGRAM_NODES_GPU if args.smoke else None
+    runs += [(f"specexec {b}", "specexec", TreeConfig(budget=b, ngram=ng), args.new_tokens) for b in budgets]
     if first or args.modes_other:
         runs += [
-            (f"{lab} {args.mode_budget}", "specexec", TreeConfig(budget=args.mode_budget, **kw), args.new_tokens)
+            (
+                f"{lab} {args.mode_budget}",
+                "specexec",
+                TreeConfig(budget=args.mode_budget, ngram=ng, **kw),
+                args.new_tokens,
+            )
             for lab, kw in MODE_RUNS
             if lab in args.mode_list
         ]
     if not args.no_auto:
-        runs.append(("auto", "specexec", TreeConfig(auto=True, max_budget=max(budgets)), args.new_tokens))
+        runs.append(("auto", "specexec", TreeConfig(auto=True, max_budget=max(budgets), ngram=ng), args.new_tokens))
     gbp = info["streamed_gb_per_pass"]
     for label, method, tree, n in runs:
         t_run = time.perf_counter()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 16's remaining GPU checks in one device call (~7.5 min on an H200; the H200 results so far and what they
+# Issue 16's remaining GPU checks in one device call (~8 min on an H200; the H200 results so far and what they
 # settled are in docs/BENCHMARKS.md, "Issue 16 on a GPU" and its second session; this run re-measures the auto
-# budget after its fixes, prose, and the 8B-shaped draft at 16 GB): the runs that matter most first, each under its
+# budget after its fixes, the n-gram branches now merged into every GPU tree (their cost on random prompts, their
+# gain on prompts that repeat), prose, and the 8B-shaped draft at 16 GB): the runs that matter most first, each under its
 # own time limit, every log line into $OUT/session.log and each benchmark's JSON into $OUT (written after every run,
 # so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
@@ -46,23 +47,23 @@ torch.cuda.get_device_name())"
         step done
         exit 0
     fi
-    step "CUDA tests (graphs, fused draft norm, threaded overlap, streamed layers, NF4, self drafts, noise)"
-    run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
-        tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py
+    step "CUDA tests (graphs, fused draft norm, threaded overlap, streamed layers, NF4, self drafts, noise, n-grams)"
+    run 75 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
+        tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py
 
     step "70B NF4 at 24 GB, int8 7B draft (what --draft-dtype auto picks there), code, 3 prompts: 256, 1024, auto"
     run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
-        --prompts 3 --new-tokens 64 --ar-tokens 4 --budgets 256,1024 --modes "" --profile "$OUT/traces" \
-        --profile-runs 1 --out "$OUT/gpu_70b_int8.json"
+        --prompts 3 --new-tokens 64 --ar-tokens 4 --budgets 256,1024 --modes "" --out "$OUT/gpu_70b_int8.json"
+
+    step "the same with prompts that hold their own continuation (the default n-gram branches on a GPU), 256"
+    run 50 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --echo --no-accelerate \
+        --no-ar-loaded --no-auto --prompts 1 --new-tokens 64 --ar-tokens 4 --budgets 256 --modes "" \
+        --out "$OUT/gpu_70b_int8_echo.json"
 
     step "the same, prose, 2 prompts: 256 and auto"
     run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
         --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" \
         --out "$OUT/gpu_70b_int8_prose.json"
-
-    step "16-bit 7B draft at 24 GB: 1024 and auto (the auto budget's fixes against the last session's 9.24 tok/s)"
-    run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --no-accelerate --no-ar-loaded --prompts 2 \
-        --new-tokens 48 --ar-tokens 4 --budgets 1024 --modes "" --out "$OUT/gpu_70b_bf16.json"
 
     step "an 8B-shaped draft (Llama-3 70B / 8B) in int8 and NF4 at 16 GB"
     for d in int8 nf4; do

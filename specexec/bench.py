@@ -187,6 +187,7 @@ class Row:
     draft_s: float
     target_s: float
     decode_s: float
+    ngram_tokens: int = 0  # of new_tokens: those from merged prompt-lookup nodes (the draft's trees lacked them)
     speedup: float | None = None  # tokens/s over AR's
     mismatches: int | None = None  # prompts whose tokens differ from AR's (greedy only; None when sampling)
 
@@ -252,6 +253,7 @@ def _row(method: str, param: int | None, results: list[Result]) -> Row:
         draft_s=sum(s.draft_s for s in st),
         target_s=sum(s.target_s for s in st),
         decode_s=decode,
+        ngram_tokens=sum(s.ngram_tokens for s in st),
     )
 
 

@@ -29,6 +29,12 @@ GROW_MODES = ("auto", "dynamic", "static", "ahead")
 OVERLAP_AIMS = ("carried", "frontier")
 OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
 OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
+# prompt-lookup nodes merged into each draft tree by default (TreeConfig.ngram None): on a GPU, whatever the budget
+# (a streamed verifier checks a few dozen more tokens at almost no cost, a resident one at little, and they cost no
+# draft pass; nothing is merged where the lookup finds no earlier occurrence); on a CPU, where every verified token
+# costs time, only into the auto policy's trees, whose measured arms decide when they pay
+NGRAM_NODES_GPU = 64
+NGRAM_NODES_CPU = 32
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class TreeConfig:
     # best continuations (the subtree the next step may start from); "frontier" the best nodes of the whole store
     # by absolute log-prob (measured: carries little, docs/BENCHMARKS.md)
     overlap_aim: str = "carried"
+    # prompt-lookup continuations (specexec/propose/ngram.py) merged into every draft tree as extra branches: at most
+    # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's
+    # auto-budget trees, none in a CPU's fixed-budget ones). Never changes the output
+    ngram: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):
@@ -94,9 +104,19 @@ class TreeConfig:
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")
+        if self.ngram is not None and not 0 <= self.ngram <= 1024:
+            raise ConfigError("TreeConfig.ngram", self.ngram, "must be in 0..1024 (0: no n-gram branches)")
         for name in ("budget", "max_budget"):
             if getattr(self, name) > 65536:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "is absurdly large (max 65536)")
+
+    def ngram_nodes(self, device: torch.device) -> int:
+        """The most n-gram nodes merged into a tree grown for a target on ``device`` (``ngram`` None resolved)."""
+        if self.ngram is not None:
+            return self.ngram
+        if device.type != "cpu":
+            return NGRAM_NODES_GPU
+        return NGRAM_NODES_CPU if self.auto else 0
 
     def grow_mode(self, device: torch.device) -> str:
         """The growth mode for a draft on ``device`` ("auto" resolved)."""

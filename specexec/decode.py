@@ -58,6 +58,7 @@ class Stats:
     trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
     reused_nodes: int = 0  # specexec: tree nodes carried over from the previous step's tree (subtree reuse)
     reused_passes: int = 0  # specexec: draft passes those carried-over parts stood for
+    ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
@@ -236,6 +237,8 @@ def decode(
                 if t in eos:
                     break
             state.commit(path, out)
+            if prop.merged_at:  # accepted nodes from the n-gram branches (path[0] is the root)
+                stats.ngram_tokens += sum(i >= prop.merged_at for i in path[1 : len(out) + 1])
             proposer.commit(prop, path, state.seq)
             sync(dev)
             te = time.perf_counter()

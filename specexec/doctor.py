@@ -452,10 +452,9 @@ def _recommend_gpu(
     formats = ("nf4", "q4", "q3", "q2") if self_draft else ("dense", "int8", "nf4") if d_cfg is not None else ("dense",)
     for fmt in formats:
         d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
-        mem = sizes.engine_memory(cfg, d_cfg, context, 2, 2, tree, target_weights=0, draft_weights=d_bytes)
-        others = mem.total - mem.weights - mem.step.logits - mem.step.target_activations
-        rows = min(TREE_TOKENS, sizes.step_room(tree))
-        model = PlanModel(cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=others, max_tokens=rows)
+        res = sizes.plan_reservations(cfg, d_cfg, context, 2, 2, tree, draft_weights=d_bytes)  # as load charges
+        rows = min(TREE_TOKENS, res.max_tokens)
+        model = PlanModel(cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=res.kv_bytes, max_tokens=rows)
         name = {"dense": "16-bit"}.get(fmt, fmt)
         try:
             p = make_plan(resources, model, OffloadConfig(cache_dir=home))

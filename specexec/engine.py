@@ -65,7 +65,6 @@ CPU_ARMS = (4, 8)
 # the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
 CPU_CHAINS = (2, 3, 4, 6, 10)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
-CPU_NGRAM = NGramConfig(max_nodes=32)  # n-gram branches merged into CPU trees (verified tokens cost time there)
 
 
 @dataclass
@@ -320,10 +319,11 @@ class Engine:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``.
 
         ``ngram``: prompt-lookup settings -- for ``method="ngram"`` the proposals themselves, for ``specexec``
-        extra branches merged into the draft's tree (None: none merged). ``policy``: a budget policy to use
-        instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``: stop strings; the
-        text ends right before the first one (not included) and finish_reason is "stop". ``on_step``: called
-        with a :class:`~specexec.decode.StepInfo` after every step; returning False (or raising
+        extra branches merged into the draft's tree (None: the tree config's ``ngram`` nodes, by default
+        :data:`~specexec.config.NGRAM_NODES_GPU` on a GPU; see :meth:`TreeConfig.ngram_nodes`). ``policy``: a
+        budget policy to use instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``:
+        stop strings; the text ends right before the first one (not included) and finish_reason is "stop".
+        ``on_step``: called with a :class:`~specexec.decode.StepInfo` after every step; returning False (or raising
         :class:`~specexec.decode.Cancelled`) ends the generation after that step, as :meth:`Generation.close` does
         (finish_reason "cancelled").
         """
@@ -349,8 +349,8 @@ class Engine:
         tree, chain = tree or TreeConfig(), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
-        elif method == "specexec" and tree.auto and self._measured_policy():
-            ngram = ngram or CPU_NGRAM
+        elif method == "specexec" and ngram is None and (nodes := tree.ngram_nodes(self.target.device)):
+            ngram = NGramConfig(max_nodes=nodes)
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
         stats = Stats(method=method)
@@ -397,7 +397,7 @@ class Engine:
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(-g for g in CPU_CHAINS), *(b for b in CPU_ARMS if b <= tree.max_budget))
             # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
-            lookup = NGramDraft(dev, ngram)
+            lookup = NGramDraft(dev, ngram) if ngram is not None else None  # (--ngram-nodes 0: none)
             chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
             proposer = TreeDraft(self.draft_model, tree, lookup, chains)
             return proposer, self._adaptive_policy("specexec", arms, tree, stats)

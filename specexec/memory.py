@@ -109,6 +109,7 @@ def check_engine(
         chain,
         target_weights=target_weights,
         draft_weights=draft_weights,
+        ngram_nodes=tree.ngram_nodes(device) if draft is not None else 0,
     )
     if have is None:
         have = available_bytes(device) - MARGIN_BYTES

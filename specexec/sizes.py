@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specexec.config import ChainConfig, TreeConfig
+from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
 from specexec.model import ModelConfig
 
@@ -376,12 +376,14 @@ def engine_memory(
     chain: ChainConfig | None = None,
     target_weights: int | None = None,
     draft_weights: int | None = None,
+    ngram_nodes: int = 0,
 ) -> EngineMemory:
     """Bytes an engine allocates with these configs. ``context`` is clamped to the target's
     ``max_position_embeddings`` (as :func:`specexec.api.load` does).
 
     ``target_weights``/``draft_weights``: resident weight bytes when known better than the config's parameter
     count at the itemsize (e.g. from :func:`stored_weights`); pass ``target_weights=0`` for an offloaded target.
+    ``ngram_nodes``: prompt-lookup nodes merged into each tree (:meth:`TreeConfig.ngram_nodes`).
     """
     context = min(context, target.max_position_embeddings)
     weights = param_count(target) * target_itemsize if target_weights is None else target_weights
@@ -389,7 +391,7 @@ def engine_memory(
     if draft is not None:
         weights += param_count(draft) * draft_itemsize if draft_weights is None else draft_weights
         kv += kv_bytes(draft, context, draft_itemsize)
-    step = step_buffers(target, draft, context, tree, chain, target_itemsize, draft_itemsize)
+    step = step_buffers(target, draft, context, tree, chain, target_itemsize, draft_itemsize, ngram_nodes)
     return EngineMemory(weights=weights, kv_context=kv, step=step)
 
 
@@ -415,8 +417,11 @@ def plan_reservations(
     """:class:`PlanReservations` for these configs (the plan counts the target's own logits and activations in
     its workspace). ``draft_weights``: the draft's resident bytes (e.g. :func:`model_weight_bytes` of a low-bit
     draft); None: its parameters at ``draft_itemsize``."""
+    # the n-gram branches a GPU merges into every draft tree by default (none without a draft: AR)
+    merged = (tree.ngram if tree.ngram is not None else NGRAM_NODES_GPU) if draft is not None else 0
     est = engine_memory(
-        target, draft, context, target_itemsize, draft_itemsize, tree, target_weights=0, draft_weights=draft_weights
-    )
+        target, draft, context, target_itemsize, draft_itemsize, tree,
+        target_weights=0, draft_weights=draft_weights, ngram_nodes=merged,
+    )  # fmt: skip
     others = est.total - est.weights - est.step.logits - est.step.target_activations
-    return PlanReservations(est.weights, others, min(step_room(tree) - 1, tree.verify_chunk))
+    return PlanReservations(est.weights, others, min(step_room(tree, None, merged) - 1, tree.verify_chunk))

@@ -222,6 +222,8 @@ BEFORE_LOAD = {
     ),
     "overlap -1": (("--overlap", "-1", "--grow", "ahead"), "--overlap must be in 0..64 or auto"),
     "overlap word": (("--overlap", "most", "--grow", "ahead"), "--overlap must be in 0..64 or auto"),
+    "ngram-nodes -1": (("--ngram-nodes", "-1"), "--ngram-nodes must be in 0..1024"),
+    "ngram-nodes word": (("--ngram-nodes", "many"), "--ngram-nodes must be in 0..1024 or auto"),
     "gamma 0": (("--gamma", "0"), "--gamma must be in 1..256"),
     "context 4": (("--context", "4", "-n", "2"), "--context must be >= 8 tokens"),
     "unknown method": (("--method", "beam"), "unknown --method 'beam'"),
@@ -417,7 +419,7 @@ def test_no_message_names_a_missing_flag():
 SHARED = {
     "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--draft-vocab", "--device", "--context"],
     "offload": ["--offload", "--gpu-memory", "--target-dtype", "--cache-dir"],
-    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop", "--grow", "--overlap"],
+    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop", "--grow", "--overlap", "--ngram-nodes"],
     "sampling": ["--temperature", "--top-p", "--top-k", "--min-p", "--seed"],
     "output": ["--quiet", "--verbose"],
 }

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specexec.budget import AdaptiveBudget, StepRecord
-from specexec.config import SamplingConfig, TreeConfig
+from specexec.config import NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
 from specexec.engine import Engine
+from specexec.errors import ConfigError
 from specexec.loading import load_model, load_tokenizer
 from specexec.propose import NGramConfig, NGramDraft, StepContext
 
@@ -109,6 +110,78 @@ def test_ngram_branches_merged_into_the_tree_equal_ar(engine):
         merged = engine.generate(ids, 40, method="specexec", tree=TreeConfig(budget=budget), ngram=NGramConfig())
         assert plain.tokens == ref and merged.tokens == ref
         assert merged.stats.tokens_per_step >= plain.stats.tokens_per_step
+
+
+def test_tree_config_ngram_nodes_by_device():
+    """None: the device's default -- every GPU tree, only a CPU's auto-budget trees; an explicit count anywhere."""
+    gpu = torch.device("cuda")
+    assert TreeConfig().ngram_nodes(gpu) == NGRAM_NODES_GPU
+    assert TreeConfig(budget=256).ngram_nodes(gpu) == NGRAM_NODES_GPU
+    assert TreeConfig(auto=True).ngram_nodes(CPU) == NGRAM_NODES_CPU
+    assert TreeConfig(budget=16).ngram_nodes(CPU) == 0
+    assert TreeConfig(budget=16, ngram=8).ngram_nodes(CPU) == 8
+    assert TreeConfig(auto=True, ngram=0).ngram_nodes(gpu) == 0
+    for bad in (-1, 1025):
+        with pytest.raises(ConfigError, match="ngram"):
+            TreeConfig(ngram=bad)
+
+
+@pytest.mark.parametrize("grow", ["dynamic", "static", "ahead"])
+@pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=0.9, seed=4)])
+def test_ngram_nodes_of_the_tree_config_are_merged_exactly(engine, grow, samp):
+    """``TreeConfig.ngram`` merges the lookup's branches into trees of every growth (the GPU's default, run here on
+    a CPU): the same tokens as AR, greedy and sampled with the same seed, and on text that repeats the emitted
+    tokens include some only the n-gram branches held (counted in ``Stats.ngram_tokens``)."""
+    ids = _prompt(engine)
+    engine.reset()
+    ref = engine.generate(ids, 40, method="ar", sampling_cfg=samp).tokens
+    got = {}
+    for nodes in (0, 16):
+        engine.reset()
+        tree = TreeConfig(budget=2, grow=grow, early_stop=False, ngram=nodes)
+        r = engine.generate(ids, 40, method="specexec", sampling_cfg=samp, tree=tree)
+        assert r.tokens == ref
+        got[nodes] = r.stats
+    assert got[0].ngram_tokens == 0
+    if samp.greedy:
+        assert got[16].ngram_tokens > 0
+        assert got[16].tokens_per_step > got[0].tokens_per_step
+        assert got[16].draft_passes <= got[0].draft_passes  # the n-gram branches cost no draft pass
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_trees_merge_ngram_branches_by_default(tiny_models, tmp_path):
+    """On a GPU every tree gets the lookup's branches by default (fixed budget and auto alike, ``ahead`` levels and
+    graphed draft passes): AR's tokens, and on repeating text tokens from the n-gram branches."""
+    dev = torch.device("cuda")
+    target = _markov(tiny_models["llama"], tmp_path / "t")
+    draft = _markov(tiny_models["llama"], tmp_path / "d", noise=0.3, seed=1)
+    eng = Engine(
+        load_model(target, dev, torch.float32), load_tokenizer(target), load_model(draft, dev, torch.float32),
+        context=512,
+    )  # fmt: skip
+    ids = _prompt(eng)
+    eng.reset()
+    ref = eng.generate(ids, 40, method="ar").tokens
+    for tree in (TreeConfig(budget=2), TreeConfig(auto=True, max_budget=64)):
+        eng.reset()
+        r = eng.generate(ids, 40, method="specexec", tree=tree)
+        assert r.tokens == ref
+        assert r.stats.ngram_tokens > 0
+
+
+def test_ngram_tokens_counts_only_accepted_lookup_nodes(engine):
+    """``Stats.ngram_tokens`` counts emitted tokens from nodes past ``Proposal.merged_at``: all of them for the
+    draft-free method but each step's bonus token (the last step's bonus may be cut by the token limit), none
+    without a lookup."""
+    ids = _prompt(engine)
+    engine.reset()
+    r = engine.generate(ids, 40, method="ngram", tree=TreeConfig(budget=16))
+    assert 0 < r.stats.new_tokens - r.stats.steps <= r.stats.ngram_tokens <= r.stats.new_tokens - r.stats.steps + 1
+    engine.reset()
+    r = engine.generate([33, 34, 35], 8, method="specexec", tree=TreeConfig(budget=4))
+    assert r.stats.ngram_tokens == 0
 
 
 @pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=11)])

@@ -442,6 +442,31 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     assert gpu.main(["--settings", "70b-nf4@24,nope"]) == 2
 
 
+def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monkeypatch):
+    """bench_gpu --echo: prompts that hold their own continuation; the n-gram branches merged into the trees by
+    default carry it (tokens counted), the text is still the target's greedy one, and the random prompts of a plain
+    run never repeat (no n-gram tokens)."""
+    gpu = script("bench_gpu")
+    monkeypatch.setattr(gpu, "SHAPES", {k: dict(v) for k, v in gpu.SHAPES.items()})
+    monkeypatch.setattr(gpu, "SETTINGS", dict(gpu.SETTINGS))
+    out = tmp_path / "gpu.json"
+    argv = ["--smoke", "--settings", "70b-nf4@24", "--prompts", "1", "--prompt-tokens", "40", "--new-tokens", "12"]
+    argv += ["--ar-tokens", "4", "--budgets", "4", "--modes", "", "--no-auto", "--no-accelerate", "--no-ar-loaded"]
+    rows = {}
+    for echo in (False, True):
+        assert gpu.main([*argv, "--out", str(out), *(["--echo"] if echo else [])]) == 0
+        (setting,) = json.loads(out.read_text())["settings"]
+        assert setting["echo_prompts"] is echo
+        rows[echo] = next(r for r in setting["runs"] if r["run"] == "specexec 4")
+    assert rows[False]["exact"] and rows[True]["exact"]
+    assert rows[False]["ngram_tokens"] == 0 < rows[True]["ngram_tokens"]
+    assert rows[True]["tok_per_step"] > rows[False]["tok_per_step"]
+    for bad in (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"]):  # one line, exit 2, nothing built
+        with pytest.raises(SystemExit) as e:
+            gpu.main([*argv, *bad])
+        assert e.value.code == 2
+
+
 def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     """bench_overlap on a tiny pair: every overlap keeps AR's text; background passes run only with overlap; the
     H100 projection is labelled and uses the critical-path passes."""
@@ -607,3 +632,19 @@ def test_trace_summary_splits_the_draft_phase_into_host_and_gpu_time(tmp_path):
     assert m["host_read_ms"] == pytest.approx(0.004) and m["host_sync_ms"] == pytest.approx(0.010)
     assert m["per_level"]["gpu_pass_ms"] == pytest.approx(0.028)
     assert ts.main([str(path)]) == 0 and ts.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_bench_ngram_merge_smoke(tiny_pair, tmp_path):
+    """scripts/bench_ngram_merge.py: per prompt the tree alone and with the n-gram branches, both equal to AR
+    (counts only); the summary covers every set it ran."""
+    target, draft = tiny_pair
+    out = tmp_path / "ng.json"
+    argv = ["--target", str(target), "--draft", str(draft), "--sets", "code,grounded", "--prompts", "1"]
+    argv += ["--new-tokens", "6", "--budget", "4", "--max-depth", "3", "--out", str(out)]
+    assert script("bench_ngram_merge").main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["all_exact"] and set(rep["summary"]) == {"code", "grounded"}
+    for s in rep["summary"].values():
+        assert s["tree"]["tokens_per_step"] >= 1 and s["tree+ngram"]["ngram_tokens"] >= 0
+    with pytest.raises(SystemExit):
+        script("bench_ngram_merge").main(["--sets", "poetry"])

@@ -18,6 +18,7 @@ from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import OutOfMemory, SpecexecError
 from specexec.kv_cache import KVCache
 from specexec.loading import load_model, read_config
+from specexec.model import ModelConfig
 from specexec.tree import Tree
 from tests.conftest import make_tiny
 
@@ -232,3 +233,17 @@ def test_cache_list_and_rm(tmp_path, monkeypatch):
     assert out.exit_code == 0 and "removed 2 entries" in out.stdout
     assert not (home / "models" / "m1").exists() and not (home / "wheels").exists()
     assert "the cache is empty" in runner.invoke(app, ["cache", "list", "--cache-dir", str(home)]).stdout
+
+
+def test_plan_reserves_the_gpu_default_ngram_branches():
+    """An offloaded (GPU) target's plan leaves room for the n-gram nodes merged into every tree by default: the
+    verified pass and the KV room hold tree + NGRAM_NODES_GPU tokens; ``ngram=0`` reserves none."""
+    from specexec.config import NGRAM_NODES_GPU
+
+    cfg = ModelConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32
+    )
+    base = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig(budget=128, ngram=0))
+    merged = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig(budget=128))
+    assert merged.max_tokens == base.max_tokens + NGRAM_NODES_GPU
+    assert merged.kv_bytes > base.kv_bytes

@@ -42,6 +42,7 @@ def bench(
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
     overlap: str = o.overlap(),
+    ngram_nodes: str = o.ngram_nodes(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -82,6 +83,7 @@ def bench(
                 grow=grow,
                 overlap=levels,
                 reuse=levels != 0,
+                ngram=o.ngram_limit(ngram_nodes),
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

@@ -65,6 +65,7 @@ def chat(
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
     overlap: str = o.overlap(),
+    ngram_nodes: str = o.ngram_nodes(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -100,7 +101,9 @@ def chat(
             draft_vocab_=draft_vocab,
             draft_layers_=draft_layers,
         )
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
+        tree = o.tree_config(
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes
+        )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)
         gen = GenOptions(

@@ -62,6 +62,7 @@ def generate(
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
     overlap: str = o.overlap(),
+    ngram_nodes: str = o.ngram_nodes(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -89,7 +90,9 @@ def generate(
         # everything that needs no model is checked first: a bad option never costs a model load
         text = o.prompt_text(prompt)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
+        tree = o.tree_config(
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes
+        )
         chain_cfg = o.chain_config(gamma)
         model = o.model_options(
             target,

@@ -30,6 +30,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         early_stop: Optional[bool] = o.early_stop(),
         grow: str = o.grow(),
         overlap: str = o.overlap(),
+        ngram_nodes: str = o.ngram_nodes(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -37,7 +38,8 @@ library's validated configs (no logic beyond that). A command looks like this::
 
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
+            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap,
+                                 ngram_nodes)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -63,7 +65,16 @@ from typing import Any
 
 import typer
 
-from specexec.config import METHODS, NEEDS_DRAFT, OVERLAP_AUTO, ChainConfig, SamplingConfig, TreeConfig
+from specexec.config import (
+    METHODS,
+    NEEDS_DRAFT,
+    NGRAM_NODES_CPU,
+    NGRAM_NODES_GPU,
+    OVERLAP_AUTO,
+    ChainConfig,
+    SamplingConfig,
+    TreeConfig,
+)
 from specexec.config import check_method as check_method_name
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
@@ -99,6 +110,7 @@ FLAGS: dict[str, str] = {
     "TreeConfig.early_stop": "--early-stop",
     "TreeConfig.grow": "--grow",
     "TreeConfig.overlap": "--overlap",
+    "TreeConfig.ngram": "--ngram-nodes",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -279,6 +291,29 @@ def overlap() -> Any:
     )
 
 
+def ngram_nodes() -> Any:
+    return typer.Option(
+        "auto",
+        "--ngram-nodes",
+        help="SpecExec: merge the prompt-lookup (n-gram) continuations of the text so far into each draft tree, at "
+        "most N nodes (they cost no draft pass; where the text repeats, the target accepts them); 0: none. auto "
+        f"(default): {NGRAM_NODES_GPU} on a GPU, {NGRAM_NODES_CPU} in a CPU's --budget auto trees, none in a CPU's "
+        "fixed-budget ones. Never changes the output.",
+    )
+
+
+def ngram_limit(value: str | int | None) -> int | None:
+    """``--ngram-nodes N|auto`` -> TreeConfig.ngram (auto: None, the device's default)."""
+    if value is None or isinstance(value, int):
+        return value
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError("TreeConfig.ngram", value, "must be in 0..1024 or auto") from None
+
+
 def overlap_levels(value: str | int) -> int:
     """``--overlap N|auto`` -> TreeConfig.overlap (auto: OVERLAP_AUTO)."""
     if isinstance(value, int):
@@ -356,9 +391,11 @@ def tree_config(
     early_stop_: bool | None = None,
     grow_: str = "auto",
     overlap_: str | int = 0,
+    ngram_: str | int | None = None,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     overlap_ = overlap_levels(overlap_)
+    ngram = ngram_limit(ngram_)
     if budget_.strip().lower() == "auto":
         return TreeConfig(
             budget=max(1, min(64, max_budget_)),
@@ -371,6 +408,7 @@ def tree_config(
             grow=grow_,
             overlap=overlap_,
             reuse=overlap_ != 0,
+            ngram=ngram,
         )
     try:
         b = int(budget_)
@@ -386,6 +424,7 @@ def tree_config(
         grow=grow_,
         overlap=overlap_,
         reuse=overlap_ != 0,
+        ngram=ngram,
     )
 
 

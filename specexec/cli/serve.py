@@ -58,6 +58,7 @@ def serve(
     early_stop: bool | None = o.early_stop(),
     grow: str = o.grow(),
     overlap: str = o.overlap(),
+    ngram_nodes: str = o.ngram_nodes(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -85,7 +86,9 @@ def serve(
         from specexec.chat import load_engine
         from specexec.server import Defaults, ServerConfig, create_app
 
-        tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap)
+        tree = o.tree_config(
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes
+        )
         chain = o.chain_config(gamma)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
         model = o.model_options(

@@ -48,6 +48,7 @@ class Proposal:
     source: str = ""  # which proposer made it (stats)
     reused: int = 0  # tree nodes carried over from the previous step's tree (subtree reuse)
     reused_passes: int = 0  # draft passes the carried-over part stood for (its expanded levels + the root's pass)
+    merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

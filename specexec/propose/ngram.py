@@ -147,7 +147,7 @@ class NGramDraft:
             if conts:
                 parents, tokens, depths, logp = self._trie(conts, {}, [0], [0.0], ctx.budget)
                 tree.append(parents, tokens, depths, logp)
-        return Proposal(tree, budget=ctx.budget, source=self.name)
+        return Proposal(tree, budget=ctx.budget, source=self.name, merged_at=1 if tree.size > 1 else 0)
 
     def merge_into(self, tree: Tree, seq: list[int], conts: list[tuple[int, list[int]]] | None = None) -> int:
         """Add the continuations' nodes the tree lacks (draft slot -1: never run through a draft). Returns how many.
@@ -156,10 +156,10 @@ class NGramDraft:
         if not conts:
             return 0
         n = tree.size
-        toks, pars = tree.n_tokens.tolist(), tree.n_parents.tolist()
+        toks, pars, depth = torch.stack((tree.n_tokens, tree.n_parents, tree.n_depth)).tolist()  # one host read
         existing = {(pars[i], toks[i]): i for i in range(1, n)}
         room = min(self.cfg.max_nodes, tree.capacity - n)
-        parents, tokens, depths, logp = self._trie(conts, existing, tree.n_depth.tolist(), tree.n_logp.tolist(), room)
+        parents, tokens, depths, logp = self._trie(conts, existing, depth, tree.n_logp.tolist(), room)
         if tokens:
             tree.append(parents, tokens, depths, logp)
         return len(tokens)

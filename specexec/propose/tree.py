@@ -159,8 +159,9 @@ class TreeDraft:
         if self._full is not None:
             self._grown = (tree, tree.size, *self._full)
         self._full = None
-        if self.ngram is not None:
-            self.ngram.merge_into(tree, seq)
+        merged_at = tree.size
+        if self.ngram is None or not self.ngram.merge_into(tree, seq):
+            merged_at = 0
         return Proposal(
             tree,
             passes=passes,
@@ -170,6 +171,7 @@ class TreeDraft:
             source=self.name,
             reused=self.reused_nodes,
             reused_passes=self.reused_passes,
+            merged_at=merged_at,
         )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
