@@ -52,7 +52,7 @@ torch.cuda.get_device_name())"
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py
 
     step "70B NF4 at 24 GB, int8 7B draft (what --draft-dtype auto picks there), code, 3 prompts: 256, 1024, auto"
-    run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
+    run 160 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
         --prompts 3 --new-tokens 64 --ar-tokens 4 --budgets 256,1024 --modes "" --out "$OUT/gpu_70b_int8.json"
 
     step "the same with prompts that hold their own continuation (the default n-gram branches on a GPU), 256"
@@ -67,7 +67,7 @@ torch.cuda.get_device_name())"
 
     step "an 8B-shaped draft (Llama-3 70B / 8B) in int8 and NF4 at 16 GB"
     for d in int8 nf4; do
-        run 60 python3 scripts/bench_gpu.py --settings 70b3-nf4@16 --draft-dtype $d --no-accelerate --no-ar-loaded \
+        run 75 python3 scripts/bench_gpu.py --settings 70b3-nf4@16 --draft-dtype $d --no-accelerate --no-ar-loaded \
             --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" --out "$OUT/gpu_70b3_$d.json"
     done
     step done
