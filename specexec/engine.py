@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specexec.budget import (
     AdaptiveBudget,
     AutoBudget,
@@ -32,7 +34,7 @@ from specexec.budget import (
     load_calibration,
     save_calibration,
 )
-from specexec.config import NEEDS_DRAFT, ChainConfig, SamplingConfig, TreeConfig, check_method
+from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.decode import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import TokenizerInfo
@@ -65,6 +67,15 @@ CPU_ARMS = (4, 8)
 # the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
 CPU_CHAINS = (2, 3, 4, 6, 10)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
+
+
+def default_ngram(tree: TreeConfig, device: torch.device) -> NGramConfig | None:
+    """The prompt-lookup branches merged into a tree for a target on ``device`` when the caller names none: up to
+    :meth:`TreeConfig.ngram_nodes` nodes (None: none), each continuation up to NGRAM_LEN_GPU tokens on a GPU."""
+    nodes = tree.ngram_nodes(device)
+    if not nodes:
+        return None
+    return NGramConfig(max_nodes=nodes, max_len=NGRAM_LEN_GPU) if device.type != "cpu" else NGramConfig(max_nodes=nodes)
 
 
 @dataclass
@@ -349,8 +360,8 @@ class Engine:
         tree, chain = tree or TreeConfig(), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
-        elif method == "specexec" and ngram is None and (nodes := tree.ngram_nodes(self.target.device)):
-            ngram = NGramConfig(max_nodes=nodes)
+        elif method == "specexec" and ngram is None:
+            ngram = default_ngram(tree, self.target.device)
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
         stats = Stats(method=method)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specexec.budget import AdaptiveBudget, StepRecord
-from specexec.config import NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
-from specexec.engine import Engine
+from specexec.config import NGRAM_LEN_GPU, NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
+from specexec.engine import Engine, default_ngram
 from specexec.errors import ConfigError
 from specexec.loading import load_model, load_tokenizer
 from specexec.propose import NGramConfig, NGramDraft, StepContext
@@ -124,6 +124,10 @@ def test_tree_config_ngram_nodes_by_device():
     for bad in (-1, 1025):
         with pytest.raises(ConfigError, match="ngram"):
             TreeConfig(ngram=bad)
+    # what the engine merges when the caller names no n-gram config: longer continuations on a GPU
+    assert default_ngram(TreeConfig(), gpu) == NGramConfig(max_nodes=NGRAM_NODES_GPU, max_len=NGRAM_LEN_GPU)
+    assert default_ngram(TreeConfig(auto=True), CPU) == NGramConfig(max_nodes=NGRAM_NODES_CPU)
+    assert default_ngram(TreeConfig(budget=8), CPU) is None and default_ngram(TreeConfig(ngram=0), gpu) is None
 
 
 @pytest.mark.parametrize("grow", ["dynamic", "static", "ahead"])
