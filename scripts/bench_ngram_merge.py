@@ -13,7 +13,7 @@ These are counts, not times (a CPU can't time a GPU's step): tokens per step and
 set (``code``, ``prose``, ``grounded``: scripts/bench_cpu.py's sets, built from this Python's stdlib). It may run
 beside other work::
 
-    python scripts/bench_ngram_merge.py --prompts 6 --new-tokens 48 --out docs/bench_ngram_merge_cpu.json
+    python scripts/bench_ngram_merge.py --sets grounded,prose,code --prompts 5 --out docs/bench_ngram_merge_cpu.json
 """
 
 from __future__ import annotations
@@ -52,13 +52,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=128, help="draft tokens per tree (fixed)")
     p.add_argument("--max-depth", type=int, default=10, help="most draft levels a tree")
     p.add_argument("--ngram-nodes", type=int, default=64, help="most n-gram nodes merged into a tree")
+    p.add_argument(
+        "--ngram-len", type=int, default=32, help="tokens taken from each earlier occurrence (32: a GPU's default)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = p.parse_args(argv)
     args.set_list = tuple(s for s in args.sets.split(",") if s)
     bad = [s for s in args.set_list if s not in ("code", "prose", "grounded")]
     if bad or not args.set_list:
         p.error(f"--sets: a comma-separated subset of code,prose,grounded, not {args.sets!r}")
-    for name in ("prompts", "new_tokens", "budget", "max_depth", "ngram_nodes"):
+    for name in ("prompts", "new_tokens", "budget", "max_depth", "ngram_nodes", "ngram_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -103,10 +106,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress=False,
     )
     tree = TreeConfig(budget=args.budget, grow="static", early_stop=False, max_depth=args.max_depth)
-    merged = NGramConfig(max_nodes=args.ngram_nodes)
+    merged = NGramConfig(max_nodes=args.ngram_nodes, max_len=args.ngram_len)
     rows: list[dict[str, Any]] = []
-    for set_name, plist in build_prompts(args.set_list, args.prompts).items():
-        for p in plist:
+    built = build_prompts(args.set_list, args.prompts)
+    for set_name in args.set_list:  # in the order asked
+        for p in built.get(set_name, []):
             ids = engine.encode(p.text, chat=p.chat)
             engine.reset()
             want = engine.generate(ids, args.new_tokens, method="ar").tokens
@@ -168,6 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "budget": args.budget,
         "max_depth": args.max_depth,
         "ngram_nodes": args.ngram_nodes,
+        "ngram_len": args.ngram_len,
         "new_tokens": args.new_tokens,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "summary": summary,
