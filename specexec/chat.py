@@ -435,6 +435,8 @@ def format_stats(stats: Stats) -> list[str]:
         lines.append("budgets      " + ", ".join(f"{b} x{n}" for b, n in sorted(s.budgets.items())))
     if s.mean_tree_size:
         lines.append(f"tree         {s.mean_tree_size:.1f} draft tokens per step, {s.draft_passes} draft passes")
+    if s.ngram_tokens:
+        lines.append(f"n-gram       {s.ngram_tokens} of the {s.new_tokens} tokens from prompt-lookup branches")
     if s.accepted_hist:
         lines.append("accepted     tokens/step: count")
         top = max(s.accepted_hist.values())

@@ -4,6 +4,7 @@ context window, interruption; and the REPL's pure input helpers."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,9 @@ def test_format_stats(session):
     _answer(session, "t10")
     lines = format_stats(session.last_stats)
     assert any("tokens/s" in line for line in lines) and any("#" in line for line in lines)
+    st = replace(session.last_stats, ngram_tokens=3)  # the tokens the prompt-lookup branches carried, when any
+    assert not any(line.startswith("n-gram") for line in format_stats(replace(st, ngram_tokens=0)))
+    assert "n-gram       3 of the" in "\n".join(format_stats(st))
 
 
 def test_read_message_and_commands():
