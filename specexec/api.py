@@ -119,14 +119,11 @@ def load(
     d_stored = sizes.stored_weights(d_path) if d_path is not None else None
     d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt) if d_stored is not None else None
     plan = None
+    tree_cap: int | None = None  # the largest --budget auto tree the memory plan left room for, when lowered
     if _offloaded(offload, dev):
         from offload.load import plan_with_draft, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
-
-        def reserve(fmt: str) -> sizes.PlanReservations:
-            weights = d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
-            return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=weights)
 
         # --draft-dtype auto on a GPU: the 16-bit, int8 and NF4 drafts are planned, and among those that leave room
         # for the streamed target's ring the picker takes the one modelled fastest (specexec/draft_choice.py)
@@ -135,7 +132,31 @@ def load(
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
             formats += draft_choice.lighter_formats(torch.cuda.get_device_capability(dev))
             pick = draft_choice.picker(d_cfg, t_cfg, dev)  # the format expected to decode fastest among those that fit
-        plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
+        # --budget auto: the plan reserves KV and workspace for --max-budget trees; where that leaves no room for the
+        # streamed target beside any draft format, smaller caps are tried (a 70B + 7B at 12 GB fits only with
+        # trees of a few hundred nodes), and the engine then never grows a tree beyond the cap that fitted
+        caps = sizes.fitting_caps(tree)
+        for k, cap in enumerate(caps):
+
+            def reserve(fmt: str, cap: TreeConfig = cap) -> sizes.PlanReservations:
+                weights = d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
+                return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, cap, draft_weights=weights)
+
+            try:
+                plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
+            except OutOfMemory as e:
+                if e.resource != "GPU memory" or len(caps) == 1:
+                    raise
+                if k == len(caps) - 1:
+                    smallest = setting("TreeConfig.max_budget", cap.max_budget)
+                    raise OutOfMemory(f"{e} (even with {smallest})", e.resource, e.need, e.have) from None
+                continue
+            if cap.max_budget < tree.max_budget:  # Engine.max_tree says so (the CLI prints a notice)
+                log.info("max_budget lowered to %d to fit the streamed target's plan", cap.max_budget)
+                tree_cap = cap.max_budget
+            tree = cap
+            break
+        assert plan is not None  # the loop either planned or raised
         if d_stored is not None:
             d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt)
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
@@ -180,6 +201,7 @@ def load(
         tree=tree,
         calibration_dir=hub.cache_home(cache_dir) / "calibration",
         share_prefix=share_prefix,
+        max_tree=tree_cap,
     )
     if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
         engine.draft_weights = d_fmt if d_fmt != "dense" else str(d_dt).removeprefix("torch.")

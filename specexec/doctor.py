@@ -38,7 +38,6 @@ GB = 1e9
 MIB = 1 << 20
 ASSUMED_H2D_GBPS = 25.0  # pinned host→device, PCIe 4.0 x16, when not measured
 ASSUMED_RAM_GBPS = 20.0  # CPU-only: memory bandwidth a decoder pass reads its weights at (rough)
-TREE_TOKENS = 256  # tree size the workspace is sized for
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "safetensors", "accelerate", "huggingface_hub", "specexec")
 
 
@@ -53,6 +52,7 @@ class GpuInfo:
     pageable_h2d_gbps: float | None = None
     device_gbps: float | None = None  # device memory bandwidth (what a resident draft's passes read)
     note: str = ""
+    capability: tuple[int, int] | None = None  # CUDA compute capability (None: unknown)
 
 
 @dataclass
@@ -104,6 +104,7 @@ class Recommendation:
     draft_dtype: str | None = None  # its weight format that ``--draft-dtype auto`` would load: 16-bit, int8, nf4
     # per draft precision: draft GB, resident target layers, streamed GB and floor per pass (None: does not fit)
     draft_options: list[dict[str, Any]] = field(default_factory=list)
+    max_budget: int | None = None  # --budget auto's largest tree when load must lower --max-budget to fit (GPU)
 
 
 @dataclass
@@ -159,7 +160,12 @@ def gpu_info(measure: bool = True) -> GpuInfo | None:
         return None
     dev = torch.device("cuda", 0)
     free, total = torch.cuda.mem_get_info(dev)
-    info = GpuInfo(name=torch.cuda.get_device_name(dev), vram_total=int(total), vram_free=int(free))
+    info = GpuInfo(
+        name=torch.cuda.get_device_name(dev),
+        vram_total=int(total),
+        vram_free=int(free),
+        capability=tuple(torch.cuda.get_device_capability(dev)),  # type: ignore[arg-type]
+    )
     if measure:
         try:
             info.pinned_h2d_gbps = h2d_gbps(dev, pinned=True)
@@ -433,7 +439,9 @@ def _recommend_gpu(
 
     gpu = system.gpu
     assert gpu is not None
-    tree = TreeConfig()
+    # the trees `generate`/`chat`/`serve` grow by default (--budget auto up to --max-budget 2048, n-gram branches
+    # merged): what load reserves KV and workspace for before it places target layers
+    tree = TreeConfig(auto=True)
     resources = Resources(
         device="cuda",
         vram_free=gpu.vram_free,
@@ -449,33 +457,48 @@ def _recommend_gpu(
     from specexec.loading import SELF_DRAFT
 
     self_draft = rec.draft == SELF_DRAFT
-    formats = ("nf4", "q4", "q3", "q2") if self_draft else ("dense", "int8", "nf4") if d_cfg is not None else ("dense",)
-    for fmt in formats:
-        d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
-        res = sizes.plan_reservations(cfg, d_cfg, context, 2, 2, tree, draft_weights=d_bytes)  # as load charges
-        rows = min(TREE_TOKENS, res.max_tokens)
-        model = PlanModel(cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=res.kv_bytes, max_tokens=rows)
-        name = {"dense": "16-bit"}.get(fmt, fmt)
-        try:
-            p = make_plan(resources, model, OffloadConfig(cache_dir=home))
-        except SpecexecError as e:
-            error = e  # the lightest draft's reason is the one to act on
-            rec.draft_options.append({"draft_dtype": name, "draft_gb": d_bytes / GB, "fits": False, "why": str(e)})
-            continue
-        rec.draft_options.append(
-            {
-                "draft_dtype": name,
-                "draft_gb": d_bytes / GB,
-                "fits": True,
-                "target_dtype": "nf4" if p.fmt.kind == "nf4" else "bf16",
-                "resident_layers": len(p.resident),
-                "streamed_gb_per_pass": p.bytes_per_forward / GB,
-                "floor_s_per_pass": p.bytes_per_forward / (h2d * GB),
-            }
-        )
-        plans[fmt] = p
-        if plan is None:
-            plan, rec.draft_dtype = p, name if d_cfg is not None else None
+    # the formats load's --draft-dtype auto weighs on this GPU (int8 needs compute capability 7.5+)
+    lighter = draft_choice.lighter_formats(gpu.capability) if gpu.capability is not None else ["int8", "nf4"]
+    formats = ("nf4", "q4", "q3", "q2") if self_draft else ("dense", *lighter) if d_cfg is not None else ("dense",)
+    # as load does: where the default trees' reservation leaves no room for the streamed target beside any draft
+    # format, smaller --max-budget caps are tried (sizes.fitting_caps)
+    for cap in sizes.fitting_caps(tree):
+        rec.draft_options, plans, plan = [], {}, None
+        for fmt in formats:
+            d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
+            res = sizes.plan_reservations(cfg, d_cfg, context, 2, 2, cap, draft_weights=d_bytes)  # as load charges
+            model = PlanModel(
+                cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=res.kv_bytes, max_tokens=res.max_tokens
+            )
+            name = {"dense": "16-bit"}.get(fmt, fmt)
+            try:
+                p = make_plan(resources, model, OffloadConfig(cache_dir=home))
+            except SpecexecError as e:
+                error = e  # the lightest draft's reason is the one to act on
+                rec.draft_options.append({"draft_dtype": name, "draft_gb": d_bytes / GB, "fits": False, "why": str(e)})
+                continue
+            rec.draft_options.append(
+                {
+                    "draft_dtype": name,
+                    "draft_gb": d_bytes / GB,
+                    "fits": True,
+                    "target_dtype": "nf4" if p.fmt.kind == "nf4" else "bf16",
+                    "resident_layers": len(p.resident),
+                    "streamed_gb_per_pass": p.bytes_per_forward / GB,
+                    "floor_s_per_pass": p.bytes_per_forward / (h2d * GB),
+                }
+            )
+            plans[fmt] = p
+            if plan is None:
+                plan, rec.draft_dtype = p, name if d_cfg is not None else None
+        if plans:
+            if cap.max_budget < tree.max_budget:
+                rec.max_budget = cap.max_budget
+                rec.notes.append(
+                    f"--max-budget lowered to {cap.max_budget} (what load does): trees up to {tree.max_budget} "
+                    "would leave no GPU memory for streaming the target"
+                )
+            break
     if d_cfg is None:
         rec.draft_options = []
     elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,7 @@ class Engine:
         static_rows: int = 128,
         calibration_dir: Path | None = None,
         share_prefix: bool = True,
+        max_tree: int | None = None,
     ) -> None:
         if context > target.cfg.max_position_embeddings:
             log.warning(
@@ -229,6 +230,9 @@ class Engine:
             )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.draft_weights: str | None = None  # the draft's weight format, as specexec.load chose it (int8, ...)
+        # the largest tree the memory plan left room for (specexec.load lowers --max-budget to fit a streamed
+        # target): auto trees are capped at it, a bigger fixed budget is refused; None: no cap
+        self.max_tree = max_tree
         self.context = context
         self.state: TargetState | None = None
         self.draft_model: DraftModel | None = None
@@ -357,7 +361,7 @@ class Engine:
             )
         if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
             raise SpecexecError("prompt token ids out of the model's vocabulary")
-        tree, chain = tree or TreeConfig(), chain or ChainConfig()
+        tree, chain = self._capped(tree or TreeConfig()), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
         elif method == "specexec" and ngram is None:
@@ -371,6 +375,22 @@ class Engine:
         self.state.adopt(ids)
         return Generation(
             self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops, on_step=on_step
+        )
+
+    def _capped(self, tree: TreeConfig) -> TreeConfig:
+        """``tree`` within :attr:`max_tree`: an auto tree's ``max_budget`` lowered to it; a bigger fixed budget
+        refused (its caches would not fit beside the streamed target)."""
+        cap = self.max_tree
+        if cap is None or tree.largest <= cap:
+            return tree
+        if tree.auto:
+            return replace(tree, max_budget=cap, budget=min(tree.budget, cap))
+        raise ConfigError(
+            "TreeConfig.budget",
+            tree.budget,
+            f"exceeds the {cap} the memory plan left room for",
+            f"{setting('TreeConfig.budget', tree.budget)} exceeds the largest tree the GPU memory plan left room for "
+            f"({cap}); use {setting('TreeConfig.budget', cap)} or less",
         )
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, **kw: Any) -> Result:

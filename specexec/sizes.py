@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
@@ -216,6 +216,18 @@ def step_room(tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: i
     """Cache slots one step needs after the committed context: the largest tree (with ``ngram_nodes`` of prompt
     lookup merged in; 0 without an n-gram config) or chain, + root + bonus (``Engine._ensure_room``)."""
     return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma) + 2
+
+
+def fitting_caps(tree: TreeConfig, floor: int = 64) -> list[TreeConfig]:
+    """The trees a GPU memory plan tries in turn (:func:`specexec.api.load`): ``tree`` itself, and for ``--budget
+    auto`` its ``max_budget`` halved down to ``floor`` (what is reserved for trees then shrinks with it)."""
+    if not tree.auto:
+        return [tree]
+    out, b = [tree], tree.max_budget // 2
+    while b >= floor:
+        out.append(replace(tree, max_budget=b, budget=min(tree.budget, b)))
+        b //= 2
+    return out
 
 
 def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:

@@ -535,3 +535,16 @@ def test_bad_dtype_names_refused_before_loading(option, value, message):
     r = runner.invoke(app, ["generate", "--target", "/nonexistent/model", "-p", "hi", option, value])
     assert r.exit_code == 2 and message in r.stderr and "not found" not in r.stderr, r.output
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_notice_when_load_lowered_the_max_budget(capsys):
+    """The CLI says when the memory plan lowered --max-budget (Engine.max_tree), and nothing when it did not."""
+    from types import SimpleNamespace
+
+    from specexec.cli import options as o
+
+    model = SimpleNamespace(context=256)
+    o.notices_after_load(model, SimpleNamespace(context=256, max_tree=None))
+    assert capsys.readouterr().err == ""
+    o.notices_after_load(model, SimpleNamespace(context=256, max_tree=256))
+    assert "--max-budget lowered to 256" in capsys.readouterr().err

@@ -264,7 +264,8 @@ def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order)
     d.mkdir()
     (t / "config.json").write_text(json.dumps(LLAMA2_70B))
     (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
-    rec = recommend(str(t), _system(vram, 256), context=4096, draft=str(d))
+    # a 1024-token context: with the CLI's default trees (auto, up to 2048 nodes) all three still fit at 24 GB
+    rec = recommend(str(t), _system(vram, 256), context=1024, draft=str(d))
     opts = {o["draft_dtype"]: o for o in rec.draft_options}
     assert list(opts) == ["16-bit", "int8", "nf4"] and rec.draft_dtype == want
     assert opts["16-bit"]["draft_gb"] == pytest.approx(13.48, abs=0.05)  # DESIGN.md: a bf16 7B takes 13.5 GB
@@ -281,9 +282,40 @@ def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order)
     if vram == 24:  # the 16-bit draft fits: each lighter one says at which keep it would only tie it
         assert 0 < opts["int8"]["break_even_keep"] < 1 and 0 < opts["nf4"]["break_even_keep"] < 1
     assert any(f"in {want} (what --draft-dtype auto loads" in n for n in rec.notes)
-    plain = recommend(str(t), _system(vram, 256), context=4096)
+    plain = recommend(str(t), _system(vram, 256), context=1024)
     assert plain.draft_options == [] and plain.draft_dtype is None
     assert plain.resident_layers >= rec.resident_layers  # charging a draft never adds resident layers
+
+
+def test_doctor_offers_int8_only_where_the_gpu_runs_it(tmp_path):
+    """bitsandbytes' int8 matmul needs compute capability 7.5+: on an older GPU doctor weighs the 16-bit and NF4
+    drafts only, as load's --draft-dtype auto does (draft_choice.lighter_formats)."""
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    for cap, want in (((7, 0), ["16-bit", "nf4"]), ((8, 9), ["16-bit", "int8", "nf4"])):
+        system = _system(24, 256)
+        assert system.gpu is not None
+        system.gpu.capability = cap
+        rec = recommend(str(t), system, context=4096, draft=str(d))
+        assert [o["draft_dtype"] for o in rec.draft_options] == want
+
+
+def test_doctor_lowers_the_max_budget_as_load_does(tmp_path):
+    """70B NF4 + 7B at 12 GB with a 4096-token context: the default trees' reservation (auto, up to 2048 nodes)
+    leaves no room for the streamed target beside any draft format, so doctor -- like load -- halves --max-budget
+    until one fits, and says so; at 24 GB nothing is lowered."""
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    rec = recommend(str(t), _system(12, 256), context=4096, draft=str(d))
+    assert rec.max_budget is not None and 64 <= rec.max_budget < 2048 and rec.draft_dtype == "nf4"
+    assert any(n.startswith(f"--max-budget lowered to {rec.max_budget}") for n in rec.notes)
+    assert recommend(str(t), _system(24, 256), context=4096, draft=str(d)).max_budget is None
 
 
 def test_doctor_draft_that_never_fits(tmp_path):

@@ -247,3 +247,48 @@ def test_plan_reserves_the_gpu_default_ngram_branches():
     merged = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig(budget=128))
     assert merged.max_tokens == base.max_tokens + NGRAM_NODES_GPU
     assert merged.kv_bytes > base.kv_bytes
+
+
+def test_fitting_caps_halve_only_an_auto_trees_max_budget():
+    fixed = TreeConfig(budget=300)
+    assert sizes.fitting_caps(fixed) == [fixed]
+    caps = sizes.fitting_caps(TreeConfig(auto=True, budget=64, max_budget=1024))
+    assert [c.max_budget for c in caps] == [1024, 512, 256, 128, 64]
+    assert all(c.auto and c.budget == 64 for c in caps)
+    assert [c.budget for c in sizes.fitting_caps(TreeConfig(auto=True, budget=200, max_budget=256))] == [200, 128, 64]
+
+
+def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_path, monkeypatch):
+    """A streamed target whose plan has no GPU memory left beside the default trees' reservation: load halves
+    --max-budget until some draft format fits, the engine caps auto trees there and refuses bigger fixed ones; when
+    even the smallest cap does not fit, the error says so."""
+    from offload import OffloadConfig
+    from offload import load as offload_load
+
+    real = offload_load.plan_with_draft
+    asked: list[int] = []
+
+    def tight(path, device, dtype, offload, reserve, formats, **kw):
+        tokens = reserve(formats[0]).max_tokens
+        asked.append(tokens)
+        if tokens > limit[0]:
+            raise OutOfMemory("VRAM too small to stream the target (test)", "GPU memory", 2, 1)
+        return real(path, device, dtype, offload, reserve, formats, **kw)
+
+    monkeypatch.setattr(offload_load, "plan_with_draft", tight)
+    limit = [400]  # a 256-node tree + the n-gram branches fits, a 512-node one does not
+    off = OffloadConfig(mode="ram", cache_dir=tmp_path)
+    tree = TreeConfig(auto=True, max_budget=1024)
+    eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
+    assert eng.max_tree == 256 and asked[0] > asked[-1]
+    r = eng.generate([5, 6, 7], 6, method="specexec", tree=tree)  # capped: the auto tree never exceeds 256
+    assert r.stats.new_tokens == 6 and all(b <= 256 for b in r.stats.budgets)
+    eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig(budget=256))
+    with pytest.raises(SpecexecError, match="budget.512 exceeds the largest tree"):
+        eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig(budget=512))
+    limit[0] = 10  # nothing fits, even the smallest cap
+    with pytest.raises(OutOfMemory, match="even with .*max_budget.64"):
+        api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
+    limit[0] = 10**6  # everything fits: no cap
+    eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
+    assert eng.max_tree is None

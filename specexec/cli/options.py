@@ -625,6 +625,12 @@ def notices_before_load(model: Any) -> None:
 
 
 def notices_after_load(model: Any, engine: Any) -> None:
-    """Say when the loaded engine differs from what was asked (the context capped to the model's maximum)."""
+    """Say when the loaded engine differs from what was asked (the context capped to the model's maximum, the auto
+    budget's largest tree lowered to fit the GPU memory plan)."""
     if engine.context < model.context:
         notice(f"--context {model.context} is more than the model supports; using {engine.context} tokens")
+    if getattr(engine, "max_tree", None) is not None:
+        notice(
+            f"--max-budget lowered to {engine.max_tree}: bigger trees' KV cache and workspace would leave no GPU "
+            "memory for streaming the target"
+        )
