@@ -145,8 +145,11 @@ def load(
             try:
                 plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
             except OutOfMemory as e:
-                if e.resource != "GPU memory" or len(caps) == 1:
+                if e.resource != "GPU memory":
                     raise
+                if len(caps) == 1:  # a fixed budget: the tree's reservation is one of the things to shrink
+                    smaller = setting("TreeConfig.budget")
+                    raise OutOfMemory(f"{e}, or a smaller {smaller}", e.resource, e.need, e.have) from None
                 if k == len(caps) - 1:
                     smallest = setting("TreeConfig.max_budget", cap.max_budget)
                     raise OutOfMemory(f"{e} (even with {smallest})", e.resource, e.need, e.have) from None

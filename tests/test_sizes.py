@@ -289,6 +289,9 @@ def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_
     limit[0] = 10  # nothing fits, even the smallest cap
     with pytest.raises(OutOfMemory, match="even with .*max_budget.64"):
         api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
+    with pytest.raises(OutOfMemory, match="or a smaller .*budget"):  # a fixed budget is not lowered: the error says
+        api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off,
+                 tree=TreeConfig(budget=512))  # fmt: skip
     limit[0] = 10**6  # everything fits: no cap
     eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
     assert eng.max_tree is None
