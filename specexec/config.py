@@ -37,7 +37,7 @@ NGRAM_NODES_GPU = 64
 NGRAM_NODES_CPU = 32
 # tokens a GPU tree takes from each earlier occurrence (a CPU's: NGramConfig's 16): where a passage repeats verbatim
 # (an edit, a quote) a streamed step then accepts up to this many tokens instead of 16 (measured on an H200 with
-# prompts that hold their own continuation: 16.0 tokens a step at 16, docs/BENCHMARKS.md)
+# prompts that hold their own continuation: 16.0 tokens a step at 16, 32.0 at 32; docs/BENCHMARKS.md)
 NGRAM_LEN_GPU = 32
 
 
