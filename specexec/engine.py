@@ -246,7 +246,9 @@ class Engine:
         self._static = (static_draft, static_rows)
         self.calibration_dir = calibration_dir
         self.share_prefix = share_prefix and shared_layers(target, draft) is not None
-        self._ensure_room(tree or TreeConfig(), ChainConfig(), None)
+        tree = tree or TreeConfig()
+        # with the n-gram branches a generation merges by default, so its first step does not reallocate the caches
+        self._ensure_room(tree, ChainConfig(), default_ngram(tree, target.device) if draft is not None else None)
 
     # -- read-only views (tests, tools) ---------------------------------------------------------------------------
     @property

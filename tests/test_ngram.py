@@ -175,6 +175,18 @@ def test_cuda_trees_merge_ngram_branches_by_default(tiny_models, tmp_path):
         assert r.stats.ngram_tokens > 0
 
 
+def test_engine_allocates_the_default_ngram_room_up_front(tiny_models):
+    """The caches an engine allocates at construction already hold the n-gram branches its generations merge by
+    default (the CPU's auto trees here), so the first generation does not reallocate them (and recalibrate)."""
+    t = tiny_models["llama"]
+    tree = TreeConfig(auto=True, max_budget=16)
+    eng = Engine(load_model(t, CPU, torch.float32), load_tokenizer(t), load_model(t, CPU, torch.float32), tree=tree)
+    state, room = eng.state, eng._tree_room
+    assert room >= tree.largest + NGRAM_NODES_CPU
+    eng.generate([5, 6, 7], 4, method="specexec", tree=tree)
+    assert eng.state is state and eng._tree_room == room
+
+
 def test_ngram_tokens_counts_only_accepted_lookup_nodes(engine):
     """``Stats.ngram_tokens`` counts emitted tokens from nodes past ``Proposal.merged_at``: all of them for the
     draft-free method but each step's bonus token (the last step's bonus may be cut by the token limit), none
