@@ -100,6 +100,16 @@ def _system(vram_gb: float, ram_gb: float) -> SystemInfo:
     )
 
 
+def _llama2_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """Directories holding only the configs of Llama-2-70B (target) and 7B (draft): what doctor plans from."""
+    t, d = tmp_path / "t", tmp_path / "d"
+    t.mkdir()
+    d.mkdir()
+    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
+    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    return t, d
+
+
 def test_recommendation_for_70b_on_a_24gb_gpu(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_70B))
     rec = recommend(str(tmp_path), _system(24, 128), context=4096)
@@ -259,11 +269,7 @@ def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order)
     24 GB all three fit and a lighter draft leaves more target layers resident; at PCIe4's 25 GB/s and a consumer
     card's assumed 1 TB/s the int8 draft is modelled fastest; under 16 / 12 GB only the lighter ones fit; where
     nothing streams (200 GB) the 16-bit draft stays."""
-    t, d = tmp_path / "t", tmp_path / "d"
-    t.mkdir()
-    d.mkdir()
-    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    t, d = _llama2_pair(tmp_path)
     # a 1024-token context: with the CLI's default trees (auto, up to 2048 nodes) all three still fit at 24 GB
     rec = recommend(str(t), _system(vram, 256), context=1024, draft=str(d))
     opts = {o["draft_dtype"]: o for o in rec.draft_options}
@@ -290,11 +296,7 @@ def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order)
 def test_doctor_offers_int8_only_where_the_gpu_runs_it(tmp_path):
     """bitsandbytes' int8 matmul needs compute capability 7.5+: on an older GPU doctor weighs the 16-bit and NF4
     drafts only, as load's --draft-dtype auto does (draft_choice.lighter_formats)."""
-    t, d = tmp_path / "t", tmp_path / "d"
-    t.mkdir()
-    d.mkdir()
-    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    t, d = _llama2_pair(tmp_path)
     for cap, want in (((7, 0), ["16-bit", "nf4"]), ((8, 9), ["16-bit", "int8", "nf4"])):
         system = _system(24, 256)
         assert system.gpu is not None
@@ -307,11 +309,7 @@ def test_doctor_lowers_the_max_budget_as_load_does(tmp_path):
     """70B NF4 + 7B at 12 GB with a 4096-token context: the default trees' reservation (auto, up to 2048 nodes)
     leaves no room for the streamed target beside any draft format, so doctor -- like load -- halves --max-budget
     until one fits, and says so; at 24 GB nothing is lowered."""
-    t, d = tmp_path / "t", tmp_path / "d"
-    t.mkdir()
-    d.mkdir()
-    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    t, d = _llama2_pair(tmp_path)
     rec = recommend(str(t), _system(12, 256), context=4096, draft=str(d))
     assert rec.max_budget is not None and 64 <= rec.max_budget < 2048 and rec.draft_dtype == "nf4"
     assert any(n.startswith(f"--max-budget lowered to {rec.max_budget}") for n in rec.notes)
@@ -319,11 +317,7 @@ def test_doctor_lowers_the_max_budget_as_load_does(tmp_path):
 
 
 def test_doctor_draft_that_never_fits(tmp_path):
-    t, d = tmp_path / "t", tmp_path / "d"
-    t.mkdir()
-    d.mkdir()
-    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    (d / "config.json").write_text(json.dumps(LLAMA2_7B_CFG))
+    t, d = _llama2_pair(tmp_path)
     rec = recommend(str(t), _system(8, 256), context=4096, draft=str(d))
     assert rec.tier == "does-not-fit" and rec.draft_dtype is None
     assert not any(o["fits"] for o in rec.draft_options)
