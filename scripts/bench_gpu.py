@@ -106,6 +106,9 @@ MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ahead+overlap 16 frontier", dict(grow="ahead", overlap=16, reuse=True, overlap_aim="frontier", early_stop=False)),
     ("ahead+overlap auto", dict(grow="ahead", overlap=-1, reuse=True, early_stop=False)),  # config.OVERLAP_AUTO
     ("ahead+overlap auto+early stop", dict(grow="ahead", overlap=-1, reuse=True, early_stop=True)),
+    ("ahead+overlap 32+early stop", dict(grow="ahead", overlap=32, reuse=True, early_stop=True)),
+    # the CLI's default (--budget auto, starting at --mode-budget, up to the largest budget run) with overlap auto
+    ("auto+overlap auto", dict(auto=True, grow="ahead", overlap=-1, reuse=True)),
     ("dynamic+reuse", dict(grow="dynamic", reuse=True, early_stop=False)),
 )
 
@@ -679,7 +682,12 @@ def bench_setting(
             (
                 f"{lab} {args.mode_budget}",
                 "specexec",
-                TreeConfig(budget=args.mode_budget, ngram=ng, **kw),
+                TreeConfig(
+                    budget=args.mode_budget,
+                    ngram=ng,
+                    **({"max_budget": max(budgets + [args.mode_budget])} if kw.get("auto") else {}),
+                    **kw,
+                ),
                 args.new_tokens,
             )
             for lab, kw in MODE_RUNS

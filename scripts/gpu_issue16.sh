@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue 16's remaining GPU checks in one device call (~8 min on an H200; the H200 results so far and what they
-# settled are in docs/BENCHMARKS.md, "Issue 16 on a GPU" and its second session; this run re-measures the auto
-# budget after its fixes, the n-gram branches now merged into every GPU tree (their cost on random prompts, their
-# gain on prompts that repeat), prose, and the 8B-shaped draft at 16 GB): the runs that matter most first, each under its
+# Issue 16's remaining GPU checks in one device call (~7 min on an H200; the H200 results so far and what they
+# settled are in docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it; this run measures the
+# overlapped growth after its CPU fixes against the default, code and prose; "fill": the 8B int8 draft at 12 GB and
+# what 64 n-gram nodes cost a resident 32B): the runs that matter most first, each under its
 # own time limit, every log line into $OUT/session.log and each benchmark's JSON into $OUT (written after every run,
 # so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
-#   bash scripts/gpu_issue16.sh            # on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh            # ~7 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh fill       # ~3 min
 #   bash scripts/gpu_issue16.sh profile    # ~3 min: where the draft phase's time goes (host vs GPU), CUDA tests
 set -u
 WHAT=${1:-all}
@@ -47,28 +48,29 @@ torch.cuda.get_device_name())"
         step done
         exit 0
     fi
-    step "CUDA tests (graphs, fused draft norm, threaded overlap, streamed layers, NF4, self drafts, noise, n-grams)"
-    run 75 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
-        tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py
+    if [ "$WHAT" = fill ]; then
+        step "an 8B-shaped draft (Llama-3 70B / 8B) in int8 at 12 GB (the one cell of item 2's table not measured)"
+        run 110 python3 scripts/bench_gpu.py --settings 70b3-nf4@12 --draft-dtype int8 --no-accelerate --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" --out "$OUT/gpu_70b3_int8_12.json"
+        step "32B NF4 at 24 GB (resident, compute-bound): verify at 32 and 96 nodes (what 64 n-gram nodes cost)"
+        run 70 python3 scripts/bench_gpu.py --settings 32b-nf4@24 --ngram-nodes 0 --no-accelerate --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 32,96 --modes "" --out "$OUT/gpu_32b_ngram_cost.json"
+        step done
+        exit 0
+    fi
+    step "CUDA tests (graphs, fused draft norm, threaded overlap, streamed layers, NF4, self drafts, noise, n-grams, fit-first load)"
+    run 90 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
+        tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
+        tests/test_sizes.py
 
-    step "70B NF4 at 24 GB, int8 7B draft (what --draft-dtype auto picks there), code, 3 prompts: 256, 1024, auto"
-    run 160 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
-        --prompts 3 --new-tokens 64 --ar-tokens 4 --budgets 256,1024 --modes "" --out "$OUT/gpu_70b_int8.json"
+    step "overlapped growth after the CPU fixes (carried aim, depth-bounded carried starts, early stop): code, 1024"
+    run 170 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
+        --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 --mode-budget 1024 \
+        --modes "ahead+overlap auto+early stop,ahead+overlap 32+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_code.json"
 
-    step "the same with prompts that hold their own continuation (the default n-gram branches on a GPU), 256"
-    run 50 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --echo --no-accelerate \
-        --no-ar-loaded --no-auto --prompts 1 --new-tokens 64 --ar-tokens 4 --budgets 256 --modes "" \
-        --out "$OUT/gpu_70b_int8_echo.json"
-
-    step "the same, prose, 2 prompts: 256 and auto"
-    run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
-        --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" \
-        --out "$OUT/gpu_70b_int8_prose.json"
-
-    step "an 8B-shaped draft (Llama-3 70B / 8B) in int8 and NF4 at 16 GB"
-    for d in int8 nf4; do
-        run 75 python3 scripts/bench_gpu.py --settings 70b3-nf4@16 --draft-dtype $d --no-accelerate --no-ar-loaded \
-            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" --out "$OUT/gpu_70b3_$d.json"
-    done
+    step "the same, prose, 256"
+    run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
+        --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --mode-budget 256 \
+        --modes "ahead+overlap auto+early stop,ahead+overlap 32+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_prose.json"
     step done
 } 2>&1 | tee "$LOG"

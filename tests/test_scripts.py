@@ -428,7 +428,7 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     runs = {r["run"]: r for r in first["runs"]}
     assert {"ar (no draft)", "ar (draft loaded)", "specexec 8", "static 8", "ahead 8", "auto"} <= set(runs)
     assert "ahead+overlap 2 8" in runs and "dynamic+reuse 8" in runs and "ahead+overlap 16 frontier 8" in runs
-    assert "ahead+overlap auto 8" in runs
+    assert "ahead+overlap auto 8" in runs and "auto+overlap auto 8" in runs and "ahead+overlap 32+early stop 8" in runs
     assert first["placement"]["streamed_layers"] == 4 and first["ar_no_draft_placement"]["streamed_layers"] == 4
     for s in rep["settings"]:
         for r in s["runs"]:

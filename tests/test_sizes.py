@@ -295,3 +295,40 @@ def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_
     limit[0] = 10**6  # everything fits: no cap
     eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
     assert eng.max_tree is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_load_lowers_the_max_budget_under_a_real_vram_cap(pair, tmp_path):
+    """The real CUDA load path (probed VRAM, the offload plan, streamed layers): under a --gpu-memory cap that leaves
+    no room for 1024-node trees but some for smaller ones, load lowers --max-budget (Engine.max_tree), the auto trees
+    stay within it, and the tokens equal the target's greedy ones."""
+    from offload import OffloadConfig
+
+    tree = TreeConfig(auto=True, max_budget=1024)
+
+    def attempt(gb: float):
+        off = OffloadConfig(mode="ram", cache_dir=tmp_path, gpu_memory_gb=gb)
+        try:
+            return api.load(str(pair[0]), str(pair[1]), device="cuda", dtype="bf16", draft_dtype="bf16",
+                            context=128, offload=off, tree=tree)  # fmt: skip
+        except OutOfMemory:
+            return None
+
+    lo, hi = 1e-6, 4.0  # nothing fits at lo; everything at hi
+    eng = attempt(hi)
+    assert eng is not None and eng.max_tree is None
+    for _ in range(60):  # bisect the cap down to where the 1024-node reservation just stops fitting
+        mid = (lo + hi) / 2
+        eng = attempt(mid)
+        if eng is not None and eng.max_tree is not None:
+            break
+        lo, hi = (mid, hi) if eng is None else (lo, mid)
+    else:
+        pytest.fail("no cap found where only a lowered --max-budget fits")
+    assert eng is not None and eng.max_tree is not None and 64 <= eng.max_tree < 1024
+    prompt = [5, 6, 7, 8, 9]
+    want = eng.generate(prompt, 24, method="ar").tokens
+    r = eng.generate(prompt, 24, method="specexec", tree=tree)
+    assert r.tokens == want
+    assert all(b <= eng.max_tree for b in r.stats.budgets)
