@@ -31,6 +31,11 @@ from specexec.model import Transformer
 from specexec.propose.base import Proposer, StepContext
 from specexec.verify import commit_target, score_tree
 
+# overlapped growth on a GPU: the target's pass runs on a stream of the highest priority, so the draft's levels on
+# their (default-priority) side stream only take the SMs the target's kernels leave free. Without it the two share
+# the SMs evenly and the streamed pass's compute-only stretches (its resident layers, the head) slow down
+VERIFY_PRIORITY = False
+
 
 @dataclass
 class Stats:
@@ -206,6 +211,9 @@ def decode(
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
     background = getattr(proposer, "background", None)
+    hi = None  # the target's high-priority stream while draft levels may run beside its pass
+    if background is not None and dev.type == "cuda" and VERIFY_PRIORITY:
+        hi = torch.cuda.Stream(dev, priority=-100)  # out of range maps to the highest priority
     chosen: Counter[int] = Counter()
     hist: Counter[int] = Counter()
     tree_total = 0
@@ -229,7 +237,14 @@ def decode(
                 stats.background_s += time.perf_counter() - tb
             sync(dev)
             tt = time.perf_counter()
-            logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
+            if hi is not None:
+                cur = torch.cuda.current_stream(dev)
+                hi.wait_stream(cur)
+                with torch.cuda.stream(hi):
+                    logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
+                cur.wait_stream(hi)
+            else:
+                logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
             path, emitted = accept(prop, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
             for t in emitted[: max_new - produced]:

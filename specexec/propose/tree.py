@@ -32,6 +32,7 @@ that is already full may need no draft pass at all. Any tree is verified exactly
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass, replace
 
@@ -49,6 +50,9 @@ from specexec.tree import Tree
 
 GREEDY = SamplingConfig()
 OVERLAP_BUDGET = 4  # "frontier" aim: the best (this x budget) nodes, those just outside the verified tree
+# the interpreter's thread switch interval while a host thread queues overlapped levels (None: Python's 5 ms), so the
+# decode loop's thread, launching the target's pass, gets the GIL back sooner
+SWITCH_INTERVAL: float | None = None
 OVERLAP_AUTO_START = 4  # ``--overlap auto``: the first step's levels (then +2 a step while they finish beside the
 # target's pass, x3/4 when they did not)
 
@@ -105,6 +109,7 @@ class TreeDraft:
         self._bg_auto = False  # the levels in flight were grown by ``--overlap auto`` (commit adapts the count)
         self._bg_thread: threading.Thread | None = None
         self._bg_error: BaseException | None = None
+        self._switch: float | None = None  # Python's switch interval to restore once the levels' thread ends
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
@@ -457,6 +462,9 @@ class TreeDraft:
                 self._bg_error = e
 
         self._bg_thread = threading.Thread(target=work, name="specexec-overlap", daemon=True)
+        if SWITCH_INTERVAL is not None and self._switch is None:
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL)
         self._bg_thread.start()
 
     @property
@@ -489,6 +497,9 @@ class TreeDraft:
         t, self._bg_thread = self._bg_thread, None
         if t is not None:
             t.join()
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
         err, self._bg_error = self._bg_error, None
         if err is not None:
             self._growth = None
