@@ -109,16 +109,11 @@ MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ahead+overlap 32+early stop", dict(grow="ahead", overlap=32, reuse=True, early_stop=True)),
     # the CLI's default (--budget auto, starting at --mode-budget, up to the largest budget run) with overlap auto
     ("auto+overlap auto", dict(auto=True, grow="ahead", overlap=-1, reuse=True)),
-    # the same with the target's pass on a high-priority stream (decode.VERIFY_PRIORITY) and a short thread switch
-    # interval while the levels are queued (tree.SWITCH_INTERVAL): what slows the target's pass beside the levels
-    ("ahead+overlap 32+early stop+prio", dict(grow="ahead", overlap=32, reuse=True, early_stop=True, _prio=True)),
-    ("ahead+overlap 32+early stop+gil", dict(grow="ahead", overlap=32, reuse=True, early_stop=True, _gil=2e-4)),
+    # overlapped levels beside a default-priority target pass (decode.VERIFY_PRIORITY off; on by default)
     (
-        "ahead+overlap 32+early stop+prio+gil",
-        dict(grow="ahead", overlap=32, reuse=True, early_stop=True, _prio=True, _gil=2e-4),
+        "ahead+overlap 32+early stop, target not prioritised",
+        dict(grow="ahead", overlap=32, reuse=True, early_stop=True, _prio=False),
     ),
-    ("ahead+overlap auto+early stop+prio", dict(grow="ahead", overlap=-1, reuse=True, early_stop=True, _prio=True)),
-    ("auto+overlap auto+prio", dict(auto=True, grow="ahead", overlap=-1, reuse=True, _prio=True)),
     ("dynamic+reuse", dict(grow="dynamic", reuse=True, early_stop=False)),
 )
 
@@ -547,7 +542,6 @@ def bench_setting(
     from specexec import decode, sizes, synthetic
     from specexec.config import NGRAM_NODES_GPU, TreeConfig
     from specexec.engine import Engine
-    from specexec.propose import tree as tree_mod
 
     t_shape, fmt, d_shape, cap = SETTINGS[name]
     t_cfg, d_cfg = _cfg(t_shape), _cfg(d_shape)
@@ -711,11 +705,11 @@ def bench_setting(
     for label, method, tree, n in runs:
         t_run = time.perf_counter()
         kw = knobs.get(label, {})
-        decode.VERIFY_PRIORITY, tree_mod.SWITCH_INTERVAL = kw.get("_prio", False), kw.get("_gil")
+        decode.VERIFY_PRIORITY = kw.get("_prio", True)
         try:
             r = run_engine(eng, label, prompts, n, method, tree, ref, sync_debug=args.sync_debug, profile=args.profile)
         finally:
-            decode.VERIFY_PRIORITY, tree_mod.SWITCH_INTERVAL = False, None
+            decode.VERIFY_PRIORITY = True
         r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure
         r["speedup_vs_ar"] = r["tok_s"] / ar_rate if ar_rate > 0 else 0.0
         r.update(resident_layers=info["resident_layers"], streamed_gb_per_pass=gbp)

@@ -34,7 +34,8 @@ from specexec.verify import commit_target, score_tree
 # overlapped growth on a GPU: the target's pass runs on a stream of the highest priority, so the draft's levels on
 # their (default-priority) side stream only take the SMs the target's kernels leave free. Without it the two share
 # the SMs evenly and the streamed pass's compute-only stretches (its resident layers, the head) slow down
-VERIFY_PRIORITY = False
+# (H200, 70B NF4 + int8 7B, 20 levels a step: verify 0.68 -> 0.62 s with it, 0.60 without overlap)
+VERIFY_PRIORITY = True
 
 
 @dataclass
@@ -211,8 +212,12 @@ def decode(
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
     background = getattr(proposer, "background", None)
-    hi = None  # the target's high-priority stream while draft levels may run beside its pass
-    if background is not None and dev.type == "cuda" and VERIFY_PRIORITY:
+    # overlapped levels on a GPU: the proposer is told when the target's pass is queued (they stop once it ends),
+    # and that pass gets a stream of the highest priority
+    overlapping = dev.type == "cuda" and getattr(proposer, "overlapping", False)
+    queued = getattr(proposer, "target_queued", None) if overlapping else None
+    hi = None
+    if overlapping and VERIFY_PRIORITY:
         hi = torch.cuda.Stream(dev, priority=-100)  # out of range maps to the highest priority
     chosen: Counter[int] = Counter()
     hist: Counter[int] = Counter()
@@ -245,6 +250,10 @@ def decode(
                 cur.wait_stream(hi)
             else:
                 logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
+            if queued is not None:
+                ev = torch.cuda.Event()
+                ev.record()  # completes with the target's pass (the current stream waited for it)
+                queued(ev)
             path, emitted = accept(prop, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
             for t in emitted[: max_new - produced]:

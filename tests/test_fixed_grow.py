@@ -612,6 +612,67 @@ def test_overlap_auto_adapts_and_grows_nothing_on_a_cpu(engines, drafts):
     assert TreeDraft(td.draft, tree).auto_levels == 1
 
 
+class _Event:
+    """A CUDA event stand-in on a CPU: the work before it completes once it has been asked ``lag`` times."""
+
+    made: list[_Event] = []
+
+    def __init__(self, lag: int = 1) -> None:
+        self.lag, self.asked = lag, 0
+        _Event.made.append(self)
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked >= self.lag
+
+
+def test_bounded_background_levels_stop_once_the_target_pass_has_ended(noisy_pairs, monkeypatch):
+    """A GPU's overlap thread (tree.AHEAD_LEVELS; its events stood in for on a CPU): a level is queued only while
+    fewer than AHEAD_LEVELS are in flight on the side stream, and none once the target's pass has ended, so the
+    step's commit waits for at most that many; what was grown is carried as usual, and the text equals AR."""
+    from specexec.config import SamplingConfig as S
+    from specexec.propose import StepContext
+    from specexec.propose import tree as tree_mod
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(lag=2))  # in flight until asked twice
+    monkeypatch.setattr(TreeDraft, "_bounded", lambda self, device: True)
+    monkeypatch.setattr(TreeDraft, "threaded", False)  # inline: the levels the test sees are deterministic
+    model = load_model(noisy_pairs["llama"][1], CPU, torch.float32)
+    cfg = TreeConfig(budget=32, max_beams=8, max_branch=4, max_depth=32, reuse=True, grow="ahead", overlap=12)
+    seq = [5, 6, 7, 8]
+    ctx = StepContext(samp=S(), gen=None, budget=32)
+    grown = {}
+    for after in (3, 10**6):  # the target's pass ends at the 3rd question; never
+        td = TreeDraft(DraftModel(model, 1024), cfg)
+        td.begin(seq)
+        p = td.propose(seq, ctx)
+        _Event.made.clear()
+        target = _Event(lag=after)
+        td.target_queued(target)
+        td.background(p)
+        levels = _Event.made[1:]
+        grown[after] = td.background_passes
+        assert len(levels) == td.background_passes
+        # the throttle: every level but the last AHEAD_LEVELS was waited for (asked until done) before the next
+        assert all(e.asked >= e.lag for e in levels[: -tree_mod.AHEAD_LEVELS]), [e.asked for e in levels]
+        assert all(e.asked == 0 for e in levels[-tree_mod.AHEAD_LEVELS :])
+        td.commit(p, [0], seq + [int(p.tree.tokens[0])])  # joins (nothing in flight) and forgets the target's event
+        assert td._target_done is None
+    assert grown[3] == 2 and grown[10**6] == cfg.overlap
+    # the thread (forced on a CPU), bounded: the same text as AR
+    monkeypatch.setattr(TreeDraft, "threaded", True)
+    e = _engine(*noisy_pairs["llama"])
+    tree = replace(cfg, budget=16, max_depth=8, overlap=6, early_stop=False)
+    for ids in PROMPTS[:2]:
+        e.reset()
+        want = e.generate(ids, 24, method="ar").tokens
+        e.reset()
+        assert e.generate(ids, 24, method="specexec", tree=tree).tokens == want
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_overlap_on_a_side_stream_equals_ar(noisy_pairs):

@@ -46,6 +46,7 @@ nodes (the leaves whose children, the roots, are not proposed yet) rank by their
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -228,11 +229,17 @@ class FixedGrowth:
             if not self.level(budget, "late" if ahead else "now"):
                 break
 
-    def extend(self, budget: int, levels: int) -> None:
-        """``levels`` more levels towards the best ``budget`` nodes, reading nothing (safe on a side stream)."""
+    def extend(self, budget: int, levels: int, go_on: Callable[[], bool] | None = None) -> int:
+        """Up to ``levels`` more levels towards the best ``budget`` nodes, reading nothing (safe on a side stream);
+        ``go_on()`` is asked before each level (False: stop here). Returns the levels grown."""
+        grown = 0
         for _ in range(levels):
+            if go_on is not None and not go_on():
+                break
             if not self.level(budget, "none"):
                 break
+            grown += 1
+        return grown
 
     def level(self, budget: int, read: str) -> bool:
         """One level. ``read`` "now": the level's count is read before its pass (no pass over padding alone);

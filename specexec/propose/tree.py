@@ -32,8 +32,8 @@ that is already full may need no draft pass at all. Any tree is verified exactly
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,9 +50,12 @@ from specexec.tree import Tree
 
 GREEDY = SamplingConfig()
 OVERLAP_BUDGET = 4  # "frontier" aim: the best (this x budget) nodes, those just outside the verified tree
-# the interpreter's thread switch interval while a host thread queues overlapped levels (None: Python's 5 ms), so the
-# decode loop's thread, launching the target's pass, gets the GIL back sooner
-SWITCH_INTERVAL: float | None = None
+# a host thread queuing overlapped levels on a GPU keeps at most this many of them queued ahead of the side stream,
+# and queues no more once the target's pass has ended (:meth:`TreeDraft.target_queued`): the step's commit then
+# waits for at most this many levels. Without the bound the levels were queued all at once, and 32 of them (~0.4 s
+# of int8 7B passes, slowed by the target's kernels beside them) outlasted a 0.6 s streamed 70B pass: the commit
+# waited for the rest (H200: verify 0.60 -> 0.77 s a step)
+AHEAD_LEVELS = 2
 OVERLAP_AUTO_START = 4  # ``--overlap auto``: the first step's levels (then +2 a step while they finish beside the
 # target's pass, x3/4 when they did not)
 
@@ -109,7 +112,8 @@ class TreeDraft:
         self._bg_auto = False  # the levels in flight were grown by ``--overlap auto`` (commit adapts the count)
         self._bg_thread: threading.Thread | None = None
         self._bg_error: BaseException | None = None
-        self._switch: float | None = None  # Python's switch interval to restore once the levels' thread ends
+        self._target_done: torch.cuda.Event | None = None  # set by target_queued: completes with the target's pass
+        self._bg_bounded = False  # the levels in flight stop once the target's pass has ended (a thread, a GPU)
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
@@ -430,7 +434,24 @@ class TreeDraft:
             side = self._side
             side.wait_stream(torch.cuda.current_stream(g.device))
         threaded = cuda if self.threaded is None else self.threaded
+        bounded = self._bounded(g.device)
         static = self.draft.static
+        queued: list[torch.cuda.Event] = []  # bounded: the levels queued on the side stream and not yet waited for
+
+        def go_on() -> bool:
+            """Bounded growth: wait until fewer than AHEAD_LEVELS levels are queued ahead of the side stream, then
+            grow one more only while the target's pass has not ended. Polls events (never holds the GIL waiting)."""
+
+            def ended() -> bool:
+                done = self._target_done
+                return done is not None and done.query()
+
+            while len(queued) >= AHEAD_LEVELS and not ended():
+                if queued[0].query():
+                    queued.pop(0)
+                else:
+                    time.sleep(2e-4)
+            return not ended()
 
         def levels() -> None:
             if static is not None and threaded:
@@ -439,17 +460,26 @@ class TreeDraft:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     if self.cfg.overlap_aim == "carried":
                         g.aim(chosen)
-                    g.extend(budget, n)
-                    if auto and side is not None:
-                        ev = torch.cuda.Event()
-                        ev.record(side)
-                        self._bg_done = ev
+                    if bounded:
+                        grown = 0
+                        while grown < n and g.extend(budget, 1, go_on):
+                            ev = torch.cuda.Event()
+                            ev.record(side)
+                            queued.append(ev)
+                            grown += 1
+                    else:
+                        grown = g.extend(budget, n)
+                        if auto and side is not None:
+                            ev = torch.cuda.Event()
+                            ev.record(side)
+                            self._bg_done = ev
+                    self.background_passes += grown
             finally:
                 if static is not None:
                     static.capture_ok = True
 
-        self._bg_auto = auto and cuda
-        self.background_passes += n
+        self._bg_auto = auto and cuda and not bounded
+        self._bg_bounded = bounded
         if not threaded:
             levels()
             return
@@ -462,10 +492,23 @@ class TreeDraft:
                 self._bg_error = e
 
         self._bg_thread = threading.Thread(target=work, name="specexec-overlap", daemon=True)
-        if SWITCH_INTERVAL is not None and self._switch is None:
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL)
         self._bg_thread.start()
+
+    def target_queued(self, done: torch.cuda.Event) -> None:
+        """Called by the decode loop once the target's pass is queued, with an event recorded after it: bounded
+        background levels (:data:`AHEAD_LEVELS`) stop being queued once it has completed."""
+        self._target_done = done
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether steps grow levels beside the target's pass (the decode loop then gives that pass a stream of the
+        highest priority, so the levels only take the SMs its kernels leave free)."""
+        return self.cfg.overlap != 0 and self.draft.device.type == "cuda"
+
+    def _bounded(self, device: torch.device) -> bool:
+        """The background levels are queued from a thread on a GPU, a few ahead, until the target's pass ends."""
+        threaded = device.type == "cuda" if self.threaded is None else self.threaded
+        return threaded and device.type == "cuda" and AHEAD_LEVELS > 0
 
     @property
     def auto_levels(self) -> int:
@@ -483,7 +526,10 @@ class TreeDraft:
         GPU (none on a CPU: there the levels run in turn and only cost time)."""
         if cfg.overlap != OVERLAP_AUTO:
             return cfg.overlap
-        return self.auto_levels if self.draft.device.type == "cuda" else 0
+        if self.draft.device.type != "cuda":
+            return 0
+        # bounded levels stop when the target's pass does: as many as fit, up to the slots reserved for them
+        return OVERLAP_AUTO_MAX if self._bounded(self.draft.device) else self.auto_levels
 
     def adapt(self, finished: bool) -> None:
         """``--overlap auto``: the last step's background levels had ``finished`` by the time the target's pass
@@ -497,9 +543,7 @@ class TreeDraft:
         t, self._bg_thread = self._bg_thread, None
         if t is not None:
             t.join()
-        if self._switch is not None:
-            sys.setswitchinterval(self._switch)
-            self._switch = None
+        self._target_done = None  # the step's target pass is over (the next is announced afresh)
         err, self._bg_error = self._bg_error, None
         if err is not None:
             self._growth = None
