@@ -77,6 +77,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_layers=16, rope_theta=5e5,
     ),
 }  # fmt: skip
+# where the resident target layers go: spread among the streamed ones (the library's plan, offload.plan.spread),
+# or (--leading-resident, the plan before session 6) the first ones
+LEADING_RESIDENT = False
 # setting name -> (target shape, target format, draft shape, VRAM cap GB)
 SETTINGS: dict[str, tuple[str, str, str, float]] = {
     "70b-nf4@24": ("llama2-70b", "nf4", "llama2-7b", 24.0),
@@ -111,7 +114,7 @@ MODE_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("auto+overlap auto", dict(auto=True, grow="ahead", overlap=-1, reuse=True)),
     # overlapped levels beside a default-priority target pass (decode.VERIFY_PRIORITY off; on by default)
     (
-        "ahead+overlap 32+early stop, target not prioritised",
+        "ahead+overlap 32+early stop+normal priority",
         dict(grow="ahead", overlap=32, reuse=True, early_stop=True, _prio=False),
     ),
     ("dynamic+reuse", dict(grow="dynamic", reuse=True, early_stop=False)),
@@ -142,6 +145,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "host/GPU split of the draft phase (scripts/trace_summary.py) into the JSON",
     )
     p.add_argument("--profile-runs", type=int, default=1000, help="with --profile: trace only the first N runs")
+    p.add_argument(
+        "--leading-resident",
+        action="store_true",
+        help="keep the first layers resident (the old plan) instead of spreading them among the streamed ones",
+    )
     p.add_argument("--no-ar-loaded", action="store_true", help="skip the AR run with the draft's memory charged")
     p.add_argument("--domain", choices=("code", "prose"), default="code", help="planted agreement of the real pair")
     p.add_argument(
@@ -304,7 +312,10 @@ def place_target(
         layout.pack(tensors, buf)
         templates.append(buf)
         del dense, tensors
-    res = {i: templates[i % len(templates)].clone() for i in range(resident)}
+    from offload.plan import spread
+
+    where = tuple(range(resident)) if LEADING_RESIDENT else spread(resident, t_cfg.num_layers)
+    res = {i: templates[i % len(templates)].clone() for i in where}
     host: list[Any] = []
     if resident < t_cfg.num_layers:
         for buf in templates:
@@ -312,7 +323,11 @@ def place_target(
             hb.tensor.copy_(buf.cpu())
             host.append(hb)
     store = (
-        RamStore(layout, {i: host[i % len(host)] for i in range(resident, t_cfg.num_layers)}, cuda=dev.type == "cuda")
+        RamStore(
+            layout,
+            {i: host[i % len(host)] for i in range(t_cfg.num_layers) if i not in res},
+            cuda=dev.type == "cuda",
+        )
         if host
         else None
     )
@@ -814,6 +829,8 @@ def _shrink() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     PROFILE_LIMIT[0] = args.profile_runs
+    global LEADING_RESIDENT
+    LEADING_RESIDENT = args.leading_resident
     import torch
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]

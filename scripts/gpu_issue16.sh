@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 16's remaining GPU checks in one device call (~7 min on an H200; the H200 results so far and what they
-# settled are in docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it; this run measures the
-# overlapped growth after its CPU fixes against the default, code and prose; "fill": the 8B int8 draft at 12 GB and
-# what 64 n-gram nodes cost a resident 32B): the runs that matter most first, each under its
+# settled are in docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it; this run measures what session 6
+# built without a device: resident layers spread among the streamed ones against leading ones, and the bounded
+# overlapped growth with the target's pass prioritised, code and prose; "fill": the 8B int8 draft at 12 GB and what
+# 64 n-gram nodes cost a resident 32B, measured in session 6): the runs that matter most first, each under its
 # own time limit, every log line into $OUT/session.log and each benchmark's JSON into $OUT (written after every run,
 # so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
@@ -58,19 +59,27 @@ torch.cuda.get_device_name())"
         step done
         exit 0
     fi
-    step "CUDA tests (graphs, fused draft norm, threaded overlap, streamed layers, NF4, self drafts, noise, n-grams, fit-first load)"
+    step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load)"
     run 90 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
         tests/test_sizes.py
 
-    step "overlapped growth after the CPU fixes (carried aim, depth-bounded carried starts, early stop): code, 1024"
-    run 170 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
-        --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 --mode-budget 1024 \
-        --modes "ahead+overlap auto+early stop,ahead+overlap 32+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_code.json"
+    step "resident layers spread among the streamed ones (the plan since session 6) against leading ones: code, 1024 + auto"
+    for order in spread leading; do
+        flag=""; [ $order = leading ] && flag="--leading-resident"
+        run 90 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
+            --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 --modes "" $flag --out "$OUT/gpu_resident_$order.json"
+    done
+
+    step "bounded overlapped growth (a few levels ahead, none after the target's pass) with the target prioritised: code, 1024"
+    run 150 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --no-accelerate --no-ar-loaded \
+        --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 --mode-budget 1024 --no-auto \
+        --modes "ahead+overlap auto+early stop,auto+overlap auto,ahead+overlap 32+early stop,ahead+overlap 32+early stop+normal priority" \
+        --out "$OUT/gpu_overlap_code.json"
 
     step "the same, prose, 256"
-    run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
-        --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --mode-budget 256 \
-        --modes "ahead+overlap auto+early stop,ahead+overlap 32+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_prose.json"
+    run 110 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
+        --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --mode-budget 256 --no-auto \
+        --modes "ahead+overlap auto+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_prose.json"
     step done
 } 2>&1 | tee "$LOG"

@@ -2,11 +2,12 @@
 versions) and, for a target model, a placement recommendation computed from its ``config.json`` alone.
 
 On a GPU the recommendation IS the offload manager's plan (:func:`offload.plan.make_plan` fed this machine's
-figures): 16-bit on the GPU if it fits; otherwise NF4 (3.6x fewer bytes per streamed pass), as many leading
-layers resident as VRAM allows after the globals, KV cache, tree buffers and the ring of streamed-layer buffers,
-the rest streamed from pinned RAM if it fits there, else from SSD. Models need not be downloaded: an alias that
-is not present is planned from the architecture recorded in configs/models.toml. The floor of one target pass is the
-streamed bytes over the bandwidth that feeds them (pinned H2D for RAM, min(disk, H2D) for SSD).
+figures): 16-bit on the GPU if it fits; otherwise NF4 (3.6x fewer bytes per streamed pass), as many layers resident
+(spread among the streamed ones) as VRAM allows after the globals, KV cache, tree buffers and the ring of
+streamed-layer buffers, the rest streamed from pinned RAM if it fits there, else from SSD. Models need not be
+downloaded: an alias that is not present is planned from the architecture recorded in configs/models.toml. The floor
+of one target pass is the streamed bytes over the bandwidth that feeds them (pinned H2D for RAM, min(disk, H2D) for
+SSD).
 Bandwidths are measured here where possible, else assumed and labelled so. GB = 1e9 bytes.
 """
 

@@ -196,7 +196,8 @@ def test_nf4_forward_equals_dequantized_resident(tiny3, tmp_path):
     model = _load(tiny3, tmp_path, mode="ram", target_dtype="nf4", resident_layers=1)
     prov: StreamedLayers = model.layers
     assert prov.plan.fmt.kind == "nf4"
-    bufs = {0: prov._resident_bufs[0], **{i: b.tensor for i, b in prov.store.buffers.items()}}
+    bufs = {**prov._resident_bufs, **{i: b.tensor for i, b in prov.store.buffers.items()}}
+    assert sorted(bufs) == [0, 1, 2] and len(prov._resident_bufs) == 1
     dense = ResidentLayers([dense_weights(layer_weights(prov.layout, bufs[i])) for i in range(3)])
     ref = Transformer(cfg=model.cfg, globals=model.globals, layers=dense, device=CPU, dtype=torch.float32)
     assert torch.equal(_passes(model), _passes(ref))
@@ -313,13 +314,32 @@ def test_plan_refuses_disk_vram_and_none(monkeypatch, tmp_path):
     assert "use --offload auto, ram or ssd, or --target-dtype nf4" in err.value.render(FLAGS)
 
 
+def test_resident_layers_are_spread_among_the_streamed_ones():
+    """A streamed pass is bound by its copies: resident layers go between streamed ones (their compute then runs
+    while the next streamed layer copies), the first layer is streamed, and every layer is placed exactly once."""
+    from offload.plan import spread
+
+    assert spread(0, 80) == () and spread(80, 80) == tuple(range(80)) and spread(90, 4) == (0, 1, 2, 3)
+    assert spread(79, 80) == tuple(range(1, 80))
+    assert spread(19, 80) == tuple(range(4, 80, 4))
+    for n in (1, 2, 7, 32, 80, 126):
+        for k in range(n + 1):
+            r = spread(k, n)
+            assert len(r) == k == len(set(r)) and list(r) == sorted(r) and all(0 <= i < n for i in r)
+            if k < n:
+                assert 0 not in r  # the pass starts with what the ring prefetched
+                gaps = [b - a for a, b in zip((-1,) + r, r + (n,))]  # streamed runs around the resident layers
+                assert max(gaps) - min(gaps) <= 1 + (n - 1) // (k + 1), (k, n, gaps)
+
+
 def test_plan_describe(monkeypatch, tmp_path):
     _fake_ram(monkeypatch, available_gb=100, total_gb=128)
     off = OffloadConfig(mode="ram", target_dtype="nf4", gpu_memory_gb=24, cache_dir=tmp_path, lookahead=2)
     p = _plan(off, dtype=torch.bfloat16)
     text = p.describe()
     assert "mode=ram" in text and "nf4-b64-bfloat16" in text and "lookahead 2" in text
-    assert f"{len(p.resident)} of 80 layers resident (0-{len(p.resident) - 1})" in text
+    k = len(p.resident)
+    assert 8 < k < 79 and f"{k} of 80 layers resident (spread: {p.resident[0]}, {p.resident[1]}, " in text
     assert p.floor_seconds(25.0) == pytest.approx(len(p.streamed) * p.layer_bytes / 25e9)
     assert "25.0 GB/s pinned H2D (assumed" in text
 
