@@ -74,8 +74,9 @@ class TreeConfig:
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
     # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
-    # OVERLAP_AUTO (-1, ``--overlap auto``): on a GPU, the number adapts each step to what finished beside the
-    # target's pass (up to OVERLAP_AUTO_MAX); on a CPU, none
+    # OVERLAP_AUTO (-1, ``--overlap auto``): on a GPU, as many as fit beside the target's pass (up to
+    # OVERLAP_AUTO_MAX; a thread queuing them stops when the pass ends, else the count adapts each step); on a CPU,
+    # none
     overlap: int = 0
     # where the overlapped levels grow (see specexec/propose/fixed_grow.py): "carried" down the likeliest next roots'
     # best continuations (the subtree the next step may start from); "frontier" the best nodes of the whole store

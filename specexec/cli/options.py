@@ -285,9 +285,9 @@ def overlap() -> Any:
         "0",
         "--overlap",
         help="SpecExec on a GPU: grow N more tree levels below what is verified while the target's pass runs (a side "
-        "CUDA stream), and start the next tree from the subtree under the accepted tokens; 'auto': as many as finish "
-        "beside the pass, adapted each step (none on a CPU). Needs --grow static or ahead. On a CPU the levels run "
-        "in turn and only cost time. Never changes the output.",
+        "CUDA stream; at most N, and none once that pass ends), and start the next tree from the subtree under the "
+        "accepted tokens; 'auto': as many as fit beside the pass, up to 32 (none on a CPU). Needs --grow static or "
+        "ahead. On a CPU the levels run in turn and only cost time. Never changes the output.",
     )
 
 
