@@ -394,7 +394,17 @@ def run_engine(
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
     tot = dict(
-        tokens=0, steps=0, draft_s=0.0, target_s=0.0, decode_s=0.0, reused=0, passes=0, calib=0.0, bg=0.0, ngram=0
+        tokens=0,
+        steps=0,
+        draft_s=0.0,
+        target_s=0.0,
+        decode_s=0.0,
+        reused=0,
+        passes=0,
+        calib=0.0,
+        bg=0.0,
+        ngram=0,
+        bg_passes=0,
     )
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
@@ -411,6 +421,7 @@ def run_engine(
         tot["calib"] += s.calibration_s
         tot["bg"] += s.background_s
         tot["ngram"] += s.ngram_tokens
+        tot["bg_passes"] += s.background_passes
         want = ref[i][: len(r.tokens)]
         if r.tokens != want:
             exact = False
@@ -437,6 +448,7 @@ def run_engine(
         # repeats, so these should be ~0 here: the runs measure what merging costs, not what it brings)
         "ngram_tokens": tot["ngram"],
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
+        "background_passes_per_step": tot["bg_passes"] / steps,  # overlapped levels grown beside the target's pass
         "calibration_s": tot["calib"],  # --budget auto's calibrations in the measured generations (not in tok/s)
         "auto_budgets": list(engine._auto.history) if getattr(engine, "_auto", None) is not None else None,
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
@@ -617,7 +629,8 @@ def bench_setting(
             )
         if r.get("graph_captures") or r.get("background_host_s_per_step"):
             print(
-                f"    background queued in {r['background_host_s_per_step']:.3f} s/step; {r['graph_captures']} graph "
+                f"    background queued in {r['background_host_s_per_step']:.3f} s/step, "
+                f"{r.get('background_passes_per_step', 0):.1f} levels/step; {r['graph_captures']} graph "
                 f"captures; auto levels {r['auto_overlap_levels']}",
                 flush=True,
             )

@@ -64,6 +64,7 @@ class Stats:
     trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
     reused_nodes: int = 0  # specexec: tree nodes carried over from the previous step's tree (subtree reuse)
     reused_passes: int = 0  # specexec: draft passes those carried-over parts stood for
+    background_passes: int = 0  # specexec --overlap: draft levels grown beside the target's passes
     ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
@@ -306,6 +307,7 @@ def decode(
                 break
     finally:
         stats.new_tokens = produced
+        stats.background_passes = int(getattr(proposer, "background_passes", 0))
         stats.wall_s = time.perf_counter() - t0
         stats.tokens_per_step = produced / max(stats.steps, 1)
         decode_s = stats.wall_s - stats.prefill_s

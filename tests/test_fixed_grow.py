@@ -501,6 +501,7 @@ def test_threaded_overlap_equals_inline(engines, monkeypatch):
                     assert g.result is not None
                     assert set(names) == ({"specexec-overlap"} if threaded else {threading.current_thread().name})
                     s = g.result.stats
+                    assert s.background_passes == g.proposer.background_passes  # what bench_gpu reports
                     got[threaded] = (g.result.tokens, s.reused_nodes, s.draft_passes, g.proposer.background_passes)
                 assert got[True][0] == want, (mode, ids, seed)
                 assert got[True] == got[False], (mode, ids, seed)
