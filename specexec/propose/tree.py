@@ -113,7 +113,6 @@ class TreeDraft:
         self._bg_thread: threading.Thread | None = None
         self._bg_error: BaseException | None = None
         self._target_done: torch.cuda.Event | None = None  # set by target_queued: completes with the target's pass
-        self._bg_bounded = False  # the levels in flight stop once the target's pass has ended (a thread, a GPU)
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
@@ -479,7 +478,6 @@ class TreeDraft:
                     static.capture_ok = True
 
         self._bg_auto = auto and cuda and not bounded
-        self._bg_bounded = bounded
         if not threaded:
             levels()
             return
