@@ -393,19 +393,8 @@ def run_engine(
     dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
-    tot = dict(
-        tokens=0,
-        steps=0,
-        draft_s=0.0,
-        target_s=0.0,
-        decode_s=0.0,
-        reused=0,
-        passes=0,
-        calib=0.0,
-        bg=0.0,
-        ngram=0,
-        bg_passes=0,
-    )
+    sums = ("tokens", "steps", "draft_s", "target_s", "decode_s", "reused", "passes", "calib", "bg", "ngram", "bg_passes")
+    tot: dict[str, Any] = dict.fromkeys(sums, 0)  # totals over the prompts
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
         engine.reset()
