@@ -393,7 +393,7 @@ def run_engine(
     dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
-    sums = ("tokens", "steps", "draft_s", "target_s", "decode_s", "reused", "passes", "calib", "bg", "ngram", "bg_passes")
+    sums = ("tokens", "steps", "draft_s", "target_s", "decode_s", "reused", "passes", "calib", "bg", "ngram", "bg_pass")
     tot: dict[str, Any] = dict.fromkeys(sums, 0)  # totals over the prompts
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
@@ -410,7 +410,7 @@ def run_engine(
         tot["calib"] += s.calibration_s
         tot["bg"] += s.background_s
         tot["ngram"] += s.ngram_tokens
-        tot["bg_passes"] += s.background_passes
+        tot["bg_pass"] += s.background_passes
         want = ref[i][: len(r.tokens)]
         if r.tokens != want:
             exact = False
@@ -437,7 +437,7 @@ def run_engine(
         # repeats, so these should be ~0 here: the runs measure what merging costs, not what it brings)
         "ngram_tokens": tot["ngram"],
         "background_host_s_per_step": tot["bg"] / steps,  # of draft s: queuing the overlapped levels
-        "background_passes_per_step": tot["bg_passes"] / steps,  # overlapped levels grown beside the target's pass
+        "background_passes_per_step": tot["bg_pass"] / steps,  # overlapped levels grown beside the target's pass
         "calibration_s": tot["calib"],  # --budget auto's calibrations in the measured generations (not in tok/s)
         "auto_budgets": list(engine._auto.history) if getattr(engine, "_auto", None) is not None else None,
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
