@@ -7,7 +7,7 @@
 # own time limit, every log line into $OUT/session.log and each benchmark's JSON into $OUT (written after every run,
 # so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
-#   bash scripts/gpu_issue16.sh            # ~7 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh            # ~8 min, on the device machine, from the repo root; OUT defaults to bench_out
 #   bash scripts/gpu_issue16.sh fill       # ~3 min
 #   bash scripts/gpu_issue16.sh profile    # ~3 min: where the draft phase's time goes (host vs GPU), CUDA tests
 set -u
@@ -81,5 +81,9 @@ torch.cuda.get_device_name())"
     run 110 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --domain prose --no-accelerate \
         --no-ar-loaded --prompts 2 --new-tokens 48 --ar-tokens 4 --budgets 256 --mode-budget 256 --no-auto \
         --modes "ahead+overlap auto+early stop,auto+overlap auto" --out "$OUT/gpu_overlap_prose.json"
+
+    step "the 8B-shaped draft in NF4 at 24 GB (the last cell of item 2's table) and accelerate device_map again"
+    run 120 python3 scripts/bench_gpu.py --settings 70b3-nf4@24 --draft-dtype nf4 --no-ar-loaded \
+        --no-auto --prompts 1 --new-tokens 48 --ar-tokens 4 --budgets 256 --modes "" --out "$OUT/gpu_70b3_nf4_24.json"
     step done
 } 2>&1 | tee "$LOG"
