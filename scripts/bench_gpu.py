@@ -160,6 +160,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
     p.add_argument(
+        "--int8-kernel",
+        choices=("auto", "triton", "bnb"),
+        default="auto",
+        help="an int8 draft's CUDA kernel: the fused Triton one (specexec.int8mm), bitsandbytes' W8A8, or the "
+        "library's choice (triton where Triton runs)",
+    )
+    p.add_argument(
         "--ngram-nodes",
         type=int,
         default=None,
@@ -192,6 +199,12 @@ def _cfg(shape: str):
     from specexec.model import ModelConfig
 
     return ModelConfig(max_position_embeddings=8192, **SHAPES[shape])
+
+
+def _int8_kernel_name(dev) -> str:
+    from specexec.model import _int8_kernel
+
+    return _int8_kernel(dev)
 
 
 def _sync(dev) -> None:
@@ -591,13 +604,15 @@ def bench_setting(
         "target_format": fmt,
         "draft": d_shape,
         "draft_dtype": args.draft_dtype,
+        "int8_kernel": _int8_kernel_name(dev) if args.draft_dtype == "int8" else None,
         "gpu_memory_cap_gb": cap,
         "planted": {"domain": args.domain, "agreement": agree, "coverage": cover, **realised},
         "echo_prompts": args.echo,
         "runs": [],
     }
     print(
-        f"\n== {name}: {t_shape} {fmt} + {d_shape} {args.draft_dtype} draft under {cap} GB "
+        f"\n== {name}: {t_shape} {fmt} + {d_shape} {args.draft_dtype}"
+        f"{' (' + out['int8_kernel'] + ' kernel)' if out['int8_kernel'] else ''} draft under {cap} GB "
         f"(built in {time.perf_counter() - t0:.0f} s); planted pair: top-1 agreement {realised['agreement']:.3f}, "
         f"top-8 {realised['top8']:.3f}, target top-1 p {realised['target_top1_p']:.2f}",
         flush=True,
@@ -834,6 +849,10 @@ def main(argv: list[str] | None = None) -> int:
     global LEADING_RESIDENT
     LEADING_RESIDENT = args.leading_resident
     import torch
+
+    from specexec import model as model_mod
+
+    model_mod.CUDA_INT8_KERNEL = None if args.int8_kernel == "auto" else args.int8_kernel
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     bad = [s for s in names if s not in SETTINGS]

@@ -9,6 +9,7 @@
 #
 #   bash scripts/gpu_issue16.sh            # ~8 min, on the device machine, from the repo root; OUT defaults to bench_out
 #   bash scripts/gpu_issue16.sh fill       # ~3 min
+#   bash scripts/gpu_issue16.sh int8       # ~5 min: the fused int8 draft kernel against bitsandbytes'
 #   bash scripts/gpu_issue16.sh profile    # ~3 min: where the draft phase's time goes (host vs GPU), CUDA tests
 set -u
 WHAT=${1:-all}
@@ -46,6 +47,21 @@ torch.cuda.get_device_name())"
         step "CUDA tests"
         run 70 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
             tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py
+        step done
+        exit 0
+    fi
+    if [ "$WHAT" = int8 ]; then
+        step "CUDA tests: the fused int8 kernel (rows 1-300, in a graph), int8/NF4 self drafts"
+        run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8mm.py tests/test_self_draft.py
+        for kern in triton bnb; do
+            step "70B NF4 at 24 GB, int8 7B draft on the $kern kernel: code, 1024"
+            run 70 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel $kern \
+                --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 \
+                --modes "" --out "$OUT/gpu_int8_$kern.json"
+        done
+        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernel (and alternative small-row tiles)"
+        run 80 python3 scripts/bench_int8mm.py --shapes 7b --rows 16,32,64,128 \
+            --small-tiles "64,128,128,4,4;32,64,256,4,3;64,64,128,8,4" --out "$OUT/int8mm.json"
         step done
         exit 0
     fi

@@ -194,10 +194,20 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
     return w.rows(tokens)
 
 
+# int8 weights on CUDA: "triton" (specexec.int8mm, a fused weight-only GEMM), "bnb" (bitsandbytes' W8A8), or None:
+# triton where this build has it and the GPU computes bf16 (Ampere, 8.0, and later), else bnb
+CUDA_INT8_KERNEL: str | None = None
+
+
 def _int8_kernel(device: torch.device | None = None) -> str:
     """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
     if device is not None and device.type == "cuda":
-        return "bnb"
+        if CUDA_INT8_KERNEL is not None:
+            return CUDA_INT8_KERNEL
+        from specexec import int8mm
+
+        ok = int8mm.available() and torch.cuda.get_device_capability(device) >= (8, 0)
+        return "triton" if ok else "bnb"
     ops = getattr(torch.ops, "quantized", None)
     engines = torch.backends.quantized.supported_engines
     if ops is not None and hasattr(ops, "linear_dynamic") and ("fbgemm" in engines or "x86" in engines):
@@ -207,14 +217,14 @@ def _int8_kernel(device: torch.device | None = None) -> str:
     return "dequant"
 
 
-INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb")
+INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb", "triton")
 
 
 class Int8Linear:
     """A linear weight (out, in) as int8 with one fp32 scale per output channel (symmetric, round to nearest).
 
-    ``linear(x)`` runs one of four kernels (``kernel``; default: ``bnb`` for weights on CUDA, else the first
-    available CPU one):
+    ``linear(x)`` runs one of five kernels (``kernel``; default: ``triton``, else ``bnb``, for weights on CUDA
+    (:data:`CUDA_INT8_KERNEL`), else the first available CPU one):
 
     - ``dynamic``: fbgemm's ``quantized::linear_dynamic`` (activations quantized per pass to 8 bits as well, int8
       GEMM with fp32 accumulation; the fast AVX2/AVX512 path);
@@ -223,7 +233,9 @@ class Int8Linear:
     - ``bnb``: bitsandbytes' LLM.int8() matmul without outlier decomposition (threshold 0): activations quantized
       row-wise to int8, an int8 GEMM (cuBLASLt on CUDA), rescaled by both absmax vectors. The weight's int8 codes
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
-      through fp16 (bitsandbytes' CUDA quantizer takes fp16 only).
+      through fp16 (bitsandbytes' CUDA quantizer takes fp16 only);
+    - ``triton``: :mod:`specexec.int8mm`, one fused weight-only kernel (codes widened to ``x``'s dtype in
+      registers, fp32 accumulation, the scale in the epilogue): no casts, no activation quantization.
 
     Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
     slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
@@ -271,7 +283,7 @@ class Int8Linear:
         return out
 
     def to(self, device: torch.device) -> Int8Linear:
-        """The same int8 weight on ``device`` (the kernel re-chosen for it: ``bnb`` on CUDA)."""
+        """The same int8 weight on ``device`` (the kernel re-chosen for it: ``triton`` or ``bnb`` on CUDA)."""
         out = Int8Linear.__new__(Int8Linear)
         out.shape, out.qweight, out.scale = self.shape, self.qweight.to(device), self.scale.to(device)
         out.kernel = self.kernel if device.type == self.qweight.device.type else _int8_kernel(device)
@@ -286,6 +298,11 @@ class Int8Linear:
             a = x.to(torch.float16) if x.device.type == "cuda" else x
             qa, row_stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(a.contiguous())
             return torch.ops.bitsandbytes.int8_scaled_mm(qa, self.qweight, row_stats, self._scb, dtype=x.dtype)
+        if self.kernel == "triton":
+            from specexec import int8mm
+
+            # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
+            return int8mm.matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
         if self.kernel == "dynamic":
             y = torch.ops.quantized.linear_dynamic(x.float(), self._prepacked(), True)
             return y.to(x.dtype)

@@ -461,7 +461,7 @@ def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monk
     assert rows[False]["exact"] and rows[True]["exact"]
     assert rows[False]["ngram_tokens"] == 0 < rows[True]["ngram_tokens"]
     assert rows[True]["tok_per_step"] > rows[False]["tok_per_step"]
-    for bad in (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"]):  # one line, exit 2, nothing built
+    for bad in (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"], ["--int8-kernel", "fast"]):
         with pytest.raises(SystemExit) as e:
             gpu.main([*argv, *bad])
         assert e.value.code == 2
@@ -648,3 +648,26 @@ def test_bench_ngram_merge_smoke(tiny_pair, tmp_path):
         assert s["tree"]["tokens_per_step"] >= 1 and s["tree+ngram"]["ngram_tokens"] >= 0
     with pytest.raises(SystemExit):
         script("bench_ngram_merge").main(["--sets", "poetry"])
+
+
+def test_bench_int8mm_smoke_times_every_kernel(tmp_path):
+    """bench_int8mm --smoke: every kernel (16-bit, bitsandbytes, the fused Triton one, interpreted) on every linear
+    and row count, a layer's sum per row count, a JSON; bad options are one line and exit 2."""
+    pytest.importorskip("triton")
+    mod = script("bench_int8mm")
+    out = tmp_path / "i8.json"
+    assert mod.main(["--smoke", "--small-tiles", "64,64,64,4,2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["triton:64x64x64x4x2_us"] > 0 for r in rows)
+    linears = {(r["linear"], r["rows"]) for r in rows}
+    assert {("w13", 16), ("lm_head", 33), ("layer", 1)} <= linears
+    for r in rows:
+        assert all(r[f"{k}_us"] > 0 for k in ("dense", "bnb", "triton")), r
+    layer = next(r for r in rows if r["linear"] == "layer" and r["rows"] == 16)
+    parts = [r for r in rows if r["rows"] == 16 and r["linear"] in mod.LAYER]
+    assert layer["triton_us"] == pytest.approx(sum(r["triton_us"] for r in parts))
+    bad_args = (["--kernels", "cutlass"], ["--rows", "a"], ["--shapes", "13b"], ["--calls", "0"])
+    for bad in (*bad_args, ["--small-tiles", "32,64"], ["--small-tiles", "a,b,c,d,e"]):
+        with pytest.raises(SystemExit) as e:
+            mod.main(bad)
+        assert e.value.code == 2
