@@ -51,14 +51,17 @@ torch.cuda.get_device_name())"
         exit 0
     fi
     if [ "$WHAT" = int8 ]; then
-        step "CUDA tests: the fused int8 kernel (rows 1-300, in a graph), int8/NF4 self drafts"
-        run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8mm.py tests/test_self_draft.py
+        if [ "${2:-}" != quick ]; then
+            step "CUDA tests: the fused int8 kernel (rows 1-300, in a graph), int8/NF4 self drafts"
+            run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8mm.py tests/test_self_draft.py
+        fi
         for kern in triton bnb; do
-            step "70B NF4 at 24 GB, int8 7B draft on the $kern kernel: code, 1024"
+            step "70B NF4 at 24 GB, int8 7B draft on the $kern kernel: code, ${BUDGETS:-1024}"
             run 70 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel $kern \
-                --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --budgets 1024 \
-                --modes "" --out "$OUT/gpu_int8_$kern.json"
+                --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
+                --budgets "${BUDGETS:-1024}" --modes "" --out "$OUT/gpu_int8_$kern.json"
         done
+        [ "${2:-}" = quick ] && exit 0
         step "the linears alone: 16-bit vs bitsandbytes vs the fused kernel (and alternative small-row tiles)"
         run 80 python3 scripts/bench_int8mm.py --shapes 7b --rows 16,32,64,128 \
             --small-tiles "64,128,128,4,4;32,64,256,4,3;64,64,128,8,4" --out "$OUT/int8mm.json"

@@ -197,6 +197,10 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
 # int8 weights on CUDA: "triton" (specexec.int8mm, a fused weight-only GEMM), "bnb" (bitsandbytes' W8A8), or None:
 # triton where this build has it and the GPU computes bf16 (Ampere, 8.0, and later), else bnb
 CUDA_INT8_KERNEL: str | None = None
+# the fused kernel beat bitsandbytes' up to 32 rows on an H200 (a 7B layer's linears: 79 against 138 us at 16 rows,
+# 108 against 135 at 32) and lost beyond (160 against 148 at 64, 262 against 175 at 128; docs/BENCHMARKS.md):
+# "triton" runs it up to this many rows and bitsandbytes' W8A8 beyond
+TRITON_MAX_ROWS = 32
 
 
 def _int8_kernel(device: torch.device | None = None) -> str:
@@ -292,17 +296,17 @@ class Int8Linear:
 
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype."""
-        if self.kernel == "bnb":
+        if self.kernel == "triton" and x.shape[0] <= TRITON_MAX_ROWS:
+            from specexec import int8mm
+
+            # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
+            return int8mm.matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
+        if self.kernel in ("bnb", "triton"):
             import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; imported once, then cached)
 
             a = x.to(torch.float16) if x.device.type == "cuda" else x
             qa, row_stats, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(a.contiguous())
             return torch.ops.bitsandbytes.int8_scaled_mm(qa, self.qweight, row_stats, self._scb, dtype=x.dtype)
-        if self.kernel == "triton":
-            from specexec import int8mm
-
-            # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
-            return int8mm.matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
         if self.kernel == "dynamic":
             y = torch.ops.quantized.linear_dynamic(x.float(), self._prepacked(), True)
             return y.to(x.dtype)
