@@ -163,8 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--int8-kernel",
         choices=("auto", "triton", "bnb"),
         default="auto",
-        help="an int8 draft's CUDA kernel: the fused Triton one (specexec.int8mm), bitsandbytes' W8A8, or the "
-        "library's choice (triton where Triton runs)",
+        help="an int8 draft's CUDA kernel: the fused Triton one up to 32 rows (specexec.int8mm), bitsandbytes' "
+        "W8A8, or the library's default (specexec.model.CUDA_INT8_KERNEL: bnb)",
     )
     p.add_argument(
         "--ngram-nodes",
@@ -852,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from specexec import model as model_mod
 
-    model_mod.CUDA_INT8_KERNEL = None if args.int8_kernel == "auto" else args.int8_kernel
+    if args.int8_kernel != "auto":
+        model_mod.CUDA_INT8_KERNEL = args.int8_kernel
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     bad = [s for s in names if s not in SETTINGS]

@@ -129,7 +129,7 @@ def _kernel(interpret: bool) -> Any:
 
 
 _WARM: set[tuple[Any, ...]] = set()  # (device, dtype, K, wide outputs, outputs % 16 == 0) compiled for every tile
-WARM_ROWS = (16, 32, 64, 65)  # one row count per tile :func:`tile` picks
+WARM_ROWS = (1, 16, 32, 64, 65)  # one row count per tile :func:`tile` picks (Triton specializes 1 row apart)
 
 
 def _warm(x: Tensor, qweight: Tensor, scale: Tensor, interpret: bool) -> None:

@@ -194,24 +194,20 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
     return w.rows(tokens)
 
 
-# int8 weights on CUDA: "triton" (specexec.int8mm, a fused weight-only GEMM), "bnb" (bitsandbytes' W8A8), or None:
-# triton where this build has it and the GPU computes bf16 (Ampere, 8.0, and later), else bnb
-CUDA_INT8_KERNEL: str | None = None
-# the fused kernel beat bitsandbytes' up to 32 rows on an H200 (a 7B layer's linears: 79 against 138 us at 16 rows,
-# 108 against 135 at 32) and lost beyond (160 against 148 at 64, 262 against 175 at 128; docs/BENCHMARKS.md):
-# "triton" runs it up to this many rows and bitsandbytes' W8A8 beyond
+# int8 weights on CUDA: "bnb" (bitsandbytes' W8A8) or "triton" (specexec.int8mm, a fused weight-only GEMM, up to
+# TRITON_MAX_ROWS rows a call and bitsandbytes' beyond). On an H200 the fused kernel beat bitsandbytes' for a 7B
+# layer's linears up to 32 rows (79 against 138 us at 16 rows, 108 against 135 at 32) and lost beyond (160 against
+# 148 at 64, 262 against 175 at 128), and end to end (70B NF4 target, int8 7B draft) the mix did not pay: 11.57
+# against 11.98 tok/s at budget 256, 13.19 against 13.24 at 1024 (docs/BENCHMARKS.md). So bitsandbytes' stays the
+# default; "triton" is there to be measured where a draft's levels are narrow or memory is slower (consumer GPUs)
+CUDA_INT8_KERNEL = "bnb"
 TRITON_MAX_ROWS = 32
 
 
 def _int8_kernel(device: torch.device | None = None) -> str:
     """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
     if device is not None and device.type == "cuda":
-        if CUDA_INT8_KERNEL is not None:
-            return CUDA_INT8_KERNEL
-        from specexec import int8mm
-
-        ok = int8mm.available() and torch.cuda.get_device_capability(device) >= (8, 0)
-        return "triton" if ok else "bnb"
+        return CUDA_INT8_KERNEL
     ops = getattr(torch.ops, "quantized", None)
     engines = torch.backends.quantized.supported_engines
     if ops is not None and hasattr(ops, "linear_dynamic") and ("fbgemm" in engines or "x86" in engines):
@@ -227,8 +223,8 @@ INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb", "triton")
 class Int8Linear:
     """A linear weight (out, in) as int8 with one fp32 scale per output channel (symmetric, round to nearest).
 
-    ``linear(x)`` runs one of five kernels (``kernel``; default: ``triton``, else ``bnb``, for weights on CUDA
-    (:data:`CUDA_INT8_KERNEL`), else the first available CPU one):
+    ``linear(x)`` runs one of five kernels (``kernel``; default: :data:`CUDA_INT8_KERNEL` (``bnb``) for weights
+    on CUDA, else the first available CPU one):
 
     - ``dynamic``: fbgemm's ``quantized::linear_dynamic`` (activations quantized per pass to 8 bits as well, int8
       GEMM with fp32 accumulation; the fast AVX2/AVX512 path);
@@ -239,7 +235,8 @@ class Int8Linear:
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
       through fp16 (bitsandbytes' CUDA quantizer takes fp16 only);
     - ``triton``: :mod:`specexec.int8mm`, one fused weight-only kernel (codes widened to ``x``'s dtype in
-      registers, fp32 accumulation, the scale in the epilogue): no casts, no activation quantization.
+      registers, fp32 accumulation, the scale in the epilogue; no casts, no activation quantization) up to
+      :data:`TRITON_MAX_ROWS` rows, ``bnb`` beyond (see :data:`CUDA_INT8_KERNEL` for what it measured).
 
     Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
     slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
@@ -287,7 +284,7 @@ class Int8Linear:
         return out
 
     def to(self, device: torch.device) -> Int8Linear:
-        """The same int8 weight on ``device`` (the kernel re-chosen for it: ``triton`` or ``bnb`` on CUDA)."""
+        """The same int8 weight on ``device`` (the kernel re-chosen for it: :data:`CUDA_INT8_KERNEL` on CUDA)."""
         out = Int8Linear.__new__(Int8Linear)
         out.shape, out.qweight, out.scale = self.shape, self.qweight.to(device), self.scale.to(device)
         out.kernel = self.kernel if device.type == self.qweight.device.type else _int8_kernel(device)

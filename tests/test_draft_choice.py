@@ -17,8 +17,9 @@ GB = 1e9
 
 def test_cost_model_reproduces_its_h200_calibration():
     """configs/draft_formats.toml says its constants come from an H200's measured 7B draft passes end to end
-    (8.8 ms 16-bit, ~13.0 int8, ~16.8 NF4, with 4.19 TB/s device copies) and ~1.5 ms a resident 70B NF4 layer:
-    the model must give those back (a check of the data, not a timing)."""
+    (8.8 ms 16-bit, ~13.0 int8, ~16.8 NF4, with 4.19 TB/s device copies) and, with the resident layers spread
+    among the streamed ones, no resident layer's compute left outside the copies: the model must give those back
+    (a check of the data, not a timing)."""
     m = dc.cost_model()
     assert set(m.formats) == {"dense", "int8", "nf4"} and m.formats["dense"].keep == 1.0
     assert dc.pass_seconds(LLAMA2_7B, "dense", 4190) == pytest.approx(8.8e-3, rel=0.05)
@@ -28,9 +29,7 @@ def test_cost_model_reproduces_its_h200_calibration():
         vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128,
         num_layers=80,
     )  # fmt: skip
-    assert m.resident_ms(seventy, "nf4") == pytest.approx(1.5) and m.resident_ms(LLAMA2_7B, "nf4") == pytest.approx(
-        0.355, abs=0.01
-    )
+    assert m.resident_ms(seventy, "nf4") == 0.0 and m.resident_ms(seventy, "dense") == 0.0
     # bytes: the 16-bit draft reads its 13.2 GB of non-embedding weights; NF4 reads ~3.7 GB and rewrites 2 x 13.2
     assert dc.pass_bytes(LLAMA2_7B, "dense") == pytest.approx(13.2e9, rel=0.01)
     assert dc.pass_bytes(LLAMA2_7B, "int8") < dc.pass_bytes(LLAMA2_7B, "dense") / 1.9

@@ -118,21 +118,29 @@ def test_int8_draft_on_the_fused_kernel_keeps_greedy_output_exact(tiny_pair):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 16, 48, 64, 128, 300])
-def test_cuda_kernel_matches_dequantized_and_w8a8(rows):
+@pytest.mark.parametrize("rows", [1, 16, 32, 48, 64, 128, 300])
+def test_cuda_kernel_matches_dequantized_and_w8a8(rows, monkeypatch):
+    """The compiled kernel at every row tile; the "triton" Int8Linear runs it up to TRITON_MAX_ROWS rows and
+    bitsandbytes' W8A8 (the coarser one: activations quantized too) beyond."""
+    from specexec import model
+
     torch.manual_seed(rows)
     dev = torch.device("cuda")
     w = torch.randn(4096 + 96, 1000)  # uneven inner dimension, outputs beyond 8192 / 32 column tiles
+    monkeypatch.setattr(model, "CUDA_INT8_KERNEL", "triton")
     q = Int8Linear(w).to(dev)
     assert q.kernel == "triton"
     x = torch.randn(rows, 1000, device=dev, dtype=torch.bfloat16)
     ref = x.float() @ q.dequantize().T
+    fused = int8mm.matmul(x, q.qweight, q.scale)
+    assert fused.dtype == torch.bfloat16
+    assert (fused.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
     got = q.linear(x)
-    assert got.dtype == torch.bfloat16
-    assert (got.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-    bnb = Int8Linear(w).to(dev)
-    bnb.kernel = "bnb"
-    assert (bnb.linear(x).float() - ref).abs().max() <= 0.05 * ref.abs().max()  # W8A8 is the coarser one
+    if rows <= model.TRITON_MAX_ROWS:
+        assert torch.equal(got, fused)
+    assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+    monkeypatch.setattr(model, "CUDA_INT8_KERNEL", "bnb")
+    assert Int8Linear(w).to(dev).kernel == "bnb"
 
 
 @cuda
@@ -140,7 +148,8 @@ def test_cuda_kernel_matches_dequantized_and_w8a8(rows):
 def test_cuda_kernel_replays_in_a_graph():
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    q = Int8Linear(torch.randn(512, 256)).to(dev)
+    q = Int8Linear(torch.randn(512, 256), kernel="triton").to(dev)
+    q.kernel = "triton"
     x = torch.randn(32, 256, device=dev, dtype=torch.bfloat16)
     want = q.linear(x)  # compiled outside the capture (as StaticPasses warms up before capturing)
     g = torch.cuda.CUDAGraph()
