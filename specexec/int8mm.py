@@ -9,6 +9,12 @@ registers (every code in -127..127 is exact in bf16/fp16), accumulates in fp32 a
 scale in the epilogue: one kernel a linear, 1 byte a weight, activations never quantized (so it is also closer
 to the dense weights than W8A8).
 
+Measured on an H200 (docs/BENCHMARKS.md, fifth H200 session): a 7B layer's linears at 16 rows took 79 us against
+bitsandbytes' 138 and 16-bit's 110, at 32 rows 108 against 135 and 111, but at 64 rows 160 against 148 and at 128
+262 against 175 (its tiles use mma.sync; no warp-group MMA, no split-K), and end to end it did not beat
+bitsandbytes' even up to 32 rows only. So it is opt-in (``specexec.model.CUDA_INT8_KERNEL = "triton"``: this
+kernel up to ``TRITON_MAX_ROWS`` rows a call, bitsandbytes' beyond).
+
 Only drafts use it: a draft's numbers change what it proposes, never the output. Weights are the
 :class:`~specexec.model.Int8Linear` codes (out, in) int8 row-major with an fp32 scale per output channel.
 
