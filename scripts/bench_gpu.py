@@ -748,6 +748,8 @@ def bench_setting(
         # PCIe4 PROJECTION: each verify at least the streamed bytes at 25 GB/s, the draft's part as measured
         v4 = max(r["verify_s_per_step"], gbp / PCIE4_GBPS)
         r["projected_pcie4_tok_s"] = r["tok_per_step"] / (r["step_s"] - r["verify_s_per_step"] + v4)
+        # the same projection's step / verify (the draft's time as measured on this GPU; a consumer card's is longer)
+        r["projected_pcie4_step_over_verify"] = (r["step_s"] - r["verify_s_per_step"] + v4) / v4
         out["runs"].append(r)
         show(r)
         save(out)

@@ -434,6 +434,7 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
         for r in s["runs"]:
             assert r["exact"] and r["tokens"] > 0 and r["step_s"] > 0, r
             assert "projected_pcie4_tok_s" in r and "pcie4_tok_s" not in r
+            assert r["projected_pcie4_step_over_verify"] >= 1.0
     assert runs["ar (no draft)"]["speedup_vs_ar"] == 1.0 and runs["ar (no draft)"]["tok_per_step"] == 1.0
     assert "planted" in rep["note"] and 0 <= first["planted"]["agreement"] <= 1
     acc = rep["accelerate"]  # the accelerate device_map baseline runs its calls on the CPU in a smoke run
