@@ -755,6 +755,7 @@ def bench_setting(
         save(out)
     ar4 = max(ar["step_s"], info0["streamed_gb_per_pass"] / PCIE4_GBPS)
     ar["projected_pcie4_tok_s"] = 1.0 / ar4
+    ar["projected_pcie4_step_over_verify"] = 1.0  # no draft
     for r in out["runs"]:
         r["projected_pcie4_speedup_vs_ar"] = r["projected_pcie4_tok_s"] * ar4
     del eng, target, draft

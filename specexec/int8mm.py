@@ -57,7 +57,7 @@ def tile(m: int, n: int) -> tuple[int, int, int, int, int]:
 
 
 # up to 64 rows: (BLOCK_N up to 8192 outputs, BLOCK_N beyond, BLOCK_K, num_warps, num_stages); a module constant so
-# that scripts/bench_int8mm.py can time alternatives (--small-tiles)
+# that scripts/bench_int8mm.py can time alternatives (its small-tiles option)
 SMALL_TILE: tuple[int, ...] = (32, 64, 256, 4, 3)  # the best of four tried on an H200 at 16-32 rows
 
 
