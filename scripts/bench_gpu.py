@@ -163,8 +163,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--int8-kernel",
         choices=("auto", "triton", "bnb"),
         default="auto",
-        help="an int8 draft's CUDA kernel: the fused Triton one up to 32 rows (specexec.int8mm), bitsandbytes' "
-        "W8A8, or the library's default (specexec.model.CUDA_INT8_KERNEL: bnb)",
+        help="an int8 draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes' W8A8, or the "
+        "library's default (specexec.model.CUDA_INT8_KERNEL: bnb)",
+    )
+    p.add_argument(
+        "--nf4-kernel",
+        choices=("auto", "triton", "bnb"),
+        default="auto",
+        help="an NF4 draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes', or the "
+        "library's default (offload.quant.DRAFT_NF4_KERNEL: bnb)",
     )
     p.add_argument(
         "--ngram-nodes",
@@ -201,10 +208,14 @@ def _cfg(shape: str):
     return ModelConfig(max_position_embeddings=8192, **SHAPES[shape])
 
 
-def _int8_kernel_name(dev) -> str:
+def _draft_kernel_name(dev, draft_dtype: str) -> str | None:
+    """The low-bit draft's kernel on ``dev`` (int8: specexec.model's choice; NF4: offload.quant's), else None."""
+    from offload import quant
     from specexec.model import _int8_kernel
 
-    return _int8_kernel(dev)
+    if draft_dtype == "int8":
+        return _int8_kernel(dev)
+    return quant.DRAFT_NF4_KERNEL if draft_dtype == "nf4" and dev.type == "cuda" else None
 
 
 def _sync(dev) -> None:
@@ -604,7 +615,7 @@ def bench_setting(
         "target_format": fmt,
         "draft": d_shape,
         "draft_dtype": args.draft_dtype,
-        "int8_kernel": _int8_kernel_name(dev) if args.draft_dtype == "int8" else None,
+        "draft_kernel": _draft_kernel_name(dev, args.draft_dtype),
         "gpu_memory_cap_gb": cap,
         "planted": {"domain": args.domain, "agreement": agree, "coverage": cover, **realised},
         "echo_prompts": args.echo,
@@ -612,7 +623,7 @@ def bench_setting(
     }
     print(
         f"\n== {name}: {t_shape} {fmt} + {d_shape} {args.draft_dtype}"
-        f"{' (' + out['int8_kernel'] + ' kernel)' if out['int8_kernel'] else ''} draft under {cap} GB "
+        f"{' (' + out['draft_kernel'] + ' kernel)' if out['draft_kernel'] else ''} draft under {cap} GB "
         f"(built in {time.perf_counter() - t0:.0f} s); planted pair: top-1 agreement {realised['agreement']:.3f}, "
         f"top-8 {realised['top8']:.3f}, target top-1 p {realised['target_top1_p']:.2f}",
         flush=True,
@@ -857,6 +868,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.int8_kernel != "auto":
         model_mod.CUDA_INT8_KERNEL = args.int8_kernel
+    if args.nf4_kernel != "auto":
+        from offload import quant
+
+        quant.DRAFT_NF4_KERNEL = args.nf4_kernel
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     bad = [s for s in names if s not in SETTINGS]

@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# Issue 16's remaining GPU checks in one device call (the H200 results so far and what they settled are in
-# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run measures what session 7 left
-# open: the CUDA tests, a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
-# "x accelerate, end to end" in one format on one machine), and the fused int8 draft kernel against bitsandbytes' at
-# budgets 256 and 1024 now that its first call compiles every row tile. "s7" repeats session 7's first call (spread
-# against leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" adds the linears
-# alone; "fill" and "profile" are earlier sessions' runs. The runs that matter most come first, each under its own
-# time limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after every
-# run, so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
+# Issue 16's remaining GPU checks, one device call each (the H200 results so far and what they settled are in
+# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~8 min) measures what
+# session 7 left open: the CUDA tests, the fused int8 and NF4 draft kernels (specexec.lowbit_mm) alone and end to end
+# against bitsandbytes' (an NF4 draft with a fast kernel would keep NF4's 6 extra resident layers without its slow
+# passes); "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
+# "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call (spread against
+# leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's int8 kernel
+# runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under its own time
+# limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after every run, so
+# a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
-#   bash scripts/gpu_issue16.sh            # ~7 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh            # ~8 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh accel      # ~4 min
 #   bash scripts/gpu_issue16.sh s7         # ~7 min
-#   bash scripts/gpu_issue16.sh int8       # ~5 min: the fused int8 draft kernel against bitsandbytes' ("int8 quick":
-#                                          # end to end only; BUDGETS=256,1024 sets the budgets)
+#   bash scripts/gpu_issue16.sh int8       # ~5 min ("int8 quick": end to end only; BUDGETS=256,1024 sets the budgets)
 #   bash scripts/gpu_issue16.sh fill       # ~3 min
 #   bash scripts/gpu_issue16.sh profile    # ~3 min: where the draft phase's time goes (host vs GPU), CUDA tests
 set -u
 WHAT=${1:-all}
 case "$WHAT" in
-    all | s7 | int8 | fill | profile) ;;
-    *) echo "usage: bash scripts/gpu_issue16.sh [all|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
+    all | accel | s7 | int8 | fill | profile) ;;
+    *) echo "usage: bash scripts/gpu_issue16.sh [all|accel|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -61,7 +62,7 @@ torch.cuda.get_device_name())"
     if [ "$WHAT" = int8 ]; then
         if [ "${2:-}" != quick ]; then
             step "CUDA tests: the fused int8 kernel (rows 1-300, in a graph), int8/NF4 self drafts"
-            run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8mm.py tests/test_self_draft.py
+            run 60 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_lowbit_mm.py tests/test_self_draft.py
         fi
         for kern in triton bnb; do
             step "70B NF4 at 24 GB, int8 7B draft on the $kern kernel: code, ${BUDGETS:-1024}"
@@ -70,9 +71,9 @@ torch.cuda.get_device_name())"
                 --budgets "${BUDGETS:-1024}" --modes "" --out "$OUT/gpu_int8_$kern.json"
         done
         [ "${2:-}" = quick ] && exit 0
-        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernel (and alternative small-row tiles)"
-        run 80 python3 scripts/bench_int8mm.py --shapes 7b --rows 16,32,64,128 \
-            --small-tiles "64,128,128,4,4;32,64,256,4,3;64,64,128,8,4" --out "$OUT/int8mm.json"
+        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4 (and alternative tiles)"
+        run 100 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,64,128,256 \
+            --tiles "128,64,128,8,3;64,128,64,4,4" --out "$OUT/lowbit_mm.json"
         step done
         exit 0
     fi
@@ -86,20 +87,28 @@ torch.cuda.get_device_name())"
         step done
         exit 0
     fi
-    step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load, fused int8)"
-    run 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
+    [ "$WHAT" = accel ] || step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load, fused int8/NF4)"
+    [ "$WHAT" = accel ] || run 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
-        tests/test_sizes.py tests/test_int8mm.py
+        tests/test_sizes.py tests/test_lowbit_mm.py
     if [ "$WHAT" = all ]; then
-        step "70B bf16 and 70B NF4 at 24 GB (int8 7B draft, code, 1024) beside accelerate device_map: x accelerate in one format"
-        run 200 python3 scripts/bench_gpu.py --settings 70b-bf16@24,70b-nf4@24 --draft-dtype int8 --no-ar-loaded \
-            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 3 --budgets 1024 --modes "" --out "$OUT/gpu_bf16_accelerate.json"
-        for kern in triton bnb; do
-            step "70B NF4 at 24 GB, int8 7B draft on the $kern kernel (every row tile compiled at its first call): code, 256,1024"
-            run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel $kern \
-                --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
-                --budgets 256,1024 --modes "" --out "$OUT/gpu_int8_$kern.json"
+        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
+        run 120 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,64,128,256 --out "$OUT/lowbit_mm.json"
+        for fmt in nf4 int8; do
+            for kern in triton bnb; do
+                step "70B NF4 at 24 GB, $fmt 7B draft on the $kern kernel: code, 256,1024"
+                run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel $kern \
+                    --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
+                    --budgets 256,1024 --modes "" --out "$OUT/gpu_${fmt}_$kern.json"
+            done
         done
+        step done
+        exit 0
+    fi
+    if [ "$WHAT" = accel ]; then
+        step "70B bf16 and 70B NF4 at 24 GB (int8 7B draft, code, 1024) beside accelerate device_map: x accelerate in one format"
+        run 240 python3 scripts/bench_gpu.py --settings 70b-bf16@24,70b-nf4@24 --draft-dtype int8 --no-ar-loaded \
+            --no-auto --prompts 1 --new-tokens 48 --ar-tokens 3 --budgets 1024 --modes "" --out "$OUT/gpu_bf16_accelerate.json"
         step done
         exit 0
     fi

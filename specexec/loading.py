@@ -382,11 +382,14 @@ def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtyp
         return GroupQuantLinear.quantize(w.cpu().float(), fmt, refine).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
-    from offload.quant import NF4Linear, nf4_code, quantize_nf4
+    from offload import quant
     from specexec.sizes import NF4_BLOCKSIZE
 
-    packed, absmax = quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
-    return NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4_code(device))
+    packed, absmax = quant.quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
+    out = quant.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, quant.nf4_code(device))
+    if device.type == "cuda":
+        out.kernel = quant.DRAFT_NF4_KERNEL
+    return out
 
 
 def _low_bit_globals(

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from specexec import lowbit_mm
 from specexec.kv_cache import KVCache
 
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
@@ -194,14 +195,10 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
     return w.rows(tokens)
 
 
-# int8 weights on CUDA: "bnb" (bitsandbytes' W8A8) or "triton" (specexec.int8mm, a fused weight-only GEMM, up to
-# TRITON_MAX_ROWS rows a call and bitsandbytes' beyond). On an H200 the fused kernel beat bitsandbytes' for a 7B
-# layer's linears up to 32 rows (79 against 138 us at 16 rows, 108 against 135 at 32) and lost beyond (160 against
-# 148 at 64, 262 against 175 at 128), and end to end (70B NF4 target, int8 7B draft) the mix did not pay: 11.57
-# against 11.98 tok/s at budget 256, 13.19 against 13.24 at 1024 (docs/BENCHMARKS.md). So bitsandbytes' stays the
-# default; "triton" is there to be measured where a draft's levels are narrow or memory is slower (consumer GPUs)
+# int8 weights on CUDA: "bnb" (bitsandbytes' W8A8) or "triton" (specexec.lowbit_mm, a fused weight-only GEMM, up to
+# lowbit_mm.MAX_ROWS rows a call, bitsandbytes' beyond). Its first version lost to bitsandbytes' end to end on an H200
+# (docs/BENCHMARKS.md, fifth H200 session); the current one is not GPU-measured yet, so bitsandbytes' stays the default
 CUDA_INT8_KERNEL = "bnb"
-TRITON_MAX_ROWS = 32
 
 
 def _int8_kernel(device: torch.device | None = None) -> str:
@@ -234,9 +231,9 @@ class Int8Linear:
       row-wise to int8, an int8 GEMM (cuBLASLt on CUDA), rescaled by both absmax vectors. The weight's int8 codes
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
       through fp16 (bitsandbytes' CUDA quantizer takes fp16 only);
-    - ``triton``: :mod:`specexec.int8mm`, one fused weight-only kernel (codes widened to ``x``'s dtype in
-      registers, fp32 accumulation, the scale in the epilogue; no casts, no activation quantization) up to
-      :data:`TRITON_MAX_ROWS` rows, ``bnb`` beyond (see :data:`CUDA_INT8_KERNEL` for what it measured).
+    - ``triton``: :mod:`specexec.lowbit_mm`, one fused weight-only kernel (codes widened in registers, fp32
+      accumulation, the scale in the epilogue; no casts, no activation quantization) up to
+      ``lowbit_mm.MAX_ROWS`` rows, ``bnb`` beyond (see :data:`CUDA_INT8_KERNEL`).
 
     Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
     slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
@@ -293,11 +290,9 @@ class Int8Linear:
 
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype."""
-        if self.kernel == "triton" and x.shape[0] <= TRITON_MAX_ROWS:
-            from specexec import int8mm
-
+        if self.kernel == "triton" and x.shape[0] <= lowbit_mm.MAX_ROWS:
             # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
-            return int8mm.matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
+            return lowbit_mm.int8_matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
         if self.kernel in ("bnb", "triton"):
             import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; imported once, then cached)
 

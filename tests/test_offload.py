@@ -186,7 +186,11 @@ def test_nf4_pack_unpack_equals_bitsandbytes(shape):
     for name in ("wqkv", "wo", "w13", "w2"):
         assert isinstance(layer[name], NF4Linear)
         q, state = bnbf.quantize_4bit(weights[name], blocksize=64, quant_type="nf4", compress_statistics=False)
-        assert torch.equal(layer[name].dequantize(), bnbf.dequantize_4bit(q, state))
+        # the flat blocks bitsandbytes quantized with (its CPU dequantize_4bit of a 2-D weight whose rows are not
+        # whole blocks, like w2's 80 here, gets some shapes wrong: NF4Linear dequantizes through the flat shape)
+        ref = _nf4_reference(q.view(-1), state.absmax, shapes[name], 64)
+        assert torch.equal(layer[name].dequantize(), ref)
+        assert (ref - weights[name]).abs().max() <= 0.2 * weights[name].abs().max()  # NF4's own error, no more
         x = torch.randn(5, shapes[name][1])
         assert torch.equal(layer[name].linear(x), torch.nn.functional.linear(x, layer[name].dequantize()))
     assert torch.equal(layer["attn_norm"], weights["attn_norm"])

@@ -462,7 +462,8 @@ def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monk
     assert rows[False]["exact"] and rows[True]["exact"]
     assert rows[False]["ngram_tokens"] == 0 < rows[True]["ngram_tokens"]
     assert rows[True]["tok_per_step"] > rows[False]["tok_per_step"]
-    for bad in (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"], ["--int8-kernel", "fast"]):
+    bad_args = (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"], ["--int8-kernel", "fast"])
+    for bad in (*bad_args, ["--nf4-kernel", "cutlass"]):
         with pytest.raises(SystemExit) as e:
             gpu.main([*argv, *bad])
         assert e.value.code == 2
@@ -651,24 +652,25 @@ def test_bench_ngram_merge_smoke(tiny_pair, tmp_path):
         script("bench_ngram_merge").main(["--sets", "poetry"])
 
 
-def test_bench_int8mm_smoke_times_every_kernel(tmp_path):
-    """bench_int8mm --smoke: every kernel (16-bit, bitsandbytes, the fused Triton one, interpreted) on every linear
-    and row count, a layer's sum per row count, a JSON; bad options are one line and exit 2."""
+def test_bench_lowbit_mm_smoke_times_every_kernel(tmp_path):
+    """bench_lowbit_mm --smoke: every kernel (16-bit; int8 and NF4 through bitsandbytes and the fused Triton ones,
+    interpreted) on every linear and row count, alternative tiles, a layer's sum per row count, a JSON; bad options
+    are one line and exit 2."""
     pytest.importorskip("triton")
-    mod = script("bench_int8mm")
-    out = tmp_path / "i8.json"
-    assert mod.main(["--smoke", "--small-tiles", "64,64,64,4,2", "--out", str(out)]) == 0
+    mod = script("bench_lowbit_mm")
+    out = tmp_path / "lb.json"
+    assert mod.main(["--smoke", "--tiles", "32,32,64,4,2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert all(r["triton:64x64x64x4x2_us"] > 0 for r in rows)
+    assert all(r["int8-triton:32x32x64x4x2_us"] > 0 and r["nf4-triton:32x32x64x4x2_us"] > 0 for r in rows)
     linears = {(r["linear"], r["rows"]) for r in rows}
     assert {("w13", 16), ("lm_head", 33), ("layer", 1)} <= linears
     for r in rows:
-        assert all(r[f"{k}_us"] > 0 for k in ("dense", "bnb", "triton")), r
+        assert all(r[f"{k}_us"] > 0 for k in mod.KERNELS), r
     layer = next(r for r in rows if r["linear"] == "layer" and r["rows"] == 16)
     parts = [r for r in rows if r["rows"] == 16 and r["linear"] in mod.LAYER]
-    assert layer["triton_us"] == pytest.approx(sum(r["triton_us"] for r in parts))
+    assert layer["nf4-triton_us"] == pytest.approx(sum(r["nf4-triton_us"] for r in parts))
     bad_args = (["--kernels", "cutlass"], ["--rows", "a"], ["--shapes", "13b"], ["--calls", "0"])
-    for bad in (*bad_args, ["--small-tiles", "32,64"], ["--small-tiles", "a,b,c,d,e"]):
+    for bad in (*bad_args, ["--tiles", "32,64"], ["--tiles", "a,b,c,d,e"]):
         with pytest.raises(SystemExit) as e:
             mod.main(bad)
         assert e.value.code == 2

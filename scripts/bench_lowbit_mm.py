@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""An int8 draft's linears, per kernel: the fused Triton GEMM (specexec.int8mm) vs bitsandbytes' W8A8 vs 16-bit.
+"""A low-bit draft's linears, per kernel: the fused Triton GEMMs (specexec.lowbit_mm) vs bitsandbytes vs 16-bit.
 
 A draft pass multiplies a level's rows (16-256 on a GPU's trees) by every weight, so it is bound by the weights'
 bytes. For each linear shape of a 7B- and an 8B-shaped draft (``--shapes``) and each row count (``--rows``) this
-times one call of each kernel (``--kernels``: ``dense`` = ``F.linear`` on the 16-bit weight, ``bnb``, ``triton``)
-as the draft runs it -- replayed from a CUDA graph of ``--calls`` back-to-back calls, so launch costs are not
-counted -- and reports microseconds a call, the weight bandwidth achieved (weight bytes / time) and each kernel's
-time against 16-bit's. A "layer" row sums a decoder layer's four linears (q/k/v, o, gate/up, down).
+times one call of each kernel (``--kernels``: ``dense`` = ``F.linear`` on the 16-bit weight; ``int8-bnb``,
+``int8-triton``, ``nf4-bnb``, ``nf4-triton``) as the draft runs it -- replayed from a CUDA graph of ``--calls``
+back-to-back calls, so launch costs are not counted -- and reports microseconds a call, the weight bandwidth
+achieved (weight bytes / time) and each kernel's time against 16-bit's. A "layer" row sums a decoder layer's four
+linears (q/k/v, o, gate/up, down). ``--tiles`` adds the Triton kernels with other tiles.
 
-    python scripts/bench_int8mm.py --out bench_out/int8mm.json    # on a GPU (~1 min)
-    python scripts/bench_int8mm.py --smoke                         # tiny shapes on a CPU: logic only (interpreter)
+    python scripts/bench_lowbit_mm.py --out bench_out/lowbit.json    # on a GPU (~1-2 min)
+    python scripts/bench_lowbit_mm.py --smoke                        # tiny shapes on a CPU: logic only (interpreter)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "tiny": {"wqkv": (96, 64), "wo": (64, 64), "w13": (320, 64), "w2": (64, 160), "lm_head": (512, 64)},
 }  # fmt: skip
 LAYER = ("wqkv", "wo", "w13", "w2")
-KERNELS = ("dense", "bnb", "triton")
+KERNELS = ("dense", "int8-bnb", "int8-triton", "nf4-bnb", "nf4-triton")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,13 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=20, help="calls per timed graph replay")
     p.add_argument("--repeats", type=int, default=5, help="replays timed (the median is reported)")
     p.add_argument(
-        "--small-tiles",
+        "--tiles",
         default="",
-        help="alternative tiles up to 64 rows, timed as extra kernels 'triton:<tile>': ';'-separated "
-        "BN,BN_WIDE,BK,WARPS,STAGES (specexec.int8mm.SMALL_TILE)",
+        help="the Triton kernels again with other tiles, as extra kernels '<fmt>-triton:<tile>': ';'-separated "
+        "BLOCK_O,BLOCK_T_MAX,BLOCK_K,WARPS,STAGES (specexec.lowbit_mm.TILE)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreted): logic only")
-    p.add_argument("--out", type=Path, default=Path("bench_out/int8mm.json"))
+    p.add_argument("--out", type=Path, default=Path("bench_out/lowbit_mm.json"))
     args = p.parse_args(argv)
     if args.smoke:
         args.shapes, args.rows, args.calls, args.repeats = "tiny", "1,16,33", 2, 1
@@ -64,12 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if bad or not given:
             p.error(f"unknown {name}(s) {', '.join(map(repr, bad)) or '(none given)'}; known: {', '.join(known)}")
     try:
-        args.tiles = [tuple(int(v) for v in t.split(",")) for t in args.small_tiles.split(";") if t.strip()]
+        args.tile_list = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t.strip()]
     except ValueError:
-        p.error(f"--small-tiles must be ';'-separated lists of 5 integers, not {args.small_tiles!r}")
-    if any(len(t) != 5 or min(t) < 1 for t in args.tiles):
-        p.error("--small-tiles: each tile is 5 positive integers BN,BN_WIDE,BK,WARPS,STAGES")
-    args.kernel_list += [f"triton:{'x'.join(map(str, t))}" for t in args.tiles]
+        p.error(f"--tiles must be ';'-separated lists of 5 integers, not {args.tiles!r}")
+    if any(len(t) != 5 or min(t) < 1 for t in args.tile_list):
+        p.error("--tiles: each tile is 5 positive integers BLOCK_O,BLOCK_T_MAX,BLOCK_K,WARPS,STAGES")
+    args.kernel_list += [
+        f"{k}:{'x'.join(map(str, t))}" for t in args.tile_list for k in args.kernel_list if k.endswith("-triton")
+    ]
     if not args.row_list or min(args.row_list) < 1 or args.calls < 1 or args.repeats < 1:
         p.error("--rows, --calls and --repeats must be positive")
     return args
@@ -107,37 +110,44 @@ def bench(args: argparse.Namespace, dev) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from specexec import int8mm
+    from specexec import lowbit_mm
+    from specexec.loading import quantize_weight
     from specexec.model import Int8Linear
 
-    default_tile = int8mm.SMALL_TILE
-
+    default_tile = lowbit_mm.TILE
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fmts = {k.split("-")[0] for k in args.kernel_list if k != "dense"}
     rows_out: list[dict[str, Any]] = []
     for shape in args.shape_list:
         for name, (n, k) in SHAPES[shape].items():
             torch.manual_seed(0)
             w = torch.randn(n, k, dtype=torch.float32) * 0.02
             dense = w.to(dev, dtype)
-            q = Int8Linear(w).to(dev)
+            low: dict[str, Any] = {}
+            if "int8" in fmts:
+                low["int8"] = Int8Linear(w).to(dev)
+            if "nf4" in fmts:
+                low["nf4"] = quantize_weight(w, "nf4", dev, dtype)
             for m in args.row_list:
                 x = torch.randn(m, k, device=dev, dtype=dtype)
                 rec: dict[str, Any] = {"shape": shape, "linear": name, "out": n, "in": k, "rows": m}
                 for kern in args.kernel_list:
-                    tile = ""
+                    name_kern, _, tile = kern.partition(":")
                     if kern == "dense":
                         fn = lambda x=x, d=dense: F.linear(x, d)  # noqa: E731
                         nbytes = dense.numel() * dense.element_size()
                     else:
-                        q.kernel, _, tile = kern.partition(":")
-                        fn = lambda x=x, q=q: q.linear(x)  # noqa: E731
-                        nbytes = q.nbytes()
-                    int8mm.SMALL_TILE = tuple(int(v) for v in tile.split("x")) if tile else default_tile
-                    s = _timer(fn, dev, args.calls, args.repeats)
-                    rec[f"{kern}_us"] = s * 1e6
-                    rec[f"{kern}_gbps"] = nbytes / s / 1e9
+                        fmt, how = name_kern.split("-")
+                        lin = low[fmt]
+                        lin.kernel = how
+                        fn = lambda x=x, lin=lin: lin.linear(x)  # noqa: E731
+                        nbytes = lin.nbytes() if fmt == "int8" else lin.packed.numel() + lin.absmax.numel() * 4
+                    lowbit_mm.TILE = tuple(int(v) for v in tile.split("x")) if tile else default_tile
+                    sec = _timer(fn, dev, args.calls, args.repeats)
+                    rec[f"{kern}_us"] = sec * 1e6
+                    rec[f"{kern}_gbps"] = nbytes / sec / 1e9
                 rows_out.append(rec)
-    int8mm.SMALL_TILE = default_tile
+    lowbit_mm.TILE = default_tile
     return rows_out
 
 
@@ -173,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         dev = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("bench_int8mm needs a CUDA GPU (or --smoke for a CPU logic check)", file=sys.stderr)
+        print("bench_lowbit_mm needs a CUDA GPU (or --smoke for a CPU logic check)", file=sys.stderr)
         return 1
     else:
         dev = torch.device("cuda")
-    from specexec import int8mm
+    from specexec import lowbit_mm
 
-    if "triton" in args.kernel_list and not int8mm.available():
+    if any("triton" in k for k in args.kernel_list) and not lowbit_mm.available():
         print("error: the triton kernel needs Triton (pip install triton)", file=sys.stderr)
         return 2
     rows = bench(args, dev)
