@@ -218,3 +218,28 @@ def _launch(
             WIDEN_FP32=widen, **kw,
         )  # fmt: skip
     return y
+
+
+def compile_for(arch: int, fmt: int, m: int, n: int, k: int, blocksize: int = 64, dtype: str = "bf16") -> Any:
+    """Compile (do not run) the kernel for a CUDA GPU of compute capability ``arch`` (80: A100, 89: RTX 40xx, 90:
+    H100/H200) with the tile :func:`tile` picks for ``m`` rows and ``n`` outputs of inner size ``k``: Triton ships
+    its own ptxas, so this needs no GPU (tests check that every tile a draft uses compiles). Returns Triton's
+    compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Must run in a process without ``TRITON_INTERPRET``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = _kernel(False)
+    bo, bt, bk, warps, stages = tile(m, n)
+    consts = {
+        "K": k, "FMT": fmt, "BLOCKSIZE": blocksize, "BLOCK_O": bo, "BLOCK_T": bt, "BLOCK_K": bk,
+        "ALIGNED": k % bk == 0 and (fmt == INT8 or bk % blocksize == 0), "WIDEN_FP32": dtype == "fp32",
+    }  # fmt: skip
+    sig = {
+        "x_ptr": f"*{dtype}", "w_ptr": "*i8" if fmt == INT8 else "*u8", "s_ptr": "*fp32", "code_ptr": "*fp32",
+        "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_ym": "i32",
+    }  # fmt: skip
+    names = list(kern.arg_names)
+    signature = {a: sig.get(a, "constexpr") for a in names}
+    src = ASTSource(fn=kern, signature=signature, constexprs={(names.index(a),): v for a, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})

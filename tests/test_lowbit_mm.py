@@ -105,6 +105,46 @@ def test_int8_linear_and_nf4_linear_triton_kernels_on_cpu():
     torch.testing.assert_close(lin.linear(x), x @ lin.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
+COMPILE_CHECK = """
+import json, sys
+from specexec import lowbit_mm
+out = []
+for arch in (80, 89, 90):
+    for fmt in (lowbit_mm.INT8, lowbit_mm.NF4):
+        for m in (1, 16, 32, 64, 128, 256):
+            for n, k in ((4096, 4096), (22016, 4096), (4096, 11008), (4864, 896)):
+                c = lowbit_mm.compile_for(arch, fmt, m, n, k)
+                ptx = c.asm["ptx"]
+                out.append([arch, fmt, m, n, k, list(lowbit_mm.tile(m, n)), "wgmma" in ptx, c.metadata.shared])
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernels_compile_for_real_gpus_without_one():
+    """Every tile a draft's levels use compiles to a cubin for an A100 (8.0), an RTX 40xx (8.9) and an H100/H200
+    (9.0), both formats, 7B- and Qwen-0.5B-shaped linears (Triton ships its own ptxas). On a Hopper GPU the
+    full-height output tiles run on warp-group MMAs (the point of the swapped layout), and each tile's shared
+    memory fits the smallest of these GPUs' per-block limit (163 KB on an A100; 99 KB on an RTX 40xx)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real (compiling) Triton
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert len(rows) == 3 * 2 * 6 * 4
+    for arch, _fmt, _m, _n, _k, (bo, *_), wgmma, shared in rows:
+        if arch == 90 and bo >= 64:
+            assert wgmma, (arch, _fmt, _m, _n, _k)
+        assert shared <= {80: 163, 89: 99, 90: 227}[arch] * 1024, (arch, _fmt, _m, _n, _k, shared)
+
+
 def _use_kernel(model, kernel: str) -> int:
     """Switch every low-bit linear (int8 or NF4) of ``model`` to ``kernel``; how many there were."""
     seen = 0
