@@ -12,8 +12,8 @@ in the activations' dtype with fp32 accumulation and write the output once.
 Layout: "swap AB". Each program computes a (BLOCK_O outputs × BLOCK_T rows) tile of ``y.T = W @ x.T``: the decoded
 weight tile is the MMA's A operand (registers), the rows of ``x`` its B operand. Few rows then still make a full
 MMA tile on the weight side, and Hopper's warp-group MMA may take its A operand from registers (its B operand only
-from shared memory: the first version of this kernel had the decoded weight tile there and measured slower than
-bitsandbytes beyond 32 rows on an H200; why was not profiled).
+from shared memory: the first version of this kernel had the decoded weight tile there, stored it to shared memory
+each step, and measured slower than bitsandbytes beyond 32 rows on an H200; why was not profiled).
 
 Measured: the first (B-position) int8 version on an H200, a 7B layer's linears: 79 us at 16 rows against
 bitsandbytes' 138 and 16-bit's 110; 108 / 135 / 111 at 32; but 160 / 148 / 114 at 64 and 262 / 175 / 123 at 128,
