@@ -249,7 +249,8 @@ def spread(k: int, n: int) -> tuple[int, ...]:
     (an NF4 70B layer copies in ~8.7 ms on a PCIe5 link and computes in ~0.2-3 ms for 1-1024 tokens on an H200).
     Leading resident layers computed while the copy engine, its ring of a few buffers already full, stood idle: a
     pass cost its copies plus the resident layers' compute (~57 ms of a 0.6 s verify of 1024 nodes with 19 of 80
-    resident). The pass begins with the streamed layers the ring prefetched while the draft ran."""
+    resident). The pass begins with the streamed layers the ring prefetched while the draft ran. Measured on an H200
+    (70B NF4, int8 7B draft, 24 GB, 1024-node trees): verify 0.605 -> 0.524 s against 0.531 s of copies, +13% tok/s."""
     if k >= n:
         return tuple(range(n))
     return tuple(((j + 1) * n) // (k + 1) for j in range(max(k, 0)))  # strictly increasing: n / (k + 1) >= 1
