@@ -91,7 +91,9 @@ def _kernel(interpret: bool) -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit  # type: ignore[misc]
+        # no specialization on the row and output counts (Triton would compile again for a count of 1 or a multiple
+        # of 16, or for a subset head whose size crosses one): one compile a tile
+        @triton.jit(do_not_specialize=["M", "N"])  # type: ignore[misc]
         def lowbit_mm(
             x_ptr,
             w_ptr,  # int8 codes (N, K) row-major, or NF4: two codes a byte over the flattened (N, K), high first
@@ -158,8 +160,8 @@ def _kernel(interpret: bool) -> Any:
         return lowbit_mm
 
 
-_WARM: set[tuple[Any, ...]] = set()  # (format, device, dtype, K, outputs > 8192, outputs % 16 == 0, interpreted)
-WARM_ROWS = (1, 16, 32, 64, 65)  # one row count per tile :func:`tile` picks (Triton specializes 1 row apart)
+_WARM: set[tuple[Any, ...]] = set()  # (format, device, dtype, K, outputs > 8192, interpreted): tiles compiled
+WARM_ROWS = (16, 32, 64)  # one row count per row tile :func:`tile` picks (up to 16, 32, 64 rows)
 
 
 def int8_matmul(x: Tensor, qweight: Tensor, scale: Tensor, interpret: bool = False) -> Tensor:
@@ -189,7 +191,7 @@ def _matmul(
 ) -> Tensor:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x has shape {tuple(x.shape)}, the weight takes {k} columns")
-    key = (fmt, x.device, x.dtype, k, n > 8192, n % 16 == 0, interpret)
+    key = (fmt, x.device, x.dtype, k, n > 8192, interpret)
     if key not in _WARM:  # compile every row tile at the first call: a draft's first pass runs eagerly (prefill,
         _WARM.add(key)  # warm-up), while later level widths may first appear in a graph capture or a timed step
         for m in WARM_ROWS:
