@@ -159,20 +159,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the n-gram branches merged into the trees by default carry it); otherwise random prompts, which never repeat",
     )
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
-    p.add_argument(
-        "--int8-kernel",
-        choices=("auto", "triton", "bnb"),
-        default="auto",
-        help="an int8 draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes' W8A8, or the "
-        "library's default (specexec.model.CUDA_INT8_KERNEL: bnb)",
-    )
-    p.add_argument(
-        "--nf4-kernel",
-        choices=("auto", "triton", "bnb"),
-        default="auto",
-        help="an NF4 draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes', or the "
-        "library's default (offload.quant.DRAFT_NF4_KERNEL: bnb)",
-    )
+    for fmt, default in (("int8", "specexec.model.CUDA_INT8_KERNEL"), ("nf4", "offload.quant.DRAFT_NF4_KERNEL")):
+        p.add_argument(
+            f"--{fmt}-kernel",
+            choices=("auto", "triton", "bnb"),
+            default="auto",
+            help=f"an {fmt} draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes', or the "
+            f"library's default ({default}: bnb)",
+        )
     p.add_argument(
         "--ngram-nodes",
         type=int,
