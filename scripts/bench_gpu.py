@@ -173,6 +173,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="n-gram nodes merged into every tree (default: the library's GPU default, also in a --smoke run; 0: none)",
     )
+    p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=2,
+        help="tokens of the uncounted warm-up generation before each speculative run (its first graph captures, "
+        "calibration and kernel compiles; more tokens leave fewer of them in the measured steps)",
+    )
     p.add_argument("--prompts", type=int, default=2, help="prompts per run")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per speculative generation")
@@ -193,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--echo needs --prompt-tokens >= {2 * args.new_tokens + 8} (twice --new-tokens + 8)")
     if args.ngram_nodes is not None and not 0 <= args.ngram_nodes <= 1024:
         p.error("--ngram-nodes must be in 0..1024")
+    if args.warmup_tokens < 1:
+        p.error("--warmup-tokens must be at least 1")
     return args
 
 
@@ -400,14 +409,16 @@ def run_engine(
     ref: list[list[int]],
     sync_debug: bool = False,
     profile: Path | None = None,
+    warmup_tokens: int = 2,
 ) -> dict[str, Any]:
-    """Generate for every prompt (one warm-up generation first, not counted); totals of the measured runs."""
+    """Generate for every prompt (one warm-up generation of ``warmup_tokens`` first, not counted); totals of the
+    measured runs."""
     import torch
 
     from specexec import synthetic
 
     glob = engine.target.globals
-    engine.generate(prompts[0], min(2, n_new), method=method, tree=tree)  # warm-up: graphs, calibration, ring
+    engine.generate(prompts[0], min(warmup_tokens, n_new), method=method, tree=tree)  # graphs, calibration, ring
     dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
@@ -744,7 +755,7 @@ def bench_setting(
         kw = knobs.get(label, {})
         decode.VERIFY_PRIORITY = kw.get("_prio", True)
         try:
-            r = run_engine(eng, label, prompts, n, method, tree, ref, sync_debug=args.sync_debug, profile=args.profile)
+            r = run_engine(eng, label, prompts, n, method, tree, ref, args.sync_debug, args.profile, args.warmup_tokens)
         finally:
             decode.VERIFY_PRIORITY = True
         r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure

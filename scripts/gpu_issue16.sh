@@ -99,7 +99,7 @@ torch.cuda.get_device_name())"
                 step "70B NF4 at 24 GB, $fmt 7B draft on the $kern kernel: code, 256,1024"
                 run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel $kern \
                     --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
-                    --budgets 256,1024 --modes "" --out "$OUT/gpu_${fmt}_$kern.json"
+                    --warmup-tokens 16 --budgets 256,1024 --modes "" --out "$OUT/gpu_${fmt}_$kern.json"
             done
         done
         step done

@@ -463,7 +463,7 @@ def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monk
     assert rows[False]["ngram_tokens"] == 0 < rows[True]["ngram_tokens"]
     assert rows[True]["tok_per_step"] > rows[False]["tok_per_step"]
     bad_args = (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"], ["--int8-kernel", "fast"])
-    for bad in (*bad_args, ["--nf4-kernel", "cutlass"]):
+    for bad in (*bad_args, ["--nf4-kernel", "cutlass"], ["--warmup-tokens", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu.main([*argv, *bad])
         assert e.value.code == 2
