@@ -129,8 +129,9 @@ def _kernel(interpret: bool) -> Any:
                     x_ptr + rt[None, :] * stride_xm + kk[:, None], mask=t_ok[None, :] & k_ok[:, None], other=0.0
                 )  # (BLOCK_K, BLOCK_T)
                 if FMT == 0:
+                    # the int8 codes, widened below (exact in any float type; under the interpreter, whose
+                    # int8 -> bf16 cast is wrong, through fp32)
                     w = tl.load(w_ptr + row[:, None] + kk[None, :], mask=o_ok[:, None] & k_ok[None, :], other=0)
-                    w = w.to(tl.float32)  # exact for every code; the interpreter's int8 -> bf16 cast is wrong
                 elif ALIGNED:
                     rb = tl.arange(0, BLOCK_K // 2)
                     b = tl.load(w_ptr + (row[:, None] + k0) // 2 + rb[None, :], mask=o_ok[:, None], other=0)
@@ -149,7 +150,7 @@ def _kernel(interpret: bool) -> Any:
                     v = tl.load(code_ptr + idx)
                     w = v * tl.load(s_ptr + flat // BLOCKSIZE, mask=wmask, other=0.0)
                 if WIDEN_FP32:
-                    acc += tl.dot(w, xt.to(tl.float32))
+                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
                 else:
                     acc += tl.dot(w.to(xt.dtype), xt)
             if FMT == 0:
