@@ -45,6 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from specexec.config import GROW_MODES, TreeConfig  # noqa: E402 - light (no torch at import)
+
 GB = 1e9
 PCIE4_GBPS = 25.0
 SHAPES: dict[str, dict[str, Any]] = {
@@ -127,6 +129,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budgets", default=FULL, help="fixed budgets for the first setting")
     p.add_argument("--budgets-other", default="256", help="fixed budgets for the other settings")
     p.add_argument("--mode-budget", type=int, default=256, help="budget of the growth-mode / overlap runs")
+    p.add_argument(
+        "--grows",
+        default="auto",
+        help="comma-separated growth modes of the fixed-budget runs, each run per budget (TreeConfig.grow: auto, "
+        "dynamic, static, ahead, captured; auto = the library's GPU default); the --budget auto run takes the first",
+    )
+    p.add_argument(
+        "--max-beams",
+        default=str(TreeConfig.max_beams),
+        help="comma-separated rows a draft level expands at most (TreeConfig.max_beams), each run per budget and "
+        "growth mode; the --budget auto run takes the first",
+    )
     p.add_argument("--modes-other", action="store_true", help="run the growth modes in every setting (default: first)")
     p.add_argument(
         "--modes",
@@ -191,6 +205,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the flow, not a measurement")
     p.add_argument("--out", type=Path, default=Path("bench_out/gpu.json"))
     args = p.parse_args(argv)
+    args.grow_list = [g.strip() for g in args.grows.split(",") if g.strip()]
+    bad = [g for g in args.grow_list if g not in GROW_MODES]
+    if bad or not args.grow_list:
+        p.error(f"--grows: unknown mode(s) {', '.join(map(repr, bad))}; known: {', '.join(GROW_MODES)}")
+    try:
+        args.beam_list = [int(w) for w in args.max_beams.split(",") if w.strip()]
+    except ValueError:
+        p.error(f"--max-beams takes comma-separated positive integers, not {args.max_beams!r}")
+    if not args.beam_list or min(args.beam_list) < 1:
+        p.error(f"--max-beams takes comma-separated positive integers, not {args.max_beams!r}")
     known = [m for m, _ in MODE_RUNS]
     args.mode_list = known if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.mode_list if m not in known]
@@ -585,7 +609,7 @@ def bench_setting(
     import torch
 
     from specexec import decode, sizes, synthetic
-    from specexec.config import NGRAM_NODES_GPU, TreeConfig
+    from specexec.config import NGRAM_NODES_GPU
     from specexec.engine import Engine
 
     t_shape, fmt, d_shape, cap = SETTINGS[name]
@@ -729,7 +753,18 @@ def bench_setting(
     )
     # the GPU's default n-gram branches (named in a --smoke run, whose CPU default merges none into fixed trees)
     ng = args.ngram_nodes if args.ngram_nodes is not None else NGRAM_NODES_GPU if args.smoke else None
-    runs += [(f"specexec {b}", "specexec", TreeConfig(budget=b, ngram=ng), args.new_tokens) for b in budgets]
+    grow0, beams0 = args.grow_list[0], args.beam_list[0]
+    runs += [
+        (
+            f"specexec {b}" + (f" {g}" if g != "auto" else "") + (f" w{w}" if w != TreeConfig.max_beams else ""),
+            "specexec",
+            TreeConfig(budget=b, ngram=ng, grow=g, max_beams=w),
+            args.new_tokens,
+        )
+        for b in budgets
+        for g in args.grow_list
+        for w in args.beam_list
+    ]
     if first or args.modes_other:
         runs += [
             (
@@ -747,7 +782,8 @@ def bench_setting(
             if lab in args.mode_list
         ]
     if not args.no_auto:
-        runs.append(("auto", "specexec", TreeConfig(auto=True, max_budget=max(budgets), ngram=ng), args.new_tokens))
+        auto = TreeConfig(auto=True, max_budget=max(budgets), ngram=ng, grow=grow0, max_beams=beams0)
+        runs.append(("auto", "specexec", auto, args.new_tokens))
     gbp = info["streamed_gb_per_pass"]
     knobs = {f"{lab} {args.mode_budget}": kw for lab, kw in MODE_RUNS}
     for label, method, tree, n in runs:

@@ -25,7 +25,7 @@ def check_method(method: str) -> None:
         )
 
 
-GROW_MODES = ("auto", "dynamic", "static", "ahead")
+GROW_MODES = ("auto", "dynamic", "static", "ahead", "captured")
 OVERLAP_AIMS = ("carried", "frontier")
 OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
 OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
@@ -67,13 +67,15 @@ class TreeConfig:
     # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py): "dynamic" sizes
     # each draft pass by the open nodes and compacts the tree every level (several host reads a level; the CPU's
     # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
-    # late, so the host never waits for the pass it just launched (one pass over padding rows at the end). "auto":
+    # late, so the host never waits for the pass it just launched (one pass over padding rows at the end);
+    # "captured" runs each "ahead" level (its bookkeeping and its draft pass) as one CUDA graph, greedy steps only
+    # (specexec/propose/captured.py; not measured on a GPU yet, so not the default). "auto":
     # "ahead" for a GPU draft or with overlap, else "dynamic" (measured on an H200 with a 7B-shaped graphed draft:
     # 0.147 vs 0.202 s of draft a step at budget 256, docs/BENCHMARKS.md)
     grow: str = "auto"
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
-    # path + bonus token starts the next tree. Needs reuse and grow "static" or "ahead". Never changes the output.
+    # path + bonus token starts the next tree. Needs reuse and a fixed-width grow mode. Never changes the output.
     # OVERLAP_AUTO (-1, ``--overlap auto``): on a GPU, as many as fit beside the target's pass (up to
     # OVERLAP_AUTO_MAX; a thread queuing them stops when the pass ends, else the count adapts each step); on a CPU,
     # none

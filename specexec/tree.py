@@ -30,6 +30,16 @@ class Tree:
         self.tokens[0] = root_token
         self.size = 1
 
+    @classmethod
+    def over(cls, tokens: Tensor, parents: Tensor, depth: Tensor, logp: Tensor, draft_slot: Tensor) -> Tree:
+        """A tree over existing arrays (equal lengths: the capacity), holding node 0 only; the arrays are not reset
+        (captured growth keeps its arrays at fixed addresses across steps, :mod:`specexec.propose.captured`)."""
+        t = cls.__new__(cls)
+        t.capacity, t.device = tokens.shape[0], tokens.device
+        t.tokens, t.parents, t.depth, t.logp, t.draft_slot = tokens, parents, depth, logp, draft_slot
+        t.size = 1
+        return t
+
     # -- views of the live part ---------------------------------------------------------------------------------
     @property
     def n_tokens(self) -> Tensor:

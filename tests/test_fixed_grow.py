@@ -1,4 +1,5 @@
-"""Tree growth in fixed-width levels (TreeConfig.grow "static" / "ahead", specexec/propose/fixed_grow.py).
+"""Tree growth in fixed-width levels (TreeConfig.grow "static" / "ahead" / "captured", specexec/propose/fixed_grow.py
+and captured.py).
 
 The fixed-width growth must grow the same tree as the dynamic one (node for node; only draft slots may differ),
 read the device once per level however deep the tree grows (the dynamic growth reads it several times a level),
@@ -25,7 +26,7 @@ from tests.test_specexec import _engine
 
 CPU = torch.device("cpu")
 PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
-MODES = ("static", "ahead")
+MODES = ("static", "ahead", "captured")
 
 
 def test_config_validates_grow():
@@ -154,7 +155,7 @@ def test_fixed_levels_read_the_device_once_per_level(drafts):
             assert passes == depth  # every level ran
             reads.append(n[0])
         per_level[mode] = (reads[1] - reads[0]) / 6
-    assert per_level["static"] == 1.0 and per_level["ahead"] == 1.0, per_level
+    assert per_level["static"] == 1.0 and per_level["ahead"] == 1.0 and per_level["captured"] == 1.0, per_level
     assert per_level["dynamic"] >= 3, per_level
 
 

@@ -462,8 +462,15 @@ def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monk
     assert rows[False]["exact"] and rows[True]["exact"]
     assert rows[False]["ngram_tokens"] == 0 < rows[True]["ngram_tokens"]
     assert rows[True]["tok_per_step"] > rows[False]["tok_per_step"]
+    # growth modes x level widths: one run each per budget, all exact
+    assert gpu.main([*argv, "--out", str(out), "--grows", "auto,captured", "--max-beams", "128,4"]) == 0
+    (setting,) = json.loads(out.read_text())["settings"]
+    runs = {r["run"]: r for r in setting["runs"]}
+    assert {"specexec 4", "specexec 4 w4", "specexec 4 captured", "specexec 4 captured w4"} <= set(runs), list(runs)
+    assert all(r["exact"] for r in runs.values())
     bad_args = (["--prompt-tokens", "20", "--echo"], ["--ngram-nodes", "-1"], ["--int8-kernel", "fast"])
-    for bad in (*bad_args, ["--nf4-kernel", "cutlass"], ["--warmup-tokens", "0"]):
+    more_bad = (["--grows", "fast"], ["--max-beams", "0"], ["--max-beams", "x"])
+    for bad in (*bad_args, *more_bad, ["--nf4-kernel", "cutlass"], ["--warmup-tokens", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu.main([*argv, *bad])
         assert e.value.code == 2

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from specexec import sampling
+from specexec.propose.captured import LevelSpace, capturable, space_for
 from specexec.tree import Tree
 
 if TYPE_CHECKING:
@@ -101,11 +102,15 @@ class _Reader:
 
 class _Store:
     """Append-only node arrays (a :class:`Tree` of fixed capacity) plus, per expanded node, the draft slots of its
-    ancestors and itself by depth (``rows``; -1 = none)."""
+    ancestors and itself by depth (``rows``; -1 = none). ``space``: take the arrays from a captured growth's
+    persistent :class:`~specexec.propose.captured.LevelSpace` (reset by its ``tree``)."""
 
-    def __init__(self, tree: Tree, width: int, exp_rows: int) -> None:
+    def __init__(self, tree: Tree, width: int, exp_rows: int, space: LevelSpace | None = None) -> None:
         self.tree = tree
         dev = tree.device
+        if space is not None:
+            self.rows, self.row_of = space.rows, space.row_of
+            return
         self.rows = torch.full((exp_rows, width), -1, dtype=torch.long, device=dev)
         self.row_of = torch.full((tree.capacity,), -1, dtype=torch.long, device=dev)  # node -> its row, if expanded
 
@@ -127,6 +132,7 @@ class FixedGrowth:
         seed: int | None,
         extra_levels: int = 0,
         stop: GrowCost | None = None,
+        captured: bool = False,
     ) -> None:
         d = self.draft = prop.draft
         self.stop = stop  # the cost-based early stop of the levels a step waits for (None: off)
@@ -156,8 +162,18 @@ class FixedGrowth:
             base_depth = start.max_depth()
         self.width = base_depth + levels + 2
         capacity = base + B + levels * W * B
-        tree = Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity)
-        store = self.store = _Store(tree, self.width, n_exp + levels * W)
+        # captured levels (greedy steps only: a sampled step's coupled noise is keyed by its seed)
+        self.space = (
+            space_for(prop, capacity, cfg.max_depth + levels + 2, n_exp + levels * W, levels, dev)
+            if captured and seed is None
+            else None
+        )
+        if self.space is not None:
+            tree = self.space.tree(seq[-1], start)
+            self.width = self.space.width
+        else:
+            tree = Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity)
+        store = self.store = _Store(tree, self.width, n_exp + levels * W, self.space)
         t = self.tree = store.tree
         if start is None:
             t.draft_slot[0] = n
@@ -177,7 +193,8 @@ class FixedGrowth:
                 cur = torch.where(ok, t.parents[at], cur)
             store.row_of[expanded] = r
             next_slot = int(t.draft_slot[:base].max()) + 1
-        self.nxt = torch.full((), next_slot, dtype=torch.long, device=dev)  # the next free draft slot (device)
+        # the next free draft slot (device)
+        self.nxt = self.space.nxt if self.space is not None else torch.full((), next_slot, dtype=torch.long, device=dev)
         self.known = next_slot  # the host's exact copy, up to the last level whose count was read
         self.unread: list[tuple[object, int]] = []  # (count handle, rows) of levels not read yet, oldest first
         self.counts: list[Tensor] = []
@@ -185,6 +202,9 @@ class FixedGrowth:
         self.row0 = n_exp
         self.levels_left = levels
         self._aim: tuple[Tensor, Tensor, Tensor] | None = None  # see :meth:`aim`
+        self.captured_levels = 0  # levels run by :meth:`_level_captured` (their counts are in the space)
+        if self.space is not None:
+            self.space.begin(next_slot, t.size, n_exp, n, self.passes)
 
     def aim(self, verified: Tensor) -> None:
         """Aim the following levels at the subtrees the next step may start from (``TreeConfig.overlap_aim``
@@ -247,6 +267,9 @@ class FixedGrowth:
         t, store, d, dev = self.tree, self.store, self.draft, self.device
         if self.levels_left <= 0 or self.bound >= d.usable:
             return False
+        if self.space is not None and self._aim is None and read == "late":
+            self._level_captured(budget)
+            return True
         self.levels_left -= 1
         size = t.size
         k = min(self.W, size)
@@ -290,8 +313,12 @@ class FixedGrowth:
         beams, order = beams.sort()  # ascending node index, as the dynamic growth assigns slots
         valid = valid[order]
         slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
-        self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
-        self.nxt = self.nxt + count  # the scratch slot (padding rows write there, no row reads it)
+        # the scratch slot (padding rows write there, no row reads it)
+        if self.space is not None:
+            self.nxt.add_(count)  # the space's counter: the next step's captured levels read it there
+        else:
+            self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
+            self.nxt = self.nxt + count
         if read == "now":
             span = self.known + c
             self.known = span
@@ -328,9 +355,100 @@ class FixedGrowth:
             root[size : t.size] = torch.where(ver[par], cum.reshape(-1), root[par])
         return True
 
+    def _level_captured(self, budget: int) -> None:
+        """One level as :meth:`level` grows it with ``read`` "late", whole on the device (:mod:`.captured`): a
+        graph replay on a GPU once its key has been seen, else the same code eagerly. The host only advances its
+        own copies of the sizes (known without a read) and sends the level's count (and early-stop numbers)."""
+        space, d, t = self.space, self.draft, self.tree
+        assert space is not None
+        self.levels_left -= 1
+        W, B = self.W, self.B
+        st = d.static
+        span = min(d.usable, self.bound + W)
+        if st is not None and W <= st.max_rows:
+            span = st._span(span)
+        full = t.size - 1 >= budget
+        fn = getattr(self.logprobs, "__code__", self.logprobs)  # greedy steps: the same ops whatever the closure
+        cand = self.prop._cand_v
+        # and the addresses it writes outside the space: the draft's cache, its static inputs, the reuse candidates
+        bound = (d.cache.k.data_ptr(), id(st), cand.data_ptr() if cand is not None else 0)
+        key = (W, B, self.width, span, budget if full else 0, self.stop is not None, fn, d.usable, bound)
+        space.run(key, lambda: self._captured_body(budget, full, span), capturable(st, W))
+        d.epoch += 1
+        self.unread.append((self.reader.send(space.stats if self.stop is not None else space.stats[0]), W))
+        self.captured_levels += 1
+        self.row0 += W
+        t.size += W * B
+        self.passes += 1
+
+    def _captured_body(self, budget: int, full: bool, span: int) -> None:
+        """The level's device work over the space's whole arrays (what a captured level's graph holds)."""
+        space, d, t, dev = self.space, self.draft, self.tree, self.device
+        assert space is not None
+        W, B = self.W, self.B
+        lp = t.logp
+        if full:
+            top = torch.topk(lp[1:], budget).values
+            thr = top[-1]
+        else:
+            thr = lp.new_full((), NEG)
+        open_ = (t.draft_slot < 0) & (lp > thr)
+        best, beams = torch.topk(torch.where(open_, lp, torch.full_like(lp, NEG)), W)
+        rank = torch.arange(W, device=dev)
+        valid = (best > NEG) & (rank < d.usable - space.nxt)
+        count = valid.sum()
+        if self.stop is not None:
+            nan = lp.new_full((), float("nan"))
+            e = 1.0 + top.exp().sum() if full else nan
+            u = torch.where(valid, best, torch.full_like(best, NEG)).exp().sum()
+            space.stats.copy_(torch.stack([count.float(), e.float(), u.float(), space.passes]))
+        else:
+            space.stats[0] = count.float()
+        space.counts.index_copy_(0, space.level.reshape(1), count.reshape(1))
+        space.level.add_(1)
+        space.passes.add_(1.0)
+        beams, order = beams.sort()
+        valid = valid[order]
+        slots = torch.where(valid, space.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))
+        space.nxt.add_(count)
+        t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
+        par = t.parents[beams].clamp(min=0)
+        rows = space.rows[space.row_of[par].clamp(min=0)]
+        rows.scatter_(1, t.depth[beams][:, None].clamp(max=self.width - 1), slots[:, None])
+        rows = torch.where(valid[:, None], rows, space.rows[0].expand_as(rows))
+        at = space.row0 + rank
+        space.rows.index_copy_(0, at, rows)
+        space.row_of[beams] = torch.where(valid, at, space.row_of[beams])
+        space.row0.add_(W)
+        cols = torch.arange(span + 1, device=dev)
+        mask = (cols < space.prefix)[None, :].expand(W, span + 1).contiguous()
+        mask.scatter_(1, torch.where(rows >= 0, rows, torch.full_like(rows, span)), True)
+        mask = mask[:, :span]
+        pos = torch.where(valid, space.prefix + t.depth[beams], space.prefix.expand_as(beams))
+        tokens = d._in_vocab(t.tokens[beams])
+        st = d.static
+        if st is not None and W <= st.max_rows:
+            b = st._bucket(W)
+            st._fill(tokens, pos, slots, mask, b, span)
+            logits = st._run(b, span)[:W]
+        else:
+            logits = d.model.forward(tokens, pos, slots, mask, d.cache, fused_norm=d.fused_norm)
+        lq = self.logprobs(logits)
+        vals, toks = torch.topk(lq, B, dim=-1)  # (W, B)
+        _remember(self.prop, slots, vals, toks)
+        cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
+        par = beams[:, None].expand_as(toks).reshape(-1)
+        at = space.size + torch.arange(W * B, device=dev)
+        t.tokens.index_copy_(0, at, toks.reshape(-1))
+        t.parents.index_copy_(0, at, par)
+        t.depth.index_copy_(0, at, t.depth[par] + 1)
+        t.logp.index_copy_(0, at, cum.reshape(-1).float())
+        space.size.add_(W * B)
+
     def tokens_per_pass(self) -> list[int]:
         """The rows of every pass run so far (one host read)."""
-        return self.beams_log + (torch.stack(self.counts).tolist() if self.counts else [])
+        cap = self.space.counts[: self.captured_levels].tolist() if self.space is not None else []
+        return self.beams_log + cap + (torch.stack(self.counts).tolist() if self.counts else [])
 
 
 def grow_fixed(
@@ -343,12 +461,13 @@ def grow_fixed(
     ahead: bool,
     extra_levels: int = 0,
     stop: GrowCost | None = None,
+    captured: bool = False,
 ) -> FixedGrowth:
     """Grow like :meth:`TreeDraft.grow` in fixed-width levels. The result's store holds every node ever proposed
     (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the expanded nodes).
     ``extra_levels``: room for :meth:`FixedGrowth.extend`. ``stop``: the cost-based early stop (as the dynamic
     growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
-    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop)
+    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop, captured and ahead)
     g.run(cfg.budget, ahead, g.critical)
     return g
 

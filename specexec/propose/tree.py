@@ -386,7 +386,8 @@ class TreeDraft:
     def _grow_fixed(
         self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None, stop: GrowCost | None
     ) -> tuple[Tree, int, list[int], bool]:
-        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead"; :mod:`.fixed_grow`); ``stop``: the
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead" / "captured"; :mod:`.fixed_grow`,
+        :mod:`.captured`); ``stop``: the
         early stop's costs (None: off)."""
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
@@ -400,7 +401,10 @@ class TreeDraft:
             start = self._restart(start, start.size + budget + 1, cfg, budget)
             self.reused_nodes = start.size - 1
         levels = self.overlap_levels(cfg)
-        g = grow_fixed(self, seq, cfg, logprobs, start, seed, cfg.grow_mode(self.draft.device) == "ahead", levels, stop)
+        mode = cfg.grow_mode(self.draft.device)
+        g = grow_fixed(
+            self, seq, cfg, logprobs, start, seed, mode in ("ahead", "captured"), levels, stop, mode == "captured"
+        )
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
             self._full = (full, index)

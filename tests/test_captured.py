@@ -1,0 +1,172 @@
+"""Captured growth levels (TreeConfig.grow "captured", specexec/propose/captured.py): a level's bookkeeping and
+draft pass replayed as one CUDA graph.
+
+A CUDA graph bakes every host value into its kernels and replays them with the same arguments. On a CPU there is no
+graph, so these tests stand one in: "capturing" records the level's code without running it, and a replay runs the
+code recorded at capture time (a closure over the step that captured it) in a later level or step. A level whose
+code read anything from the host that changes between levels (the tree's size, the next slot, the prefix length)
+would then grow from stale values and the trees would differ; they must be node for node those of "ahead" growth,
+and generation must stay exactly the target's greedy text. The CUDA tests replay real graphs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specexec.config import SamplingConfig, TreeConfig
+from specexec.engine import Engine
+from specexec.loading import load_model, load_tokenizer
+from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed_grow
+from tests.test_fixed_grow import PROMPTS, _same_tree
+
+CPU = torch.device("cpu")
+
+
+class _Recorded:
+    """A stand-in graph: the level's code as recorded (not run) at capture; each replay runs it."""
+
+    def __init__(self, body):
+        self.body = body
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.body()
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """Every level of a static-pass draft is "capturable" on the CPU; capturing records the code, not running it."""
+    recorded = []
+
+    def capture(self, body):
+        g = _Recorded(body)
+        recorded.append(g)
+        return g
+
+    monkeypatch.setattr(captured.LevelSpace, "_capture", capture)
+    monkeypatch.setattr(fixed_grow, "capturable", lambda static, rows: True)
+    return recorded
+
+
+@pytest.fixture(scope="module")
+def draft(noisy_pairs):
+    return load_model(noisy_pairs["llama"][1], CPU, torch.float32)
+
+
+def _steps(model, cfg, seqs, static):
+    """One proposer over several steps (fresh prefixes: the recorded levels replay across steps)."""
+    td = TreeDraft(DraftModel(model, 1024, static=static, static_rows=cfg.max_beams), cfg)
+    out = []
+    for seq in seqs:
+        td.begin(seq)
+        td.draft.prefill(seq)
+        out.append(td.grow(seq, cfg)[0])
+    return td, out
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_replayed_levels_grow_the_ahead_trees(draft, stand_in_graphs, static):
+    """Across levels and steps, with and without static (padded) draft passes, budgets the tree fills (the threshold
+    comes from the top ``budget``) and ones it never fills."""
+    seqs = [list(p) for p in PROMPTS] + [PROMPTS[0] + [11, 12], PROMPTS[1][:3]]
+    for budget, beams, branch, depth in ((6, 2, 4, 8), (40, 4, 8, 10), (400, 8, 6, 6)):
+        base = TreeConfig(budget=budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
+        _, want = _steps(draft, replace(base, grow="ahead"), seqs, static)
+        td, got = _steps(draft, replace(base, grow="captured"), seqs, static)
+        for i, (a, b) in enumerate(zip(want, got)):
+            _same_tree(a, b, (budget, i))
+        space = td._level_space
+        assert space.captures == len(space.graphs) <= len(space.seen)
+        if static:  # spans come in buckets: a graph replays at many levels (unbucketed spans seldom repeat a key)
+            assert space.replays > space.captures > 0, (budget, space.captures, space.replays)
+
+
+def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs, stand_in_graphs):
+    """Through the engine: greedy output equals AR with replayed levels, subtree reuse and overlap (the background
+    levels run uncaptured beside them) and the early stop; a sampled step grows uncaptured and stays AR's draw."""
+    target, draft_path = noisy_pairs["llama"]
+    e = Engine(
+        load_model(target, CPU, torch.float32),
+        load_tokenizer(target),
+        load_model(draft_path, CPU, torch.float32),
+        context=512,
+        static_draft=True,  # padded passes (eager on a CPU): spans in buckets, so levels repeat their keys
+        static_rows=8,
+    )
+    trees = (
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", reuse=True, overlap=3),
+        TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured", early_stop=True),
+    )
+    for tree in trees:
+        for ids in PROMPTS:
+            e.reset()
+            want = e.generate(ids, 32, method="ar").tokens
+            e.reset()
+            assert e.generate(ids, 32, method="specexec", tree=tree).tokens == want, (tree, ids)
+    assert sum(g.replays for g in stand_in_graphs) > 0
+    samp = SamplingConfig(temperature=0.9, seed=4)
+    e.reset()
+    want = e.generate(PROMPTS[0], 24, method="ar", sampling_cfg=samp).tokens
+    e.reset()
+    assert e.generate(PROMPTS[0], 24, method="specexec", sampling_cfg=samp, tree=trees[0]).tokens == want
+
+
+def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
+    """The coupled draft noise is keyed by the step's seed (a host value a graph would bake): seeded growth keeps
+    the plain "ahead" levels."""
+    cfg = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=6, grow="captured")
+    td = TreeDraft(DraftModel(draft, 512), cfg)
+    seq = PROMPTS[0]
+    td.begin(seq)
+    td.propose(seq, StepContext(samp=SamplingConfig(temperature=1.0, seed=3), gen=None, budget=16, seed=3))
+    assert getattr(td, "_level_space", None) is None
+    td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=16))
+    assert td._level_space is not None
+
+
+def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):
+    """A step that needs more room than the space holds gets a bigger one (and its graphs start afresh); a step that
+    fits keeps the space, so its graphs replay."""
+    small = TreeConfig(budget=8, max_beams=2, max_branch=4, max_depth=4, grow="captured", early_stop=False)
+    td, _ = _steps(draft, small, [PROMPTS[0], PROMPTS[1]], static=True)
+    first = td._level_space
+    td.begin(PROMPTS[2])
+    td.draft.prefill(PROMPTS[2])
+    big = replace(small, max_depth=8, max_beams=4)
+    td.grow(PROMPTS[2], big)
+    assert td._level_space is not first and td._level_space.capacity >= first.capacity
+    again = td._level_space
+    td.grow(PROMPTS[2], small)
+    assert td._level_space is again
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
+    """On a GPU: levels are captured and replayed as CUDA graphs, the trees equal "ahead" growth's, and greedy
+    generation (reuse and overlap included) equals AR."""
+    dev = torch.device("cuda")
+    target, draft_path = noisy_pairs["llama"]
+    model = load_model(draft_path, dev, torch.float32)
+    seqs = [list(p) for p in PROMPTS] * 2
+    for budget, beams in ((24, 4), (300, 16)):
+        base = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
+        _, want = _steps(model, replace(base, grow="ahead"), seqs, static=True)
+        td, got = _steps(model, replace(base, grow="captured"), seqs, static=True)
+        for i, (a, b) in enumerate(zip(want, got)):
+            _same_tree(a, b, (budget, i))
+        assert td._level_space.captures > 0 and td._level_space.replays > 0
+    e = Engine(load_model(target, dev, torch.float32), load_tokenizer(target), model, context=512)
+    for tree in (
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", reuse=True, overlap=4),
+    ):
+        for ids in PROMPTS:
+            e.reset()
+            want = e.generate(ids, 32, method="ar").tokens
+            e.reset()
+            assert e.generate(ids, 32, method="specexec", tree=tree).tokens == want, (tree, ids)
