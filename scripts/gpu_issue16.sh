@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Issue 16's remaining GPU checks, one device call each (the H200 results so far and what they settled are in
-# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~8 min) measures what
-# session 7 left open: the CUDA tests, the fused int8 and NF4 draft kernels (specexec.lowbit_mm) alone and end to end
-# against bitsandbytes' (an NF4 draft with a fast kernel would keep NF4's 6 extra resident layers without its slow
-# passes); "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
+# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~9 min) measures what
+# sessions 7 and 8 left open: the CUDA tests (captured levels' real graphs among them), then end to end, one process
+# per draft kernel, the default growth ("ahead", 128-row levels) against captured levels (grow "captured": a level's
+# bookkeeping and pass as one graph) and 32-row levels (the counts say narrow levels keep the tokens a step; a fused
+# kernel is fastest at few rows), for an int8 draft on bitsandbytes' kernel and the fused one, and an NF4 draft on
+# the fused one (it would keep NF4's 6 extra resident layers without bitsandbytes' slow NF4 passes); last the
+# kernels alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
 # "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call (spread against
 # leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's int8 kernel
 # runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under its own time
 # limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after every run, so
 # a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
 #
-#   bash scripts/gpu_issue16.sh            # ~8 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh            # ~9 min, on the device machine, from the repo root; OUT defaults to bench_out
 #   bash scripts/gpu_issue16.sh accel      # ~4 min
 #   bash scripts/gpu_issue16.sh s7         # ~7 min
 #   bash scripts/gpu_issue16.sh int8       # ~5 min ("int8 quick": end to end only; BUDGETS=256,1024 sets the budgets)
@@ -90,18 +93,18 @@ torch.cuda.get_device_name())"
     [ "$WHAT" = accel ] || step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load, fused int8/NF4)"
     [ "$WHAT" = accel ] || run 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
-        tests/test_sizes.py tests/test_lowbit_mm.py
+        tests/test_sizes.py tests/test_lowbit_mm.py tests/test_captured.py
     if [ "$WHAT" = all ]; then
-        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
-        run 120 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,64,128,256 --out "$OUT/lowbit_mm.json"
-        for fmt in nf4 int8; do
-            for kern in triton bnb; do
-                step "70B NF4 at 24 GB, $fmt 7B draft on the $kern kernel: code, 256,1024"
-                run 80 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel $kern \
-                    --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
-                    --warmup-tokens 16 --budgets 256,1024 --modes "" --out "$OUT/gpu_${fmt}_$kern.json"
-            done
+        for fk in int8:bnb int8:triton nf4:triton; do
+            fmt=${fk%:*}; kern=${fk#*:}
+            step "70B NF4 at 24 GB, $fmt 7B draft on the $kern kernel, code 1024: ahead / captured x 128 / 32 rows"
+            run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel $kern \
+                --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
+                --warmup-tokens 16 --budgets 1024 --grows auto,captured --max-beams 128,32 --modes "" \
+                --out "$OUT/gpu_${fmt}_${kern}_levels.json"
         done
+        step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
+        run 90 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,64,128 --out "$OUT/lowbit_mm.json"
         step done
         exit 0
     fi

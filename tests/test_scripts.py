@@ -476,6 +476,26 @@ def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monk
         assert e.value.code == 2
 
 
+def test_bench_level_width_counts_tokens_against_level_rows(tmp_path):
+    """bench_level_width on a tiny planted pair: one row per domain, budget and width, every text AR's; a level
+    never holds more open rows than its width; bad options exit 2."""
+    mod = script("bench_level_width")
+    out = tmp_path / "w.json"
+    argv = ["--vocab", "512", "--hidden", "256,128", "--prompts", "1", "--prompt-tokens", "8", "--new-tokens", "16"]
+    assert mod.main([*argv, "--budgets", "8,24", "--max-beams", "2,8", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["all_exact"] and len(rep["rows"]) == 2 * 2 * 2
+    for r in rep["rows"]:
+        assert r["tok_per_step"] >= 1.0 and r["passes_per_step"] >= 1.0
+        assert 0 < r["mean_rows"] <= r["max_beams"]
+        assert all(int(b) <= r["max_beams"] or int(b) == 1 for b in r["row_buckets"]), r
+    assert set(rep["planted"]) == {"code", "prose"} and rep["early_stop"]["verify_s"] == 0.524
+    for bad in (["--max-beams", "0"], ["--domains", "poetry"], ["--hidden", "64"], ["--pass-ms", "0"]):
+        with pytest.raises(SystemExit) as e:
+            mod.main([*argv, *bad])
+        assert e.value.code == 2
+
+
 def test_bench_overlap_counts_the_critical_path(tiny_pair, tmp_path):
     """bench_overlap on a tiny pair: every overlap keeps AR's text; background passes run only with overlap; the
     H100 projection is labelled and uses the critical-path passes."""
