@@ -446,6 +446,12 @@ def run_engine(
     dm = engine.draft_model  # the engine's DraftModel (its static/graphed passes), built by the warm-up
     static = dm.static if dm is not None else None
     caps0 = static.captures if static is not None else 0
+
+    def levels() -> tuple[int, int]:  # captured growth levels (grow "captured"): graphs captured, replays
+        space = dm.level_space if dm is not None else None
+        return (space.captures, space.replays) if space is not None else (0, 0)
+
+    lev0 = levels()
     sums = ("tokens", "steps", "draft_s", "target_s", "decode_s", "reused", "passes", "calib", "bg", "ngram", "bg_pass")
     tot: dict[str, Any] = dict.fromkeys(sums, 0)  # totals over the prompts
     exact, first_diff = True, None
@@ -494,6 +500,9 @@ def run_engine(
         "calibration_s": tot["calib"],  # --budget auto's calibrations in the measured generations (not in tok/s)
         "auto_budgets": list(engine._auto.history) if getattr(engine, "_auto", None) is not None else None,
         "graph_captures": (static.captures if static is not None else 0) - caps0,  # in the measured generations
+        # grow "captured": level graphs captured / replayed in the measured generations
+        "level_graph_captures": levels()[0] - lev0[0],
+        "level_graph_replays": levels()[1] - lev0[1],
         "auto_overlap_levels": dm.background_levels if dm is not None else None,  # --overlap auto's last choice
         "exact": exact,
         "first_diff": first_diff,
@@ -669,6 +678,11 @@ def bench_setting(
         if r.get("auto_budgets"):
             print(
                 f"    auto budgets {r['auto_budgets']}; calibration {r['calibration_s']:.2f} s in the measured runs",
+                flush=True,
+            )
+        if r.get("level_graph_replays") or r.get("level_graph_captures"):
+            print(
+                f"    captured levels: {r['level_graph_replays']} replays, {r['level_graph_captures']} captures",
                 flush=True,
             )
         if r.get("graph_captures") or r.get("background_host_s_per_step"):

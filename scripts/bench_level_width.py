@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="planted pair's vocabulary (the GPU runs use 32000; 8192 keeps a CPU verify of 1024 nodes short, and the "
         "realised agreement is reported)",
     )
-    p.add_argument("--hidden", default="4096,2048", help="planted target,draft hidden sizes (cross-talk shrinks with them)")
+    p.add_argument(
+        "--hidden", default="4096,2048", help="planted target,draft hidden sizes (cross-talk shrinks with them)"
+    )
     p.add_argument("--pass-ms", type=float, default=10.3, help="the early stop's draft pass cost (ms)")
     p.add_argument("--verify-s", type=float, default=0.524, help="the early stop's verify cost (s)")
     p.add_argument("--no-early-stop", action="store_true", help="grow every level up to max_depth")

@@ -78,7 +78,7 @@ def test_replayed_levels_grow_the_ahead_trees(draft, stand_in_graphs, static):
         td, got = _steps(draft, replace(base, grow="captured"), seqs, static)
         for i, (a, b) in enumerate(zip(want, got)):
             _same_tree(a, b, (budget, i))
-        space = td._level_space
+        space = td.draft.level_space
         assert space.captures == len(space.graphs) <= len(space.seen)
         if static:  # spans come in buckets: a graph replays at many levels (unbucketed spans seldom repeat a key)
             assert space.replays > space.captures > 0, (budget, space.captures, space.replays)
@@ -108,6 +108,14 @@ def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs
             e.reset()
             assert e.generate(ids, 32, method="specexec", tree=tree).tokens == want, (tree, ids)
     assert sum(g.replays for g in stand_in_graphs) > 0
+    # the space and its graphs live on the draft: a new generation (a new proposer) replays them, capturing nothing
+    space = e.draft_model.level_space
+    e.reset()
+    e.generate(PROMPTS[0], 32, method="specexec", tree=trees[0])
+    captures, replays = space.captures, space.replays
+    e.reset()
+    e.generate(PROMPTS[0], 32, method="specexec", tree=trees[0])
+    assert e.draft_model.level_space is space and space.captures == captures and space.replays > replays
     samp = SamplingConfig(temperature=0.9, seed=4)
     e.reset()
     want = e.generate(PROMPTS[0], 24, method="ar", sampling_cfg=samp).tokens
@@ -123,9 +131,9 @@ def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     seq = PROMPTS[0]
     td.begin(seq)
     td.propose(seq, StepContext(samp=SamplingConfig(temperature=1.0, seed=3), gen=None, budget=16, seed=3))
-    assert getattr(td, "_level_space", None) is None
+    assert td.draft.level_space is None
     td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=16))
-    assert td._level_space is not None
+    assert td.draft.level_space is not None
 
 
 def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):
@@ -133,15 +141,15 @@ def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):
     fits keeps the space, so its graphs replay."""
     small = TreeConfig(budget=8, max_beams=2, max_branch=4, max_depth=4, grow="captured", early_stop=False)
     td, _ = _steps(draft, small, [PROMPTS[0], PROMPTS[1]], static=True)
-    first = td._level_space
+    first = td.draft.level_space
     td.begin(PROMPTS[2])
     td.draft.prefill(PROMPTS[2])
     big = replace(small, max_depth=8, max_beams=4)
     td.grow(PROMPTS[2], big)
-    assert td._level_space is not first and td._level_space.capacity >= first.capacity
-    again = td._level_space
+    assert td.draft.level_space is not first and td.draft.level_space.capacity >= first.capacity
+    again = td.draft.level_space
     td.grow(PROMPTS[2], small)
-    assert td._level_space is again
+    assert td.draft.level_space is again
 
 
 @pytest.mark.cuda
@@ -159,7 +167,7 @@ def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
         td, got = _steps(model, replace(base, grow="captured"), seqs, static=True)
         for i, (a, b) in enumerate(zip(want, got)):
             _same_tree(a, b, (budget, i))
-        assert td._level_space.captures > 0 and td._level_space.replays > 0
+        assert td.draft.level_space.captures > 0 and td.draft.level_space.replays > 0
     e = Engine(load_model(target, dev, torch.float32), load_tokenizer(target), model, context=512)
     for tree in (
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),

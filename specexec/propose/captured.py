@@ -150,16 +150,14 @@ def capturable(static: StaticPasses | None, rows: int) -> bool:
     return static is not None and rows <= static.max_rows and static.use_graphs and static.capture_ok
 
 
-def space_for(
-    holder: object, capacity: int, width: int, exp_rows: int, levels: int, device: torch.device
-) -> LevelSpace:
-    """``holder``'s level space (attribute ``_level_space``), regrown (with headroom, dropping its graphs) when this
-    step needs more."""
-    space: LevelSpace | None = getattr(holder, "_level_space", None)
+def space_for(holder: Any, capacity: int, width: int, exp_rows: int, levels: int, device: torch.device) -> LevelSpace:
+    """``holder``'s level space (attribute ``level_space``: the draft model's, so it and its graphs outlive a
+    generation), regrown (dropping its graphs) when this step needs more."""
+    space: LevelSpace | None = holder.level_space
     if space is None or not space.fits(capacity, width, exp_rows, levels, device):
         if space is not None:
             capacity, width = max(capacity, space.capacity), max(width, space.width)
             exp_rows, levels = max(exp_rows, space.exp_rows), max(levels, space.levels)
         space = LevelSpace(capacity, width, exp_rows, levels, device)
-        holder._level_space = space  # type: ignore[attr-defined]
+        holder.level_space = space
     return space

@@ -21,6 +21,7 @@ the target's. What the draft proposes changes; the output never does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,6 +90,10 @@ class DraftModel:
         use = model.device.type == "cuda" if static is None else static
         self.static = StaticPasses(model, self.cache, static_rows, fused_norm=self.fused_norm) if use else None
         self.prefix: TargetPrefix | None = None  # see :meth:`share_prefix`
+        # kept here so they outlive a generation (each has its own proposer): a tree proposer's remembered children
+        # by draft slot (values, tokens) and its captured growth levels (specexec.propose.captured)
+        self.remembered: tuple[Tensor, Tensor] | None = None
+        self.level_space: Any = None
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
         """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).

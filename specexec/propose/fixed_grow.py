@@ -164,7 +164,7 @@ class FixedGrowth:
         capacity = base + B + levels * W * B
         # captured levels (greedy steps only: a sampled step's coupled noise is keyed by its seed)
         self.space = (
-            space_for(prop, capacity, cfg.max_depth + levels + 2, n_exp + levels * W, levels, dev)
+            space_for(d, capacity, cfg.max_depth + levels + 2, n_exp + levels * W, levels, dev)
             if captured and seed is None
             else None
         )

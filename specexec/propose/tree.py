@@ -282,12 +282,21 @@ class TreeDraft:
         return tree
 
     def _ensure_cands(self, cfg: TreeConfig) -> None:
+        """The remembered children by draft slot. Kept on the draft (shared by the proposers of its generations), so
+        captured levels, whose graphs write them, keep their graphs from one generation to the next; what a slot
+        held in an earlier generation is never read (only slots this generation's growth wrote are carried)."""
         branch = min(cfg.max_branch, self.draft.model.cfg.vocab_size)
         rows = self.draft.usable + 1
         if self._cand_v is None or self._cand_v.shape != (rows, branch):
-            dev = self.draft.device
-            self._cand_v = torch.full((rows, branch), float("-inf"), device=dev)
-            self._cand_t = torch.zeros((rows, branch), dtype=torch.long, device=dev)
+            held = getattr(self.draft, "remembered", None)
+            if held is None or held[0].shape != (rows, branch):
+                dev = self.draft.device
+                held = (
+                    torch.full((rows, branch), float("-inf"), device=dev),
+                    torch.zeros((rows, branch), dtype=torch.long, device=dev),
+                )
+                self.draft.remembered = held
+            self._cand_v, self._cand_t = held
 
     # -- growth -----------------------------------------------------------------------------------------------------
     def grow(
