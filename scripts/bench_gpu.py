@@ -132,8 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--grows",
         default="auto",
-        help="comma-separated growth modes of the fixed-budget runs, each run per budget (TreeConfig.grow: auto, "
-        "dynamic, static, ahead, captured; auto = the library's GPU default); the --budget auto run takes the first",
+        help="comma-separated growth modes of the fixed-budget runs, each run per budget (TreeConfig.grow: "
+        f"{', '.join(GROW_MODES)}; auto = the library's GPU default); the --budget auto run takes the first",
     )
     p.add_argument(
         "--max-beams",

@@ -13,11 +13,11 @@ on the device, so it is counted here, greedy, with the real engine (every text c
 * ``--pair real``: the Qwen2.5-Coder 0.5B / 1.5B demo pair on the same prompts as bench_overlap (slow: minutes per
   width at budget 256).
 
-Growth is "static" (the same trees as the GPU's "ahead", without its one padding pass) with the cost-based early
-stop deciding on the step costs given (``--pass-ms``, ``--verify-s``; default: an H200's measured 70B NF4 verify
-and int8 7B pass, the same for every width so that only acceptance differs). Reported per domain, budget and width:
-tokens per step, draft passes per step (the critical path), the mean open rows per pass and the row buckets a
-pass would need. Counts, not times.
+Growth is "static" by default (the same trees as the GPU's "ahead", without its late pass; ``--grow``) with the
+cost-based early stop deciding on the step costs given (``--pass-ms``, ``--verify-s``; default: an H200's measured
+70B NF4 verify and int8 7B pass, the same for every width so that only acceptance differs). Reported per domain,
+budget and width: tokens per step, draft passes per step (the critical path), the mean open rows per pass and the
+row buckets a pass would need. Counts, not times.
 
     python scripts/bench_level_width.py --out docs/bench_level_width_planted.json
 """
@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pass-ms", type=float, default=10.3, help="the early stop's draft pass cost (ms)")
     p.add_argument("--verify-s", type=float, default=0.524, help="the early stop's verify cost (s)")
     p.add_argument("--no-early-stop", action="store_true", help="grow every level up to max_depth")
+    p.add_argument(
+        "--grow",
+        choices=("static", "ahead", "captured"),
+        default="static",
+        help="fixed-width growth mode (ahead and captured read each level's count a level late: the same trees, one "
+        "pass more when growth ends or stops early)",
+    )
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="real pair: target alias or path")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="real pair: draft alias or path")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "note": "counts on a CPU (acceptance does not depend on the device), greedy, every text checked against the "
         "target's AR; the early stop decides with the costs given, the same for every width",
         "early_stop": None if cost is None else {"pass_ms": args.pass_ms, "verify_s": args.verify_s},
+        "grow": args.grow,
         "rows": [],
     }
     real = _real(args) if args.pair == "real" else None
@@ -174,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ar = [engine.generate(p, args.new_tokens, method="ar").tokens for p in prompts]
             for budget in args.budget_list:
                 for w in args.beam_list:
-                    cfg = TreeConfig(budget=budget, max_beams=w, grow="static", early_stop=cost is not None)
+                    cfg = TreeConfig(budget=budget, max_beams=w, grow=args.grow, early_stop=cost is not None)
                     beams.clear()
                     toks = steps = same = 0
                     t0 = time.perf_counter()

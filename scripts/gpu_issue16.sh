@@ -2,11 +2,11 @@
 # Issue 16's remaining GPU checks, one device call each (the H200 results so far and what they settled are in
 # docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~9 min) measures what
 # sessions 7 and 8 left open: the CUDA tests (captured levels' real graphs among them), then end to end, one process
-# per draft kernel, the default growth ("ahead", 128-row levels) against captured levels (grow "captured": a level's
-# bookkeeping and pass as one graph) and 32-row levels (the counts say narrow levels keep the tokens a step; a fused
-# kernel is fastest at few rows), for an int8 draft on bitsandbytes' kernel and the fused one, and an NF4 draft on
-# the fused one (it would keep NF4's 6 extra resident layers without bitsandbytes' slow NF4 passes); last the
-# kernels alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
+# per draft kernel, the default growth ("ahead", 128-row levels) against captured levels (grow "captured" /
+# "captured-ahead": a level's bookkeeping and pass as graphs) and 32-row levels (the counts say narrow levels keep
+# most of the tokens a step; a fused kernel is fastest at few rows): an int8 draft on bitsandbytes' kernel (all six
+# combinations), then int8 and NF4 drafts on the fused kernels at 32 rows (NF4 would keep its 6 extra resident
+# layers without bitsandbytes' slow NF4 passes); last the kernels alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
 # "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call (spread against
 # leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's int8 kernel
 # runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under its own time
@@ -95,16 +95,20 @@ torch.cuda.get_device_name())"
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
         tests/test_sizes.py tests/test_lowbit_mm.py tests/test_captured.py
     if [ "$WHAT" = all ]; then
-        for fk in int8:bnb int8:triton nf4:triton; do
-            fmt=${fk%:*}; kern=${fk#*:}
-            step "70B NF4 at 24 GB, $fmt 7B draft on the $kern kernel, code 1024: ahead / captured x 128 / 32 rows"
-            run 130 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel $kern \
+        step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), code 1024: ahead / captured / captured-ahead x 128 / 32 rows"
+        run 150 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
+            --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --warmup-tokens 16 \
+            --budgets 1024 --grows auto,captured,captured-ahead --max-beams 128,32 --modes "" \
+            --out "$OUT/gpu_int8_bnb_levels.json"
+        for fmt in int8 nf4; do
+            step "70B NF4 at 24 GB, $fmt 7B draft on the fused kernel, code 1024, 32-row levels: ahead / captured"
+            run 90 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel triton \
                 --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
-                --warmup-tokens 16 --budgets 1024 --grows auto,captured --max-beams 128,32 --modes "" \
-                --out "$OUT/gpu_${fmt}_${kern}_levels.json"
+                --warmup-tokens 16 --budgets 1024 --grows auto,captured --max-beams 32 --modes "" \
+                --out "$OUT/gpu_${fmt}_triton_levels.json"
         done
         step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
-        run 90 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,64,128 --out "$OUT/lowbit_mm.json"
+        run 60 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,128 --out "$OUT/lowbit_mm.json"
         step done
         exit 0
     fi

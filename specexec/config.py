@@ -25,7 +25,8 @@ def check_method(method: str) -> None:
         )
 
 
-GROW_MODES = ("auto", "dynamic", "static", "ahead", "captured")
+GROW_MODES = ("auto", "dynamic", "static", "ahead", "captured", "captured-ahead")
+CAPTURED = ("captured", "captured-ahead")  # the grow modes whose levels run as CUDA graphs (greedy steps)
 OVERLAP_AIMS = ("carried", "frontier")
 OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
 OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
@@ -68,8 +69,9 @@ class TreeConfig:
     # each draft pass by the open nodes and compacts the tree every level (several host reads a level; the CPU's
     # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
     # late, so the host never waits for the pass it just launched (one pass over padding rows at the end);
-    # "captured" runs each "ahead" level (its bookkeeping and its draft pass) as one CUDA graph, greedy steps only
-    # (specexec/propose/captured.py; not measured on a GPU yet, so not the default). "auto":
+    # "captured" runs each "static" level as two CUDA graphs (choose the beams; read their count; expand them and run
+    # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py;
+    # not measured on a GPU yet, so neither is the default). "auto":
     # "ahead" for a GPU draft or with overlap, else "dynamic" (measured on an H200 with a 7B-shaped graphed draft:
     # 0.147 vs 0.202 s of draft a step at budget 256, docs/BENCHMARKS.md)
     grow: str = "auto"

@@ -1,15 +1,18 @@
-"""Captured growth levels (TreeConfig.grow "captured", specexec/propose/captured.py): a level's bookkeeping and
-draft pass replayed as one CUDA graph.
+"""Captured growth levels (TreeConfig.grow "captured" / "captured-ahead", specexec/propose/captured.py): a level's
+bookkeeping and draft pass replayed as CUDA graphs ("captured": two a level, the beams' count read between them, as
+"static" reads it; "captured-ahead": one a level, the count read a level late, as "ahead" reads it).
 
 A CUDA graph bakes every host value into its kernels and replays them with the same arguments. On a CPU there is no
 graph, so these tests stand one in: "capturing" records the level's code without running it, and a replay runs the
 code recorded at capture time (a closure over the step that captured it) in a later level or step. A level whose
 code read anything from the host that changes between levels (the tree's size, the next slot, the prefix length)
-would then grow from stale values and the trees would differ; they must be node for node those of "ahead" growth,
-and generation must stay exactly the target's greedy text. The CUDA tests replay real graphs."""
+would then grow from stale values and the trees would differ; they must be node for node those of "static" /
+"ahead" growth (with the same passes), and generation must stay exactly the target's greedy text. The CUDA tests
+replay real graphs."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -22,6 +25,7 @@ from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed
 from tests.test_fixed_grow import PROMPTS, _same_tree
 
 CPU = torch.device("cpu")
+MODES = (("captured", "static"), ("captured-ahead", "ahead"))  # each captured mode and the mode it must equal
 
 
 class _Recorded:
@@ -57,27 +61,32 @@ def draft(noisy_pairs):
 
 
 def _steps(model, cfg, seqs, static):
-    """One proposer over several steps (fresh prefixes: the recorded levels replay across steps)."""
+    """One proposer over several steps (fresh prefixes: the recorded levels replay across steps): each step's tree
+    and (passes, rows per pass)."""
     td = TreeDraft(DraftModel(model, 1024, static=static, static_rows=cfg.max_beams), cfg)
     out = []
     for seq in seqs:
         td.begin(seq)
         td.draft.prefill(seq)
-        out.append(td.grow(seq, cfg)[0])
+        tree, passes, beams, _ = td.grow(seq, cfg)
+        out.append((tree, (passes, beams)))
     return td, out
 
 
 @pytest.mark.parametrize("static", [True, False])
-def test_replayed_levels_grow_the_ahead_trees(draft, stand_in_graphs, static):
+@pytest.mark.parametrize("mode,plain", MODES)
+def test_replayed_levels_grow_the_uncaptured_trees(draft, stand_in_graphs, static, mode, plain):
     """Across levels and steps, with and without static (padded) draft passes, budgets the tree fills (the threshold
-    comes from the top ``budget``) and ones it never fills."""
+    comes from the top ``budget``) and ones it never fills: the trees, passes and rows of the uncaptured mode that
+    reads the device alike."""
     seqs = [list(p) for p in PROMPTS] + [PROMPTS[0] + [11, 12], PROMPTS[1][:3]]
     for budget, beams, branch, depth in ((6, 2, 4, 8), (40, 4, 8, 10), (400, 8, 6, 6)):
         base = TreeConfig(budget=budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
-        _, want = _steps(draft, replace(base, grow="ahead"), seqs, static)
-        td, got = _steps(draft, replace(base, grow="captured"), seqs, static)
-        for i, (a, b) in enumerate(zip(want, got)):
+        _, want = _steps(draft, replace(base, grow=plain), seqs, static)
+        td, got = _steps(draft, replace(base, grow=mode), seqs, static)
+        for i, ((a, pa), (b, pb)) in enumerate(zip(want, got)):
             _same_tree(a, b, (budget, i))
+            assert pa == pb, (budget, i, pa, pb)
         space = td.draft.level_space
         assert space.captures == len(space.graphs) <= len(space.seen)
         if static:  # spans come in buckets: a graph replays at many levels (unbucketed spans seldom repeat a key)
@@ -98,8 +107,10 @@ def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs
     )
     trees = (
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead", reuse=True, overlap=3),
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", reuse=True, overlap=3),
         TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured", early_stop=True),
+        TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured-ahead", early_stop=True),
     )
     for tree in trees:
         for ids in PROMPTS:
@@ -125,7 +136,7 @@ def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs
 
 def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     """The coupled draft noise is keyed by the step's seed (a host value a graph would bake): seeded growth keeps
-    the plain "ahead" levels."""
+    the uncaptured levels."""
     cfg = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=6, grow="captured")
     td = TreeDraft(DraftModel(draft, 512), cfg)
     seq = PROMPTS[0]
@@ -161,17 +172,18 @@ def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
     target, draft_path = noisy_pairs["llama"]
     model = load_model(draft_path, dev, torch.float32)
     seqs = [list(p) for p in PROMPTS] * 2
-    for budget, beams in ((24, 4), (300, 16)):
+    for (budget, beams), (mode, plain) in itertools.product(((24, 4), (300, 16)), MODES):
         base = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
-        _, want = _steps(model, replace(base, grow="ahead"), seqs, static=True)
-        td, got = _steps(model, replace(base, grow="captured"), seqs, static=True)
-        for i, (a, b) in enumerate(zip(want, got)):
-            _same_tree(a, b, (budget, i))
+        _, want = _steps(model, replace(base, grow=plain), seqs, static=True)
+        td, got = _steps(model, replace(base, grow=mode), seqs, static=True)
+        for i, ((a, pa), (b, pb)) in enumerate(zip(want, got)):
+            _same_tree(a, b, (budget, mode, i))
+            assert pa == pb, (budget, mode, i)
         assert td.draft.level_space.captures > 0 and td.draft.level_space.replays > 0
     e = Engine(load_model(target, dev, torch.float32), load_tokenizer(target), model, context=512)
     for tree in (
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", reuse=True, overlap=4),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", early_stop=True),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead", reuse=True, overlap=4),
     ):
         for ids in PROMPTS:
             e.reset()

@@ -274,8 +274,9 @@ def grow() -> Any:
         "--grow",
         help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
         "open nodes; static: fixed-width levels, one device read a level; ahead: fixed-width levels, the host "
-        "queues the next level while the GPU runs this one; captured: ahead with each level (its bookkeeping and "
-        "its draft pass) replayed as one CUDA graph, greedy steps only; auto (default): ahead for a GPU draft or with "
+        "queues the next level while the GPU runs this one; captured / captured-ahead: static / ahead with each level "
+        "(its bookkeeping and its draft pass) replayed as CUDA graphs, greedy steps only; auto (default): ahead for a "
+        "GPU draft or with "
         "--overlap, dynamic on a CPU. The fixed-width modes' early stop (--early-stop) reads its numbers with each "
         "level's count, ahead one level late.",
     )

@@ -1,13 +1,20 @@
-"""Captured levels: a fixed-width level of tree growth (its bookkeeping AND its draft pass) replayed as one CUDA
-graph (``TreeConfig.grow`` "captured"; issue 16 item 4, "per-level top-k and merge without host syncs, captured
-with the draft pass").
+"""Captured levels: a fixed-width level of tree growth (its bookkeeping AND its draft pass) replayed as CUDA graphs
+(``TreeConfig.grow`` "captured" / "captured-ahead"; issue 16 item 4, "per-level top-k and merge without host syncs,
+captured with the draft pass").
 
 "ahead" growth (:mod:`specexec.propose.fixed_grow`) reads one number a level, a level late, so the GPU never waits
 for the host; but the host still launches each level's ~60 small bookkeeping kernels (the open set, the top-k of
 the beams, slots, the ancestor rows, the mask, the children's top-k, the append) and then the pass's graph. On an
 H200 with a 7B-shaped draft that was 3.6-5.7 ms of host time a level and 1.5 ms of GPU time in tiny kernels
 (docs/BENCHMARKS.md, "Where the draft's time goes"): harmless while a pass took ~10 ms, a floor once a pass is
-faster (a fused low-bit kernel, fewer rows). Here the whole level is one graph: one launch a level.
+faster (a fused low-bit kernel, fewer rows). Here a level is one or two graph launches:
+
+* "captured-ahead": the level is one graph; its count is read a level late, as "ahead" reads it. The host never
+  waits, but when growth ends (nothing open, or the early stop) one more level has already run, ~1 pass a step
+  (bench_level_width: 10.5 against 9.5 passes a step on code at budget 256, 12.7 against 11.7 at 1024);
+* "captured": two graphs, the beams' choice (with the count and the early stop's numbers) and then the level's
+  expansion and pass; the host reads the count between them, as "static" growth does, so no pass is wasted and the
+  GPU waits only for that read and one graph launch a level.
 
 What makes a level capturable: every shape and every address is fixed.
 
@@ -38,6 +45,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specexec.graphs import StaticPasses
 from specexec.tree import Tree
@@ -72,11 +80,21 @@ class LevelSpace:
         self.passes = torch.zeros((), dtype=torch.float32, device=device)  # draft passes before the next level
         self.counts = torch.zeros(max(1, levels), **long)  # each captured level's beams
         self.stats = torch.zeros(4, dtype=torch.float32, device=device)  # the last level's count, E, U, passes
+        self._selection: dict[int, tuple[Tensor, Tensor]] = {}  # per level width: the chosen beams, which are valid
         self.graphs: dict[Hashable, Any] = {}
         self.seen: set[Hashable] = set()  # keys run once eagerly (warmed up), captured on their next level
         self.captures = 0
         self.replays = 0
         self.pool: Any = None  # one memory pool for every level graph (they replay one at a time)
+
+    def selection(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The buffers a level's first half leaves its beams in for the second: (rows,) node indices and valid."""
+        if rows not in self._selection:
+            self._selection[rows] = (
+                torch.zeros(rows, dtype=torch.long, device=self.device),
+                torch.zeros(rows, dtype=torch.bool, device=self.device),
+            )
+        return self._selection[rows]
 
     def fits(self, capacity: int, width: int, exp_rows: int, levels: int, device: torch.device) -> bool:
         return (

@@ -267,9 +267,8 @@ class FixedGrowth:
         t, store, d, dev = self.tree, self.store, self.draft, self.device
         if self.levels_left <= 0 or self.bound >= d.usable:
             return False
-        if self.space is not None and self._aim is None and read == "late":
-            self._level_captured(budget)
-            return True
+        if self.space is not None and self._aim is None and read != "none":
+            return self._level_captured(budget, read)
         self.levels_left -= 1
         size = t.size
         k = min(self.W, size)
@@ -355,37 +354,71 @@ class FixedGrowth:
             root[size : t.size] = torch.where(ver[par], cum.reshape(-1), root[par])
         return True
 
-    def _level_captured(self, budget: int) -> None:
-        """One level as :meth:`level` grows it with ``read`` "late", whole on the device (:mod:`.captured`): a
-        graph replay on a GPU once its key has been seen, else the same code eagerly. The host only advances its
-        own copies of the sizes (known without a read) and sends the level's count (and early-stop numbers)."""
+    def _level_captured(self, budget: int, read: str) -> bool:
+        """One level as :meth:`level` grows it, on the device (:mod:`.captured`): graph replays on a GPU once its
+        keys have been seen, else the same code eagerly. ``read`` "now" (grow "captured"): the beams are chosen
+        (one graph), their count and early-stop numbers read, then the level is expanded (a second graph): the
+        passes of "static" growth, one short host wait a level. "late" (grow "captured-ahead"): one graph a level,
+        its count read a level late as "ahead" reads it: no wait, one pass more when growth ends or stops early.
+        The host advances its own copies of the sizes (known without a read). False: growth is over."""
         space, d, t = self.space, self.draft, self.tree
         assert space is not None
         self.levels_left -= 1
         W, B = self.W, self.B
         st = d.static
-        span = min(d.usable, self.bound + W)
-        if st is not None and W <= st.max_rows:
-            span = st._span(span)
         full = t.size - 1 >= budget
+        capture = capturable(st, W)
         fn = getattr(self.logprobs, "__code__", self.logprobs)  # greedy steps: the same ops whatever the closure
         cand = self.prop._cand_v
-        # and the addresses it writes outside the space: the draft's cache, its static inputs, the reuse candidates
-        bound = (d.cache.k.data_ptr(), id(st), cand.data_ptr() if cand is not None else 0)
-        key = (W, B, self.width, span, budget if full else 0, self.stop is not None, fn, d.usable, bound)
-        space.run(key, lambda: self._captured_body(budget, full, span), capturable(st, W))
+        # what a graph bakes in: shapes, the budget once the tree is full, and the addresses it touches outside the
+        # space (the draft's cache, its static inputs, the remembered children)
+        bound = (d.cache.k.data_ptr(), id(st), cand.data_ptr() if cand is not None else 0, W, B, self.width, d.usable)
+        select = ("select", budget if full else 0, self.stop is not None, bound)
+        stats = space.stats if self.stop is not None else space.stats[0]
+        if read == "now":
+            space.run(select, lambda: self._select(budget, full), capture)
+            h = self.reader.send(stats)
+            if self.stop is not None:
+                c_f, e_h, u_h, _ = self.reader.read_all(h)
+                c = int(c_f)
+                if c and e_h == e_h and not self.stop.more(e_h, u_h, self.passes):  # only a full tree
+                    self.stopped = True
+                    return False
+            else:
+                c = self.reader.read(h)
+            if c == 0:
+                return False
+            self.known += c
+            span = self._span(self.known)
+            space.run(("expand", span, fn, bound), lambda: self._expand(span), capture)
+        else:
+            span = self._span(min(d.usable, self.bound + W))
+            key = ("level", span, fn, *select)
+
+            def whole() -> None:
+                self._select(budget, full)
+                self._expand(span)
+
+            space.run(key, whole, capture)
+            self.unread.append((self.reader.send(stats), W))
         d.epoch += 1
-        self.unread.append((self.reader.send(space.stats if self.stop is not None else space.stats[0]), W))
         self.captured_levels += 1
         self.row0 += W
         t.size += W * B
         self.passes += 1
+        return True
 
-    def _captured_body(self, budget: int, full: bool, span: int) -> None:
-        """The level's device work over the space's whole arrays (what a captured level's graph holds)."""
+    def _span(self, used: int) -> int:
+        """The attention span of a level whose rows read slots below ``used``: the static passes' bucket."""
+        st = self.draft.static
+        return st._span(used) if st is not None and self.W <= st.max_rows else used
+
+    def _select(self, budget: int, full: bool) -> None:
+        """A captured level's first half, over the space's whole arrays: its beams (best open nodes), which of them
+        are valid, and the count / E / U / passes the host reads (``space.stats``). Changes no tree array."""
         space, d, t, dev = self.space, self.draft, self.tree, self.device
         assert space is not None
-        W, B = self.W, self.B
+        W = self.W
         lp = t.logp
         if full:
             top = torch.topk(lp[1:], budget).values
@@ -404,9 +437,23 @@ class FixedGrowth:
             space.stats.copy_(torch.stack([count.float(), e.float(), u.float(), space.passes]))
         else:
             space.stats[0] = count.float()
+        sel_beams, sel_valid = space.selection(W)
+        sel_beams.copy_(beams)
+        sel_valid.copy_(valid)
+
+    def _expand(self, span: int) -> None:
+        """A captured level's second half: the selected beams get draft slots and ancestor rows, run through the
+        draft (its static passes' inputs filled here, its model run inside the same graph), and their children are
+        appended at the space's offset."""
+        space, d, t, dev = self.space, self.draft, self.tree, self.device
+        assert space is not None
+        W, B = self.W, self.B
+        beams, valid = space.selection(W)
+        count = valid.sum()
         space.counts.index_copy_(0, space.level.reshape(1), count.reshape(1))
         space.level.add_(1)
         space.passes.add_(1.0)
+        rank = torch.arange(W, device=dev)
         beams, order = beams.sort()
         valid = valid[order]
         slots = torch.where(valid, space.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))
@@ -467,7 +514,7 @@ def grow_fixed(
     (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the expanded nodes).
     ``extra_levels``: room for :meth:`FixedGrowth.extend`. ``stop``: the cost-based early stop (as the dynamic
     growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
-    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop, captured and ahead)
+    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop, captured)
     g.run(cfg.budget, ahead, g.critical)
     return g
 

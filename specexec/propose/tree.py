@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from specexec import sampling
-from specexec.config import OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
+from specexec.config import CAPTURED, OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
@@ -395,7 +395,8 @@ class TreeDraft:
     def _grow_fixed(
         self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None, stop: GrowCost | None
     ) -> tuple[Tree, int, list[int], bool]:
-        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead" / "captured"; :mod:`.fixed_grow`,
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead" / "captured" / "captured-ahead";
+        :mod:`.fixed_grow`,
         :mod:`.captured`); ``stop``: the
         early stop's costs (None: off)."""
         budget = cfg.budget
@@ -412,7 +413,7 @@ class TreeDraft:
         levels = self.overlap_levels(cfg)
         mode = cfg.grow_mode(self.draft.device)
         g = grow_fixed(
-            self, seq, cfg, logprobs, start, seed, mode in ("ahead", "captured"), levels, stop, mode == "captured"
+            self, seq, cfg, logprobs, start, seed, mode in ("ahead", "captured-ahead"), levels, stop, mode in CAPTURED
         )
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
