@@ -134,6 +134,27 @@ def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs
     assert e.generate(PROMPTS[0], 24, method="specexec", sampling_cfg=samp, tree=trees[0]).tokens == want
 
 
+def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkeypatch):
+    """"captured" knows a level's count before its pass, so the pass runs the smallest static bucket holding the
+    open rows (a small tree leaves few open), where "captured-ahead" (and "ahead") always run the level's width."""
+    from specexec.graphs import StaticPasses
+
+    ran = []
+    run = StaticPasses._run
+    monkeypatch.setattr(StaticPasses, "_run", lambda self, b, span: (ran.append(b), run(self, b, span))[1])
+    base = TreeConfig(budget=6, max_beams=16, max_branch=4, max_depth=6, early_stop=False)
+    for mode in ("captured", "captured-ahead"):
+        ran.clear()
+        _, got = _steps(draft, replace(base, grow=mode), [PROMPTS[0], PROMPTS[1]], static=True)
+        levels = [b for b in ran if b > 1]  # (the root's catch-up passes run a row each)
+        opened = [r for _, (_, log) in got for r in log[1:]]
+        if mode == "captured":
+            assert max(opened) < 16 and max(levels) < 16, (levels, opened)
+            assert all(b in (1, 2, 4, 8, 16) for b in levels)
+        else:
+            assert set(levels) == {16}, levels
+
+
 def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     """The coupled draft noise is keyed by the step's seed (a host value a graph would bake): seeded growth keeps
     the uncaptured levels."""

@@ -14,7 +14,8 @@ faster (a fused low-bit kernel, fewer rows). Here a level is one or two graph la
   (bench_level_width: 10.5 against 9.5 passes a step on code at budget 256, 12.7 against 11.7 at 1024);
 * "captured": two graphs, the beams' choice (with the count and the early stop's numbers) and then the level's
   expansion and pass; the host reads the count between them, as "static" growth does, so no pass is wasted and the
-  GPU waits only for that read and one graph launch a level.
+  GPU waits only for that read and one graph launch a level. Knowing the count, the pass runs the smallest static
+  bucket that holds the open rows, not the level's full width (the second graph is keyed by it).
 
 What makes a level capturable: every shape and every address is fixed.
 

@@ -390,21 +390,26 @@ class FixedGrowth:
                 return False
             self.known += c
             span = self._span(self.known)
-            space.run(("expand", span, fn, bound), lambda: self._expand(span), capture)
+            # the count is known: the pass runs the smallest static bucket that holds the open rows (all of them
+            # without static passes), not the level's full width
+            rows = d.static._bucket(c) if d.static is not None and W <= d.static.max_rows else c
+            space.run(("expand", span, rows, fn, bound), lambda: self._expand(span, rows), capture)
         else:
             span = self._span(min(d.usable, self.bound + W))
             key = ("level", span, fn, *select)
 
+            rows = W
+
             def whole() -> None:
                 self._select(budget, full)
-                self._expand(span)
+                self._expand(span, W)
 
             space.run(key, whole, capture)
             self.unread.append((self.reader.send(stats), W))
         d.epoch += 1
         self.captured_levels += 1
-        self.row0 += W
-        t.size += W * B
+        self.row0 += rows
+        t.size += rows * B
         self.passes += 1
         return True
 
@@ -441,19 +446,21 @@ class FixedGrowth:
         sel_beams.copy_(beams)
         sel_valid.copy_(valid)
 
-    def _expand(self, span: int) -> None:
-        """A captured level's second half: the selected beams get draft slots and ancestor rows, run through the
-        draft (its static passes' inputs filled here, its model run inside the same graph), and their children are
-        appended at the space's offset."""
+    def _expand(self, span: int, R: int) -> None:
+        """A captured level's second half over its first ``R`` selected rows (the valid beams lead the selection,
+        best first; R >= their count): the beams get draft slots and ancestor rows, run through the draft (its static
+        passes' inputs filled here, its model run inside the same graph), and their children are appended at the
+        space's offset."""
         space, d, t, dev = self.space, self.draft, self.tree, self.device
         assert space is not None
-        W, B = self.W, self.B
-        beams, valid = space.selection(W)
+        B = self.B
+        beams, valid = space.selection(self.W)
+        beams, valid = beams[:R], valid[:R]
         count = valid.sum()
         space.counts.index_copy_(0, space.level.reshape(1), count.reshape(1))
         space.level.add_(1)
         space.passes.add_(1.0)
-        rank = torch.arange(W, device=dev)
+        rank = torch.arange(R, device=dev)
         beams, order = beams.sort()
         valid = valid[order]
         slots = torch.where(valid, space.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))
@@ -466,31 +473,31 @@ class FixedGrowth:
         at = space.row0 + rank
         space.rows.index_copy_(0, at, rows)
         space.row_of[beams] = torch.where(valid, at, space.row_of[beams])
-        space.row0.add_(W)
+        space.row0.add_(R)
         cols = torch.arange(span + 1, device=dev)
-        mask = (cols < space.prefix)[None, :].expand(W, span + 1).contiguous()
+        mask = (cols < space.prefix)[None, :].expand(R, span + 1).contiguous()
         mask.scatter_(1, torch.where(rows >= 0, rows, torch.full_like(rows, span)), True)
         mask = mask[:, :span]
         pos = torch.where(valid, space.prefix + t.depth[beams], space.prefix.expand_as(beams))
         tokens = d._in_vocab(t.tokens[beams])
         st = d.static
-        if st is not None and W <= st.max_rows:
-            b = st._bucket(W)
+        if st is not None and R <= st.max_rows:
+            b = st._bucket(R)
             st._fill(tokens, pos, slots, mask, b, span)
-            logits = st._run(b, span)[:W]
+            logits = st._run(b, span)[:R]
         else:
             logits = d.model.forward(tokens, pos, slots, mask, d.cache, fused_norm=d.fused_norm)
         lq = self.logprobs(logits)
-        vals, toks = torch.topk(lq, B, dim=-1)  # (W, B)
+        vals, toks = torch.topk(lq, B, dim=-1)  # (R, B)
         _remember(self.prop, slots, vals, toks)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
-        at = space.size + torch.arange(W * B, device=dev)
+        at = space.size + torch.arange(R * B, device=dev)
         t.tokens.index_copy_(0, at, toks.reshape(-1))
         t.parents.index_copy_(0, at, par)
         t.depth.index_copy_(0, at, t.depth[par] + 1)
         t.logp.index_copy_(0, at, cum.reshape(-1).float())
-        space.size.add_(W * B)
+        space.size.add_(R * B)
 
     def tokens_per_pass(self) -> list[int]:
         """The rows of every pass run so far (one host read)."""
