@@ -275,7 +275,8 @@ def grow() -> Any:
         help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
         "open nodes; static: fixed-width levels, one device read a level; ahead: fixed-width levels, the host "
         "queues the next level while the GPU runs this one; captured / captured-ahead: static / ahead with each level "
-        "(its bookkeeping and its draft pass) replayed as CUDA graphs, greedy steps only; auto (default): ahead for a "
+        "(its bookkeeping and its draft pass) replayed as CUDA graphs, greedy steps only (a GPU's: on a CPU they run "
+        "eagerly over fixed-size arrays, slower); auto (default): ahead for a "
         "GPU draft or with "
         "--overlap, dynamic on a CPU. The fixed-width modes' early stop (--early-stop) reads its numbers with each "
         "level's count, ahead one level late.",
