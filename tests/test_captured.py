@@ -135,8 +135,8 @@ def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs
 
 
 def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkeypatch):
-    """"captured" knows a level's count before its pass, so the pass runs the smallest static bucket holding the
-    open rows (a small tree leaves few open), where "captured-ahead" (and "ahead") always run the level's width."""
+    """Grow "captured" knows a level's count before its pass, so the pass runs the smallest static bucket holding
+    the open rows (a small tree leaves few open), where "captured-ahead" (and "ahead") always run the level's width."""
     from specexec.graphs import StaticPasses
 
     ran = []
