@@ -155,6 +155,36 @@ def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkey
             assert set(levels) == {16}, levels
 
 
+def test_a_failed_capture_leaves_the_levels_eager(noisy_pairs, stand_in_graphs, monkeypatch, caplog):
+    """A capture that raises (an op a graph cannot hold, on some GPU or torch) only turns the captured levels off,
+    with one warning: the level that was being captured runs eagerly (a capture only records) and the text is
+    still the target's."""
+    target, draft_path = noisy_pairs["llama"]
+    e = Engine(
+        load_model(target, CPU, torch.float32),
+        load_tokenizer(target),
+        load_model(draft_path, CPU, torch.float32),
+        context=512,
+        static_draft=True,
+        static_rows=8,
+    )
+
+    def fail(self, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(captured.LevelSpace, "_capture", fail)
+    tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured")
+    for ids in PROMPTS:
+        e.reset()
+        want = e.generate(ids, 24, method="ar").tokens
+        e.reset()
+        with caplog.at_level("WARNING", logger="specexec.propose.captured"):
+            assert e.generate(ids, 24, method="specexec", tree=tree).tokens == want
+    space = e.draft_model.level_space
+    assert space.failed is not None and "capturing" in space.failed and space.captures == space.replays == 0
+    assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     """The coupled draft noise is keyed by the step's seed (a host value a graph would bake): seeded growth keeps
     the uncaptured levels."""

@@ -86,6 +86,7 @@ class LevelSpace:
         self.seen: set[Hashable] = set()  # keys run once eagerly (warmed up), captured on their next level
         self.captures = 0
         self.replays = 0
+        self.failed: str | None = None  # why a capture failed (the levels then run eagerly)
         self.pool: Any = None  # one memory pool for every level graph (they replay one at a time)
 
     def selection(self, rows: int) -> tuple[Tensor, Tensor]:
@@ -135,9 +136,9 @@ class LevelSpace:
         self.passes.fill_(float(passes))
 
     def run(self, key: Hashable, body: Callable[[], None], capture: bool) -> None:
-        """One level: ``body`` eagerly (the key's first level, a CPU, or ``capture`` False), else its graph (captured
-        on the key's second level)."""
-        if not capture:
+        """One level: ``body`` eagerly (the key's first level, a CPU, ``capture`` False, or after a capture failed),
+        else its graph (captured on the key's second level)."""
+        if not capture or self.failed is not None:
             body()
             return
         graph = self.graphs.get(key)
@@ -146,7 +147,14 @@ class LevelSpace:
                 self.seen.add(key)
                 body()
                 return
-            graph = self._capture(body)
+            try:
+                graph = self._capture(body)
+            except Exception as e:  # noqa: BLE001 - any capture failure: the levels run eagerly from now on
+                # a capture only records, so the level has not run: it runs eagerly now, as every later one will
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("captured growth levels are off for this draft (their capture failed: %s)", self.failed)
+                body()
+                return
             self.graphs[key] = graph
             self.captures += 1
             log.debug("captured a growth level: %s", key)
