@@ -6,7 +6,8 @@
 # "captured-ahead": a level's bookkeeping and pass as graphs) and 32-row levels (the counts say narrow levels keep
 # most of the tokens a step; a fused kernel is fastest at few rows): an int8 draft on bitsandbytes' kernel (all six
 # combinations), then int8 and NF4 drafts on the fused kernels at 32 rows (NF4 would keep its 6 extra resident
-# layers without bitsandbytes' slow NF4 passes); last the kernels alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
+# layers without bitsandbytes' slow NF4 passes); last the kernels alone (specexec.lowbit_mm). Their warm-up is 32
+# tokens: captured levels capture a graph per (span, rows) key on its second level, so the first steps capture. "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
 # "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call (spread against
 # leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's int8 kernel
 # runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under its own time
@@ -97,14 +98,14 @@ torch.cuda.get_device_name())"
     if [ "$WHAT" = all ]; then
         step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), code 1024: ahead / captured / captured-ahead x 128 / 32 rows"
         run 150 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
-            --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --warmup-tokens 16 \
+            --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --warmup-tokens 32 \
             --budgets 1024 --grows auto,captured,captured-ahead --max-beams 128,32 --modes "" \
             --out "$OUT/gpu_int8_bnb_levels.json"
         for fmt in int8 nf4; do
             step "70B NF4 at 24 GB, $fmt 7B draft on the fused kernel, code 1024, 32-row levels: ahead / captured"
             run 90 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel triton \
                 --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
-                --warmup-tokens 16 --budgets 1024 --grows auto,captured --max-beams 32 --modes "" \
+                --warmup-tokens 32 --budgets 1024 --grows auto,captured --max-beams 32 --modes "" \
                 --out "$OUT/gpu_${fmt}_triton_levels.json"
         done
         step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
