@@ -97,19 +97,19 @@ torch.cuda.get_device_name())"
         tests/test_sizes.py tests/test_lowbit_mm.py tests/test_captured.py
     if [ "$WHAT" = all ]; then
         step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), code 1024: ahead / captured / captured-ahead x 128 / 32 rows"
-        run 150 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
+        run 170 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
             --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --warmup-tokens 32 \
             --budgets 1024 --grows auto,captured,captured-ahead --max-beams 128,32 --modes "" \
             --out "$OUT/gpu_int8_bnb_levels.json"
         for fmt in int8 nf4; do
             step "70B NF4 at 24 GB, $fmt 7B draft on the fused kernel, code 1024, 32-row levels: ahead / captured"
-            run 90 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel triton \
+            run 100 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype $fmt --$fmt-kernel triton \
                 --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 \
                 --warmup-tokens 32 --budgets 1024 --grows auto,captured --max-beams 32 --modes "" \
                 --out "$OUT/gpu_${fmt}_triton_levels.json"
         done
         step "the linears alone: 16-bit vs bitsandbytes vs the fused kernels, int8 and NF4"
-        run 60 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,128 --out "$OUT/lowbit_mm.json"
+        run 45 python3 scripts/bench_lowbit_mm.py --shapes 7b --rows 16,32,128 --out "$OUT/lowbit_mm.json"
         step done
         exit 0
     fi
