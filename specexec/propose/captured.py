@@ -25,8 +25,9 @@ What makes a level capturable: every shape and every address is fixed.
   slot -1, so they are never open and never in the top ``budget``. The open set, the threshold (the
   ``budget``-th best log-prob, once the tree holds that many) and the beams come from the same top-k as in
   "ahead" growth, over more -inf entries.
-* Every level expands ``max_beams`` rows (beams beyond the open ones are padding, as "ahead" pads), so the row
-  count is fixed; the attention span is the static passes' bucket of the host's bound on the used slots.
+* Every level chooses ``max_beams`` beams (beyond the open ones they are padding, as "ahead" pads) and expands them
+  all ("captured-ahead") or the static bucket holding the open ones ("captured"), so a graph's row count is fixed;
+  the attention span is the static passes' bucket of the host's bound on the used slots.
 * What moves from level to level lives on the device and is advanced by the graph itself: the next free draft
   slot, the write offset of the children, the row offset of the ancestor rows, the level counter.
 * The draft pass fills the static passes' input buffers and runs the model inside the same capture.
@@ -35,7 +36,7 @@ A graph is keyed by what its kernels bake in: the row count, the span bucket, wh
 the budget), whether the early stop's numbers are computed, and the log-prob function. A key's first level runs
 eagerly (it warms up every kernel); the second captures (recording only), then replays. On a CPU, and for a key
 not captured yet, the same code runs eagerly, which is how CI checks that a captured level grows exactly the tree
-an "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) and overlapped background
+a "static" / "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) and overlapped background
 levels run uncaptured.
 """
 

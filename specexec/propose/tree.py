@@ -396,9 +396,7 @@ class TreeDraft:
         self, seq: list[int], cfg: TreeConfig, logprobs, start: Tree | None, seed: int | None, stop: GrowCost | None
     ) -> tuple[Tree, int, list[int], bool]:
         """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead" / "captured" / "captured-ahead";
-        :mod:`.fixed_grow`,
-        :mod:`.captured`); ``stop``: the
-        early stop's costs (None: off)."""
+        :mod:`.fixed_grow`, :mod:`.captured`); ``stop``: the early stop's costs (None: off)."""
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         keep_all = cfg.reuse
