@@ -15,7 +15,8 @@ faster (a fused low-bit kernel, fewer rows). Here a level is one or two graph la
 * "captured": two graphs, the beams' choice (with the count and the early stop's numbers) and then the level's
   expansion and pass; the host reads the count between them, as "static" growth does, so no pass is wasted and the
   GPU waits only for that read and one graph launch a level. Knowing the count, the pass runs the smallest static
-  bucket that holds the open rows, not the level's full width (the second graph is keyed by it).
+  bucket that holds the open rows (at least :data:`MIN_ROWS`), not the level's full width (the second graph is
+  keyed by it).
 
 What makes a level capturable: every shape and every address is fixed.
 
@@ -55,6 +56,10 @@ from specexec.tree import Tree
 log = logging.getLogger(__name__)
 
 NEG = float("-inf")
+# grow "captured" runs a level's pass over the static bucket holding its open rows, but at least this many: fewer
+# rows cost about as much (a graphed 16-bit 7B pass: 6.6 ms at 1 row, 8.6 at 128; GPU.md), and every row bucket is
+# one more graph to capture per span bucket
+MIN_ROWS = 16
 
 
 class LevelSpace:

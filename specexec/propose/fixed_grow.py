@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from specexec import sampling
-from specexec.propose.captured import LevelSpace, capturable, space_for
+from specexec.propose.captured import MIN_ROWS, LevelSpace, capturable, space_for
 from specexec.tree import Tree
 
 if TYPE_CHECKING:
@@ -390,9 +390,10 @@ class FixedGrowth:
                 return False
             self.known += c
             span = self._span(self.known)
-            # the count is known: the pass runs the smallest static bucket that holds the open rows (all of them
-            # without static passes), not the level's full width
-            rows = d.static._bucket(c) if d.static is not None and W <= d.static.max_rows else c
+            # the count is known: the pass runs the smallest static bucket that holds the open rows (at least
+            # MIN_ROWS; all of them without static passes), not the level's full width
+            st = d.static
+            rows = st._bucket(max(c, min(W, MIN_ROWS))) if st is not None and W <= st.max_rows else c
             space.run(("expand", span, rows, fn, bound), lambda: self._expand(span, rows), capture)
         else:
             span = self._span(min(d.usable, self.bound + W))
