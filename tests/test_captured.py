@@ -187,15 +187,25 @@ def test_a_failed_capture_leaves_the_levels_eager(noisy_pairs, stand_in_graphs, 
 
 def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     """The coupled draft noise is keyed by the step's seed (a host value a graph would bake): seeded growth keeps
-    the uncaptured levels."""
-    cfg = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=6, grow="captured")
-    td = TreeDraft(DraftModel(draft, 512), cfg)
+    the uncaptured levels, "ahead" ones in either captured mode (a host that never waits, as on a GPU by default;
+    "static" levels wait for every count)."""
+    samp = SamplingConfig(temperature=1.0, seed=3)
     seq = PROMPTS[0]
-    td.begin(seq)
-    td.propose(seq, StepContext(samp=SamplingConfig(temperature=1.0, seed=3), gen=None, budget=16, seed=3))
-    assert td.draft.level_space is None
-    td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=16))
-    assert td.draft.level_space is not None
+    props = {}
+    for mode in ("static", "ahead", "captured", "captured-ahead"):
+        # a budget growth fills well before max_depth: "ahead" then runs one pass over padding rows that "static" skips
+        cfg = TreeConfig(budget=4, max_beams=8, max_branch=4, max_depth=12, grow=mode, early_stop=False)
+        td = TreeDraft(DraftModel(draft, 512), cfg)
+        td.begin(seq)
+        props[mode] = td.propose(seq, StepContext(samp=samp, gen=None, budget=4, seed=3))
+        assert td.draft.level_space is None
+        if mode == "captured":
+            td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=4))
+            assert td.draft.level_space is not None
+    assert props["ahead"].passes == props["static"].passes + 1  # (else this test could not tell the two apart)
+    for mode in ("captured", "captured-ahead"):
+        _same_tree(props["ahead"].tree, props[mode].tree, mode)
+        assert (props[mode].passes, props[mode].beams) == (props["ahead"].passes, props["ahead"].beams), mode
 
 
 def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):

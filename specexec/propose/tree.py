@@ -410,9 +410,10 @@ class TreeDraft:
             self.reused_nodes = start.size - 1
         levels = self.overlap_levels(cfg)
         mode = cfg.grow_mode(self.draft.device)
-        g = grow_fixed(
-            self, seq, cfg, logprobs, start, seed, mode in ("ahead", "captured-ahead"), levels, stop, mode in CAPTURED
-        )
+        # a sampled step grows uncaptured (the coupled noise's seed would be baked into a graph): "ahead" levels, whose
+        # host never waits, for either captured mode
+        ahead = mode in ("ahead", "captured-ahead") or (mode == "captured" and seed is not None)
+        g = grow_fixed(self, seq, cfg, logprobs, start, seed, ahead, levels, stop, mode in CAPTURED)
         out, full, index, chosen = finish(g.tree, budget, budget + 1 + extra, keep_all)
         if full is not None and index is not None:
             self._full = (full, index)
