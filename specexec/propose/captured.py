@@ -37,8 +37,8 @@ A graph is keyed by what its kernels bake in: the row count, the span bucket, wh
 the budget), whether the early stop's numbers are computed, and the log-prob function. A key's first level runs
 eagerly (it warms up every kernel); the second captures (recording only), then replays. On a CPU, and for a key
 not captured yet, the same code runs eagerly, which is how CI checks that a captured level grows exactly the tree
-a "static" / "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) and overlapped background
-levels run uncaptured.
+a "static" / "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) grow uncaptured
+"ahead" levels in either mode, and overlapped background levels run uncaptured.
 """
 
 from __future__ import annotations
