@@ -93,18 +93,24 @@ def test_replayed_levels_grow_the_uncaptured_trees(draft, stand_in_graphs, stati
             assert space.replays > space.captures > 0, (budget, space.captures, space.replays)
 
 
-def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs, stand_in_graphs):
-    """Through the engine: greedy output equals AR with replayed levels, subtree reuse and overlap (the background
-    levels run uncaptured beside them) and the early stop; a sampled step grows uncaptured and stays AR's draw."""
+def _static_engine(noisy_pairs) -> Engine:
+    """The llama pair on the CPU, the draft on padded static passes (eager here): spans come in buckets, so levels
+    repeat their keys and recorded levels replay."""
     target, draft_path = noisy_pairs["llama"]
-    e = Engine(
+    return Engine(
         load_model(target, CPU, torch.float32),
         load_tokenizer(target),
         load_model(draft_path, CPU, torch.float32),
         context=512,
-        static_draft=True,  # padded passes (eager on a CPU): spans in buckets, so levels repeat their keys
+        static_draft=True,
         static_rows=8,
     )
+
+
+def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs, stand_in_graphs):
+    """Through the engine: greedy output equals AR with replayed levels, subtree reuse and overlap (the background
+    levels run uncaptured beside them) and the early stop; a sampled step grows uncaptured and stays AR's draw."""
+    e = _static_engine(noisy_pairs)
     trees = (
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead", reuse=True, overlap=3),
@@ -159,15 +165,7 @@ def test_a_failed_capture_leaves_the_levels_eager(noisy_pairs, stand_in_graphs, 
     """A capture that raises (an op a graph cannot hold, on some GPU or torch) only turns the captured levels off,
     with one warning: the level that was being captured runs eagerly (a capture only records) and the text is
     still the target's."""
-    target, draft_path = noisy_pairs["llama"]
-    e = Engine(
-        load_model(target, CPU, torch.float32),
-        load_tokenizer(target),
-        load_model(draft_path, CPU, torch.float32),
-        context=512,
-        static_draft=True,
-        static_rows=8,
-    )
+    e = _static_engine(noisy_pairs)
 
     def fail(self, body):
         raise RuntimeError("operation not permitted when stream is capturing")
