@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Issue 16's remaining GPU checks, one device call each (the H200 results so far and what they settled are in
-# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~9 min) measures what
-# sessions 7 and 8 left open: the CUDA tests (captured levels' real graphs among them), then end to end, one process
-# per draft kernel, the default growth ("ahead", 128-row levels) against captured levels (grow "captured" /
-# "captured-ahead": a level's bookkeeping and pass as graphs) and 32-row levels (the counts say narrow levels keep
-# most of the tokens a step; a fused kernel is fastest at few rows): an int8 draft on bitsandbytes' kernel (all six
-# combinations), then int8 and NF4 drafts on the fused kernels at 32 rows (NF4 would keep its 6 extra resident
-# layers without bitsandbytes' slow NF4 passes); last the kernels alone (specexec.lowbit_mm). Their warm-up is 32
-# tokens: captured levels capture a graph per (span, rows) key on its second level, so the first steps capture. "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in one run (the issue's
-# "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call (spread against
-# leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's int8 kernel
-# runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under its own time
-# limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after every run, so
-# a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device README).
+# Issue 16's remaining GPU checks, one device call each (the results so far and what they settled are in
+# docs/BENCHMARKS.md, "Issue 16 on a GPU" and the sessions after it). The default run ("all", ~6.5 min) measures what
+# the ninth device session left open: captured growth levels (grow "captured", the GPU default at a fixed budget
+# since that session) under the automatic budget, the CLI's default, against "ahead" levels (the automatic budget's
+# growth until this is measured), on code and on prose, each grow in its own process with a fixed-budget run beside
+# its auto run. "levels" (~6 min) repeats the ninth session's first call: ahead / captured / captured-ahead x 128 /
+# 32-row levels on bitsandbytes' int8 kernel, then the fused int8 and NF4 kernels at 32 rows, then the kernels
+# alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in
+# one run (the issue's "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call
+# (spread against leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's
+# int8 kernel runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under
+# its own time limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after
+# every run, so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device
+# README).
 #
-#   bash scripts/gpu_issue16.sh            # ~9 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh            # ~6.5 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh levels     # ~6 min
 #   bash scripts/gpu_issue16.sh accel      # ~4 min
 #   bash scripts/gpu_issue16.sh s7         # ~7 min
 #   bash scripts/gpu_issue16.sh int8       # ~5 min ("int8 quick": end to end only; BUDGETS=256,1024 sets the budgets)
@@ -23,8 +24,8 @@
 set -u
 WHAT=${1:-all}
 case "$WHAT" in
-    all | accel | s7 | int8 | fill | profile) ;;
-    *) echo "usage: bash scripts/gpu_issue16.sh [all|accel|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
+    all | levels | accel | s7 | int8 | fill | profile) ;;
+    *) echo "usage: bash scripts/gpu_issue16.sh [all|levels|accel|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -96,6 +97,19 @@ torch.cuda.get_device_name())"
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
         tests/test_sizes.py tests/test_lowbit_mm.py tests/test_captured.py
     if [ "$WHAT" = all ]; then
+        for dom in code prose; do
+            b=1024 n=64; [ $dom = prose ] && b=256 n=48
+            for g in captured ahead; do
+                step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), $dom: $g levels at $b and under the automatic budget"
+                run 110 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
+                    --domain $dom --no-accelerate --no-ar-loaded --prompts 2 --new-tokens $n --ar-tokens 4 \
+                    --warmup-tokens 32 --budgets $b --grows $g --modes "" --out "$OUT/gpu_auto_${dom}_$g.json"
+            done
+        done
+        step done
+        exit 0
+    fi
+    if [ "$WHAT" = levels ]; then
         step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), code 1024: ahead / captured / captured-ahead x 128 / 32 rows"
         run 170 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
             --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens 64 --ar-tokens 4 --warmup-tokens 32 \

@@ -70,10 +70,13 @@ class TreeConfig:
     # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
     # late, so the host never waits for the pass it just launched (one pass over padding rows at the end);
     # "captured" runs each "static" level as two CUDA graphs (choose the beams; read their count; expand them and run
-    # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py;
-    # not measured on a GPU yet, so neither is the default). "auto":
-    # "ahead" for a GPU draft or with overlap, else "dynamic" (measured on an H200 with a 7B-shaped graphed draft:
-    # 0.147 vs 0.202 s of draft a step at budget 256, docs/BENCHMARKS.md)
+    # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py).
+    # "auto": for a CUDA draft "captured" at a fixed budget and "ahead" with the automatic budget or with overlap
+    # (whose background levels are not captured), else "dynamic". Measured on an H100 with a 70B-shaped streamed
+    # target and an int8 7B draft (docs/BENCHMARKS.md): "captured" took the draft's time a step from 0.125 to
+    # 0.114-0.118 s on code at 1024 and from 0.106 to 0.094 s on prose at 256, the same trees; under the automatic
+    # budget its one run was cut off by the run's time limit, so not measured there yet. "ahead" took it from 0.202
+    # to 0.147 s against "dynamic" on an H200 at 256.
     grow: str = "auto"
     # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
     # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
@@ -131,7 +134,9 @@ class TreeConfig:
         """The growth mode for a draft on ``device`` ("auto" resolved)."""
         if self.grow != "auto":
             return self.grow
-        return "ahead" if device.type == "cuda" or self.overlap else "dynamic"
+        if device.type != "cuda":
+            return "ahead" if self.overlap else "dynamic"
+        return "ahead" if self.overlap or self.auto else "captured"
 
     def stops_early(self, device: torch.device) -> bool:
         """Whether the cost-based early stop is on for a draft on ``device`` (``early_stop`` None resolved)."""

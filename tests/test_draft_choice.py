@@ -38,8 +38,9 @@ def test_cost_model_reproduces_its_h200_calibration():
 
 def test_the_opt_in_fused_kernels_drop_what_they_do_not_do(monkeypatch):
     """With the fused kernels (specexec.lowbit_mm) an NF4 draft's pass writes and reads no 16-bit copy of its
-    weights and an int8 one quantizes no activations: the model drops those terms (priors, not measurements) and
-    nothing else; with bitsandbytes' kernels (the defaults) it is unchanged."""
+    weights and an int8 one quantizes no activations: the model drops those terms and takes the fused kernels'
+    own per-layer cost (measured on an H100: the NF4 kernel's decoding is slow); with bitsandbytes' kernels (the
+    defaults) it is unchanged."""
     from offload import quant
     from specexec import model
 
@@ -51,8 +52,11 @@ def test_the_opt_in_fused_kernels_drop_what_they_do_not_do(monkeypatch):
     assert dc.pass_bytes(LLAMA2_7B, "int8") == before["int8"][0]  # int8 rewrote nothing to begin with
     assert dc.pass_seconds(LLAMA2_7B, "int8", 4190) == pytest.approx(before["int8"][1] - 32 * 0.18e-3)
     assert dc.pass_bytes(LLAMA2_7B, "nf4") < before["nf4"][0] / 5  # the two 16-bit copies' bytes are gone
-    # 16.8 ms modelled with bitsandbytes' kernel, ~10.5 without the rewrite: below int8 through bitsandbytes (13.0)
-    assert dc.pass_seconds(LLAMA2_7B, "nf4", 4190) < before["int8"][1] < before["nf4"][1]
+    # 16.8 ms modelled with bitsandbytes' kernel; the fused kernel writes no copy but decodes slowly: 26.2 ms a
+    # pass measured on an H100 (2.9 TB/s), modelled from its fitted per-layer cost
+    nf4_fused = dc.pass_seconds(LLAMA2_7B, "nf4", 2900)
+    assert nf4_fused == pytest.approx(26.2e-3, rel=0.05)
+    assert dc.pass_seconds(LLAMA2_7B, "nf4", 4190) > before["nf4"][1] > before["int8"][1]
 
 
 def test_cost_model_rejects_malformed_data(tmp_path):

@@ -30,12 +30,16 @@ MODES = ("static", "ahead", "captured", "captured-ahead")
 
 
 def test_config_validates_grow():
-    """``grow`` "auto" (the default): "ahead" for a GPU draft or with overlap, else "dynamic"; the early stop by
+    """``grow`` "auto" (the default): for a CUDA draft "captured" at a fixed budget, "ahead" with the automatic budget
+    or with overlap; "ahead" with overlap on a CPU, else "dynamic"; the early stop by
     default on a CPU and for fixed-width growth on a GPU; explicit settings win."""
     gpu = torch.device("cuda")  # a device object only: nothing runs on it
     assert TreeConfig().grow == "auto"
-    assert TreeConfig().grow_mode(CPU) == "dynamic" and TreeConfig().grow_mode(gpu) == "ahead"
+    assert TreeConfig().grow_mode(CPU) == "dynamic" and TreeConfig().grow_mode(gpu) == "captured"
     assert TreeConfig(overlap=4, reuse=True).grow_mode(CPU) == "ahead"
+    assert TreeConfig(overlap=4, reuse=True).grow_mode(gpu) == "ahead"
+    assert TreeConfig(auto=True).grow_mode(gpu) == "ahead" and TreeConfig(auto=True).grow_mode(CPU) == "dynamic"
+    assert TreeConfig(grow="ahead").grow_mode(gpu) == "ahead"
     assert (
         TreeConfig(grow="static").grow_mode(gpu) == "static" and TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"
     )
