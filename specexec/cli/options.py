@@ -277,8 +277,8 @@ def grow() -> Any:
         "queues the next level while the GPU runs this one; captured / captured-ahead: static / ahead with each level "
         "(its bookkeeping and its draft pass) replayed as CUDA graphs, greedy steps only (a GPU's: on a CPU they run "
         "eagerly over fixed-size arrays, slower); auto (default): on a CUDA GPU captured with a fixed "
-        "--budget, ahead with --budget auto or --overlap; dynamic on a CPU (ahead with --overlap). The fixed-width modes' early stop (--early-stop) reads its numbers with each "
-        "level's count, ahead one level late.",
+        "--budget, ahead with --budget auto or --overlap; dynamic on a CPU (ahead with --overlap). The fixed-width "
+        "modes' early stop (--early-stop) reads its numbers with each level's count, ahead one level late.",
     )
 
 
