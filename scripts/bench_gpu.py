@@ -680,9 +680,15 @@ def bench_setting(
                 f"    auto budgets {r['auto_budgets']}; calibration {r['calibration_s']:.2f} s in the measured runs",
                 flush=True,
             )
-        if r.get("level_graph_replays") or r.get("level_graph_captures"):
+        if r.get("grow"):
+            cap = r.get("level_graph_replays") or r.get("level_graph_captures")
             print(
-                f"    captured levels: {r['level_graph_replays']} replays, {r['level_graph_captures']} captures",
+                f"    growth {r['grow']}, {r['draft_passes_per_step']:.1f} draft passes a step"
+                + (
+                    f"; captured levels: {r['level_graph_replays']} replays, {r['level_graph_captures']} captures"
+                    if cap
+                    else ""
+                ),
                 flush=True,
             )
         if r.get("graph_captures") or r.get("background_host_s_per_step"):
@@ -809,6 +815,8 @@ def bench_setting(
         finally:
             decode.VERIFY_PRIORITY = True
         r["wall_s"] = time.perf_counter() - t_run  # the whole run, warm-up included: what it cost to measure
+        if tree is not None:  # the growth the run used ("auto" resolved: it depends on the device and the budget)
+            r["grow"] = tree.grow_mode(dev)
         r["speedup_vs_ar"] = r["tok_s"] / ar_rate if ar_rate > 0 else 0.0
         r.update(resident_layers=info["resident_layers"], streamed_gb_per_pass=gbp)
         # PCIe4 PROJECTION: each verify at least the streamed bytes at 25 GB/s, the draft's part as measured

@@ -430,6 +430,9 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     assert "ahead+overlap 2 8" in runs and "dynamic+reuse 8" in runs and "ahead+overlap 16 frontier 8" in runs
     assert "ahead+overlap auto 8" in runs and "auto+overlap auto 8" in runs and "ahead+overlap 32+early stop 8" in runs
     assert first["placement"]["streamed_layers"] == 4 and first["ar_no_draft_placement"]["streamed_layers"] == 4
+    # each run names the growth it used, "auto" resolved for the device (a CPU here)
+    assert runs["specexec 8"]["grow"] == "dynamic" and runs["ahead 8"]["grow"] == "ahead" and runs["auto"]["grow"]
+    assert "grow" not in runs["ar (no draft)"]
     for s in rep["settings"]:
         for r in s["runs"]:
             assert r["exact"] and r["tokens"] > 0 and r["step_s"] > 0, r
