@@ -130,13 +130,15 @@ class TreeConfig:
             return NGRAM_NODES_GPU
         return NGRAM_NODES_CPU if self.auto else 0
 
-    def grow_mode(self, device: torch.device) -> str:
-        """The growth mode for a draft on ``device`` ("auto" resolved)."""
+    def grow_mode(self, device: torch.device, graphs: bool = True) -> str:
+        """The growth mode for a draft on ``device`` ("auto" resolved); ``graphs``: whether the draft's levels of
+        ``max_beams`` rows can replay as CUDA graphs (graphed static passes that wide; uncaptured "captured" levels
+        would only add a host wait a level to "ahead" ones)."""
         if self.grow != "auto":
             return self.grow
         if device.type != "cuda":
             return "ahead" if self.overlap else "dynamic"
-        return "ahead" if self.overlap or self.auto else "captured"
+        return "ahead" if self.overlap or self.auto or not graphs else "captured"
 
     def stops_early(self, device: torch.device) -> bool:
         """Whether the cost-based early stop is on for a draft on ``device`` (``early_stop`` None resolved)."""

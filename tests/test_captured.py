@@ -222,6 +222,33 @@ def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):
     assert td.draft.level_space is again
 
 
+def test_auto_growth_asks_whether_its_levels_can_replay_as_graphs(draft, monkeypatch):
+    """The proposer resolves grow "auto" with whether a level of ``max_beams`` rows can replay as a CUDA graph (its
+    draft's static passes graphed and that wide): on a GPU "captured" then, else "ahead" (levels that cannot be
+    captured would only add a host wait a level). A CPU's static passes are not graphed."""
+    from specexec.propose import tree as tree_mod
+
+    asked = []
+    resolve = TreeConfig.grow_mode
+
+    def spy(self, device, graphs=None):  # the growth's own resolution passes ``graphs``; other callers do not
+        if graphs is not None:
+            asked.append(graphs)
+        return resolve(self, device, True if graphs is None else graphs)
+
+    monkeypatch.setattr(TreeConfig, "grow_mode", spy)
+    cfg = TreeConfig(budget=24, max_beams=4, max_branch=8, max_depth=8, early_stop=False, grow="static")
+    _steps(draft, cfg, [list(PROMPTS[0])], static=True)
+    assert asked and not any(asked)  # CPU: no graphs
+    asked.clear()
+    monkeypatch.setattr(tree_mod, "capturable", lambda static, rows: static is not None and rows <= static.max_rows)
+    _steps(draft, cfg, [list(PROMPTS[0])], static=True)
+    assert asked and all(asked)
+    asked.clear()
+    _steps(draft, cfg, [list(PROMPTS[0])], static=False)  # no static passes: nothing to replay
+    assert asked and not any(asked)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):

@@ -39,6 +39,9 @@ def test_config_validates_grow():
     assert TreeConfig(overlap=4, reuse=True).grow_mode(CPU) == "ahead"
     assert TreeConfig(overlap=4, reuse=True).grow_mode(gpu) == "ahead"
     assert TreeConfig(auto=True).grow_mode(gpu) == "ahead" and TreeConfig(auto=True).grow_mode(CPU) == "dynamic"
+    # levels that cannot replay as graphs (wider than the draft's graphed passes): "ahead", whose host never waits
+    assert TreeConfig().grow_mode(gpu, graphs=False) == "ahead"
+    assert TreeConfig(grow="captured").grow_mode(gpu, graphs=False) == "captured"  # an explicit choice stands
     assert TreeConfig(grow="ahead").grow_mode(gpu) == "ahead"
     assert (
         TreeConfig(grow="static").grow_mode(gpu) == "static" and TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"

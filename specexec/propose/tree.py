@@ -42,6 +42,7 @@ from torch import Tensor
 from specexec import sampling
 from specexec.config import CAPTURED, OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
+from specexec.propose.captured import capturable
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.fixed_grow import FixedGrowth, finish, grow_fixed, regrown
@@ -409,7 +410,7 @@ class TreeDraft:
             start = self._restart(start, start.size + budget + 1, cfg, budget)
             self.reused_nodes = start.size - 1
         levels = self.overlap_levels(cfg)
-        mode = cfg.grow_mode(self.draft.device)
+        mode = cfg.grow_mode(self.draft.device, graphs=capturable(self.draft.static, cfg.max_beams))
         # a sampled step grows uncaptured (the coupled noise's seed would be baked into a graph): "ahead" levels, whose
         # host never waits, for either captured mode
         ahead = mode in ("ahead", "captured-ahead") or (mode == "captured" and seed is not None)
