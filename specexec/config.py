@@ -71,8 +71,9 @@ class TreeConfig:
     # late, so the host never waits for the pass it just launched (one pass over padding rows at the end);
     # "captured" runs each "static" level as two CUDA graphs (choose the beams; read their count; expand them and run
     # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py).
-    # "auto": for a CUDA draft "captured" at a fixed budget and "ahead" with the automatic budget or with overlap
-    # (whose background levels are not captured), else "dynamic". Measured on an H100 with a 70B-shaped streamed
+    # "auto": for a CUDA draft "captured" at a fixed budget where a level can replay as a graph, and "ahead" with
+    # the automatic budget, with overlap (whose background levels are not captured) or with levels wider than the
+    # draft's graphed passes; else "dynamic". Measured on an H100 with a 70B-shaped streamed
     # target and an int8 7B draft (docs/BENCHMARKS.md): "captured" took the draft's time a step from 0.125 to
     # 0.114-0.118 s on code at 1024 and from 0.106 to 0.094 s on prose at 256, the same trees; under the automatic
     # budget its one run was cut off by the run's time limit, so not measured there yet. "ahead" took it from 0.202
