@@ -23,6 +23,7 @@ from specexec.engine import Engine
 from specexec.loading import load_model, load_tokenizer
 from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed_grow
 from tests.test_fixed_grow import PROMPTS, _same_tree
+from tests.test_graphs import static_engine
 
 CPU = torch.device("cpu")
 MODES = (("captured", "static"), ("captured-ahead", "ahead"))  # each captured mode and the mode it must equal
@@ -96,15 +97,7 @@ def test_replayed_levels_grow_the_uncaptured_trees(draft, stand_in_graphs, stati
 def _static_engine(noisy_pairs) -> Engine:
     """The llama pair on the CPU, the draft on padded static passes (eager here): spans come in buckets, so levels
     repeat their keys and recorded levels replay."""
-    target, draft_path = noisy_pairs["llama"]
-    return Engine(
-        load_model(target, CPU, torch.float32),
-        load_tokenizer(target),
-        load_model(draft_path, CPU, torch.float32),
-        context=512,
-        static_draft=True,
-        static_rows=8,
-    )
+    return static_engine(noisy_pairs["llama"], 512)
 
 
 def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs, stand_in_graphs):

@@ -31,17 +31,23 @@ def test_padded_static_passes_match_eager(noisy_pairs):
     _trees_match(noisy_pairs["llama"][1], torch.device("cpu"))
 
 
-def test_engine_with_static_draft_equals_ar(noisy_pairs):
-    target, draft = noisy_pairs["qwen2"]
+def static_engine(pair: tuple, context: int) -> Engine:
+    """A (target, draft) pair on the CPU, the draft on padded static passes of up to 8 rows (eager on a CPU; wider
+    levels fall back to plain passes)."""
+    target, draft = pair
     cpu = torch.device("cpu")
-    e = Engine(
+    return Engine(
         load_model(target, cpu, torch.float32),
         load_tokenizer(target),
         load_model(draft, cpu, torch.float32),
-        context=256,
+        context=context,
         static_draft=True,
         static_rows=8,
-    )  # beams > 8 fall back to eager
+    )
+
+
+def test_engine_with_static_draft_equals_ar(noisy_pairs):
+    e = static_engine(noisy_pairs["qwen2"], 256)  # beams > 8 fall back to eager
     assert e.draft_model.static is not None and e.draft_model.static.max_rows == 8
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
     for tree in (TreeConfig(budget=16, max_beams=8), TreeConfig(budget=64, max_beams=32)):

@@ -392,13 +392,11 @@ class FixedGrowth:
             span = self._span(self.known)
             # the count is known: the pass runs the smallest static bucket that holds the open rows (at least
             # MIN_ROWS; all of them without static passes), not the level's full width
-            st = d.static
             rows = st._bucket(max(c, min(W, MIN_ROWS))) if st is not None and W <= st.max_rows else c
             space.run(("expand", span, rows, fn, bound), lambda: self._expand(span, rows), capture)
         else:
             span = self._span(min(d.usable, self.bound + W))
             key = ("level", span, fn, *select)
-
             rows = W
 
             def whole() -> None:
