@@ -141,6 +141,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated rows a draft level expands at most (TreeConfig.max_beams), each run per budget and "
         "growth mode; the --budget auto run takes the first",
     )
+    p.add_argument(
+        "--calibrate",
+        default="on",
+        help="comma-separated on/off: greedy tree scores calibrated online (TreeConfig.calibrate, the default) or the "
+        "draft's raw log-probs ('raw' in the label), each run per budget; the --budget auto run takes the first",
+    )
     p.add_argument("--modes-other", action="store_true", help="run the growth modes in every setting (default: first)")
     p.add_argument(
         "--modes",
@@ -206,6 +212,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_out/gpu.json"))
     args = p.parse_args(argv)
     args.grow_list = [g.strip() for g in args.grows.split(",") if g.strip()]
+    cal = [c.strip().lower() for c in args.calibrate.split(",") if c.strip()]
+    if not cal or any(c not in ("on", "off") for c in cal):
+        p.error(f"--calibrate: comma-separated on/off, got {args.calibrate!r}")
+    args.cal_list = [c == "on" for c in cal]
     bad = [g for g in args.grow_list if g not in GROW_MODES]
     if bad or not args.grow_list:
         p.error(f"--grows: unknown mode(s) {', '.join(map(repr, bad))}; known: {', '.join(GROW_MODES)}")
@@ -776,14 +786,18 @@ def bench_setting(
     grow0, beams0 = args.grow_list[0], args.beam_list[0]
     runs += [
         (
-            f"specexec {b}" + (f" {g}" if g != "auto" else "") + (f" w{w}" if w != TreeConfig.max_beams else ""),
+            f"specexec {b}"
+            + (f" {g}" if g != "auto" else "")
+            + (f" w{w}" if w != TreeConfig.max_beams else "")
+            + ("" if c else " raw"),
             "specexec",
-            TreeConfig(budget=b, ngram=ng, grow=g, max_beams=w),
+            TreeConfig(budget=b, ngram=ng, grow=g, max_beams=w, calibrate=c),
             args.new_tokens,
         )
         for b in budgets
         for g in args.grow_list
         for w in args.beam_list
+        for c in args.cal_list
     ]
     if first or args.modes_other:
         runs += [
@@ -802,7 +816,9 @@ def bench_setting(
             if lab in args.mode_list
         ]
     if not args.no_auto:
-        auto = TreeConfig(auto=True, max_budget=max(budgets), ngram=ng, grow=grow0, max_beams=beams0)
+        auto = TreeConfig(
+            auto=True, max_budget=max(budgets), ngram=ng, grow=grow0, max_beams=beams0, calibrate=args.cal_list[0]
+        )
         runs.append(("auto", "specexec", auto, args.new_tokens))
     gbp = info["streamed_gb_per_pass"]
     knobs = {f"{lab} {args.mode_budget}": kw for lab, kw in MODE_RUNS}

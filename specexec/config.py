@@ -94,10 +94,14 @@ class TreeConfig:
     # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's
     # auto-budget trees, none in a CPU's fixed-budget ones). Never changes the output
     ngram: int | None = None
+    # score greedy steps' trees by the chance the target takes each child, fitted online from what verification
+    # shows (specexec/propose/calibrate.py), instead of the draft's raw probability. Never changes the output
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reuse, bool):
-            raise ConfigError("TreeConfig.reuse", self.reuse, "must be True or False")
+        for flag in ("reuse", "calibrate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"TreeConfig.{flag}", getattr(self, flag), "must be True or False")
         if self.grow not in GROW_MODES:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
         if self.overlap_aim not in OVERLAP_AIMS:

@@ -419,7 +419,16 @@ def test_no_message_names_a_missing_flag():
 SHARED = {
     "model": ["--target", "--draft", "--dtype", "--draft-dtype", "--draft-vocab", "--device", "--context"],
     "offload": ["--offload", "--gpu-memory", "--target-dtype", "--cache-dir"],
-    "tree": ["--max-beams", "--max-branch", "--max-depth", "--early-stop", "--grow", "--overlap", "--ngram-nodes"],
+    "tree": [
+        "--max-beams",
+        "--max-branch",
+        "--max-depth",
+        "--early-stop",
+        "--grow",
+        "--overlap",
+        "--ngram-nodes",
+        "--calibrate",
+    ],
     "sampling": ["--temperature", "--top-p", "--top-k", "--min-p", "--seed"],
     "output": ["--quiet", "--verbose"],
 }
@@ -468,6 +477,41 @@ def test_same_default_draft_for_generate_chat_bench(monkeypatch):
         cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", "--method", "ar"]
         runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))
         assert seen == [None], (command, seen)
+
+
+def test_calibrate_option_reaches_the_tree_config(monkeypatch):
+    """--calibrate (the default) / --no-calibrate: TreeConfig.calibrate of the engine every command loads."""
+    import specexec.chat
+    import specexec.cli.chat as cli_chat
+    from specexec.cli.options import DEMO_TARGET
+    from specexec.errors import SpecexecError
+
+    seen = []
+
+    def capture(model, tree, progress=True, status=None):
+        seen.append(tree.calibrate)
+        raise SpecexecError("stop here")
+
+    def bench_runs(engine, prompts, cfg, *args, **kwargs):  # bench loads with a sizing tree; its runs use this one
+        seen.append(cfg.tree.calibrate)
+        raise SpecexecError("stop here")
+
+    monkeypatch.setattr(specexec.chat, "load_engine", capture)
+    monkeypatch.setattr(cli_chat, "load_engine", capture)
+    for command in ("generate", "chat", "bench"):
+        if command == "bench":
+            import specexec.bench
+            import specexec.cli.options
+
+            monkeypatch.setattr(specexec.chat, "load_engine", lambda *args, **kwargs: None)
+            monkeypatch.setattr(specexec.cli.options, "notices_after_load", lambda *args: None)
+            monkeypatch.setattr(specexec.bench, "run_bench", bench_runs)
+        for flag, want in (((), True), (("--no-calibrate",), False), (("--calibrate",), True)):
+            seen.clear()
+            cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", *flag]
+            result = runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))
+            assert result.exit_code == 2 and "stop here" in result.stderr, (command, result.output)
+            assert seen == [want], (command, flag, seen)
 
 
 # ---------------------------------------------------------------------------------------------- notices

@@ -420,10 +420,11 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "SETTINGS", dict(gpu.SETTINGS))
     out = tmp_path / "gpu.json"
     argv = ["--smoke", "--prompts", "1", "--prompt-tokens", "16", "--new-tokens", "12", "--ar-tokens", "4"]
-    argv += ["--budgets", "8", "--budgets-other", "8", "--mode-budget", "8", "--out", str(out)]
-    assert gpu.main(argv) == 0
+    argv += ["--budgets", "8", "--budgets-other", "8", "--mode-budget", "8", "--calibrate", "on,off"]
+    assert gpu.main([*argv, "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [s["setting"] for s in rep["settings"]] == gpu.DEFAULT_SETTINGS.split(",")
+    assert {"specexec 8", "specexec 8 raw"} <= {r["run"] for r in rep["settings"][1]["runs"]}  # calibrated or not
     first = rep["settings"][0]
     runs = {r["run"]: r for r in first["runs"]}
     assert {"ar (no draft)", "ar (draft loaded)", "specexec 8", "static 8", "ahead 8", "auto"} <= set(runs)
@@ -444,6 +445,9 @@ def test_bench_gpu_smoke_runs_the_engine_end_to_end(tmp_path, monkeypatch):
     assert acc["accelerate_tok_s"] > 0 and acc["ours_ar_tok_s"] > 0 and acc["layers"] == 4
     assert "projected_accelerate_80_layer_tok_s" in acc and "ours_best_70b_nf4_over_projected_accelerate" in acc
     assert gpu.main(["--settings", "70b-nf4@24,nope"]) == 2
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--calibrate", "maybe"])
+    assert e.value.code == 2
 
 
 def test_bench_gpu_echo_prompts_are_carried_by_the_ngram_branches(tmp_path, monkeypatch):
@@ -703,4 +707,27 @@ def test_bench_lowbit_mm_smoke_times_every_kernel(tmp_path):
     for bad in (*bad_args, ["--tiles", "32,64"], ["--tiles", "a,b,c,d,e"]):
         with pytest.raises(SystemExit) as e:
             mod.main(bad)
+        assert e.value.code == 2
+
+
+def test_bench_calibrate_counts_both_scores(tiny_pair, tmp_path, monkeypatch):
+    """bench_calibrate on a tiny pair: a reliability table per kind, raw and calibrated runs per budget, every run
+    AR's text; the calibrated runs start from exponents learnt on the warm prompts and report where they ended."""
+    ba = script("bench_acceptance")
+    monkeypatch.setattr(ba, "make_prompts", fake_prompts(96))
+    out = tmp_path / "cal.json"
+    argv = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--budgets", "8,16", "--prompts", "1"]
+    assert script("bench_calibrate").main([*argv, "--max-new-tokens", "12", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["all_exact"] and len(rep["prompts"]) == 2 and len(rep["warm_prompts"]) == 2
+    assert [(c["budget"], c["calibrate"]) for c in rep["configs"]] == [(8, False), (8, True), (16, False), (16, True)]
+    for kind in ("code", "prose"):
+        first = rep["reliability"][kind]["first"]
+        assert sum(r["n"] for r in first) == 12 and all(0 <= r["taken"] <= 1 for r in first)
+    for c in rep["configs"]:
+        assert c["tokens_per_step_all"] >= 1 and ("tok_s" not in c)
+        assert (c["observed"] > 0) == c["calibrate"]
+    for bad in (["--budgets", "x"], ["--prompts", "0"]):
+        with pytest.raises(SystemExit) as e:
+            script("bench_calibrate").main([*argv, *bad])
         assert e.value.code == 2

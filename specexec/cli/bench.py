@@ -43,6 +43,7 @@ def bench(
     grow: str = o.grow(),
     overlap: str = o.overlap(),
     ngram_nodes: str = o.ngram_nodes(),
+    calibrate: bool = o.calibrate(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -84,6 +85,7 @@ def bench(
                 overlap=levels,
                 reuse=levels != 0,
                 ngram=o.ngram_limit(ngram_nodes),
+                calibrate=calibrate,
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

@@ -63,6 +63,7 @@ def generate(
     grow: str = o.grow(),
     overlap: str = o.overlap(),
     ngram_nodes: str = o.ngram_nodes(),
+    calibrate: bool = o.calibrate(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -91,7 +92,7 @@ def generate(
         text = o.prompt_text(prompt)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
         tree = o.tree_config(
-            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes, calibrate
         )
         chain_cfg = o.chain_config(gamma)
         model = o.model_options(

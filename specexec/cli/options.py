@@ -31,6 +31,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         grow: str = o.grow(),
         overlap: str = o.overlap(),
         ngram_nodes: str = o.ngram_nodes(),
+        calibrate: bool = o.calibrate(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -39,7 +40,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
             tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap,
-                                 ngram_nodes)
+                                 ngram_nodes, calibrate)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -111,6 +112,7 @@ FLAGS: dict[str, str] = {
     "TreeConfig.grow": "--grow",
     "TreeConfig.overlap": "--overlap",
     "TreeConfig.ngram": "--ngram-nodes",
+    "TreeConfig.calibrate": "--calibrate",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -304,6 +306,16 @@ def ngram_nodes() -> Any:
     )
 
 
+def calibrate() -> Any:
+    return typer.Option(
+        True,
+        "--calibrate/--no-calibrate",
+        help="SpecExec, greedy: score tree nodes by the chance the target takes them, fitted online from what each "
+        "verification shows (the draft's first choices are taken more often than its probabilities say), instead "
+        "of the draft's raw probabilities. Default on. Never changes the output.",
+    )
+
+
 def ngram_limit(value: str | int | None) -> int | None:
     """``--ngram-nodes N|auto`` -> TreeConfig.ngram (auto: None, the device's default)."""
     if value is None or isinstance(value, int):
@@ -394,6 +406,7 @@ def tree_config(
     grow_: str = "auto",
     overlap_: str | int = 0,
     ngram_: str | int | None = None,
+    calibrate_: bool = True,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     overlap_ = overlap_levels(overlap_)
@@ -411,6 +424,7 @@ def tree_config(
             overlap=overlap_,
             reuse=overlap_ != 0,
             ngram=ngram,
+            calibrate=calibrate_,
         )
     try:
         b = int(budget_)
@@ -427,6 +441,7 @@ def tree_config(
         overlap=overlap_,
         reuse=overlap_ != 0,
         ngram=ngram,
+        calibrate=calibrate_,
     )
 
 

@@ -94,6 +94,8 @@ class DraftModel:
         # by draft slot (values, tokens) and its captured growth levels (specexec.propose.captured)
         self.remembered: tuple[Tensor, Tensor] | None = None
         self.level_space: Any = None
+        # the tree scores' calibration (specexec.propose.calibrate), learnt across generations (chat turns)
+        self.calibration: Any = None
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
         """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).

@@ -181,7 +181,7 @@ class FixedGrowth:
             store.row_of[0] = 0
             vals, toks = torch.topk(root_lq[0], B)
             _remember(prop, t.draft_slot[:1], vals[None], toks[None])
-            _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
+            _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, prop.scores(vals[None])[0].float(), 1 + B)
             next_slot = n + 1
         else:
             r = torch.arange(n_exp, device=dev)
@@ -346,6 +346,7 @@ class FixedGrowth:
         self.passes += 1
         vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
         _remember(self.prop, slots, vals, toks)
+        vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
         _append(t, par, toks.reshape(-1), cum.reshape(-1), size + k * self.B)
@@ -371,8 +372,10 @@ class FixedGrowth:
         fn = getattr(self.logprobs, "__code__", self.logprobs)  # greedy steps: the same ops whatever the closure
         cand = self.prop._cand_v
         # what a graph bakes in: shapes, the budget once the tree is full, and the addresses it touches outside the
-        # space (the draft's cache, its static inputs, the remembered children)
-        bound = (d.cache.k.data_ptr(), id(st), cand.data_ptr() if cand is not None else 0, W, B, self.width, d.usable)
+        # space (the draft's cache, its static inputs, the remembered children, the calibrated scores' exponents)
+        scale = self.prop.calibration.scales(B).data_ptr() if self.prop.calibrating else 0
+        cand_at = cand.data_ptr() if cand is not None else 0
+        bound = (d.cache.k.data_ptr(), id(st), cand_at, scale, W, B, self.width, d.usable)
         select = ("select", budget if full else 0, self.stop is not None, bound)
         stats = space.stats if self.stop is not None else space.stats[0]
         if read == "now":
@@ -489,6 +492,7 @@ class FixedGrowth:
         lq = self.logprobs(logits)
         vals, toks = torch.topk(lq, B, dim=-1)  # (R, B)
         _remember(self.prop, slots, vals, toks)
+        vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
         at = space.size + torch.arange(R * B, device=dev)

@@ -42,6 +42,7 @@ from torch import Tensor
 from specexec import sampling
 from specexec.config import CAPTURED, OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
 from specexec.propose.base import Proposal, StepContext
+from specexec.propose.calibrate import ScoreCalibration, Snapshot
 from specexec.propose.captured import capturable
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
@@ -117,6 +118,10 @@ class TreeDraft:
         self.background_passes = 0  # draft passes run by :meth:`background` (all steps)
         self.reused_nodes = 0  # of the last grow: nodes in the tree before its first draft pass (0: fresh tree)
         self.reused_passes = 0  # of the last grow: the draft passes the carried part stood for
+        # calibrated scores (specexec.propose.calibrate): on for this step's growth (a greedy step with
+        # ``cfg.calibrate``), and the last proposal's draft-grown nodes with the root's position, observed at commit
+        self.calibrating = False
+        self._snap: tuple[Snapshot, int] | None = None
 
     def max_nodes(self) -> int:
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
@@ -168,6 +173,9 @@ class TreeDraft:
         if self._full is not None:
             self._grown = (tree, tree.size, *self._full)
         self._full = None
+        self._snap = None
+        if self.calibrating:  # what verification will show is observed at commit (before n-grams merge in)
+            self._snap = (self.calibration.snapshot(tree.parents, tree.tokens, tree.logp, tree.size), len(seq) - 1)
         merged_at = tree.size
         if self.ngram is None or not self.ngram.merge_into(tree, seq):
             merged_at = 0
@@ -185,6 +193,9 @@ class TreeDraft:
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._next = None
+        snap, self._snap = self._snap, None
+        if snap is not None and proposal.source == self.name:  # the target's tokens after the root: its path
+            self.calibration.observe(snap[0], seq[snap[1] + 1 :])
         if self._bg_auto:  # auto overlap: did the levels finish while the target's pass ran? (queued and run)
             t, ev = self._bg_thread, self._bg_done
             self.adapt((t is None or not t.is_alive()) and ev is not None and ev.query())
@@ -279,8 +290,22 @@ class TreeDraft:
             eq = (toks[r] == tree.tokens[1 : tree.size, None]).float()  # (N-1, B)
             present = torch.zeros_like(vals).index_add_(0, r, eq) > 0
             vals = vals.masked_fill(present, float("-inf"))
-        self._add_children(tree, exp, vals, toks, budget, prune=False)
+        self._add_children(tree, exp, self.scores(vals), toks, budget, prune=False)
         return tree
+
+    @property
+    def calibration(self) -> ScoreCalibration:
+        """The draft's score calibration (kept on the draft: it learns across generations, and captured levels'
+        graphs read its exponents)."""
+        if self.draft.calibration is None:
+            self.draft.calibration = ScoreCalibration(self.draft.device)
+        cal: ScoreCalibration = self.draft.calibration
+        return cal
+
+    def scores(self, vals: Tensor) -> Tensor:
+        """(k, B) the draft's top-B log-probs per expanded node (best first) -> the children's tree scores: calibrated
+        in a greedy step with ``cfg.calibrate``, else the log-probs themselves (remembered children keep these)."""
+        return self.calibration.apply(vals) if self.calibrating else vals
 
     def _ensure_cands(self, cfg: TreeConfig) -> None:
         """The remembered children by draft slot. Kept on the draft (shared by the proposers of its generations), so
@@ -322,6 +347,7 @@ class TreeDraft:
         """
         d = self.draft
         dev = d.device
+        self.calibrating = cfg.calibrate and seed is None
         stop = cost if cfg.stops_early(dev) else None
         if cfg.grow_mode(dev) != "dynamic":
             return self._grow_fixed(seq, cfg, logprobs, start, seed, stop)
@@ -586,7 +612,7 @@ class TreeDraft:
             slots = tree.draft_slot[parents]
             self._cand_v[slots] = vals
             self._cand_t[slots] = toks
-        self._add_children(tree, parents, vals, toks, budget, prune)
+        self._add_children(tree, parents, self.scores(vals), toks, budget, prune)
 
     @staticmethod
     def _add_children(tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int, prune: bool = True) -> None:
