@@ -10,11 +10,13 @@
 # one run (the issue's "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call
 # (spread against leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's
 # int8 kernel runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under
-# its own time limit; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after
+# its own time limit; "calib" (~2.5 min) calibrated tree scores (the default since the tenth session, which had no
+# GPU) against the draft's raw log-probs at a fixed budget, code and prose, one process each; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after
 # every run, so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device
 # README).
 #
 #   bash scripts/gpu_issue16.sh            # ~6.5 min, on the device machine, from the repo root; OUT defaults to bench_out
+#   bash scripts/gpu_issue16.sh calib      # ~2.5 min
 #   bash scripts/gpu_issue16.sh levels     # ~6 min
 #   bash scripts/gpu_issue16.sh accel      # ~4 min
 #   bash scripts/gpu_issue16.sh s7         # ~7 min
@@ -24,8 +26,8 @@
 set -u
 WHAT=${1:-all}
 case "$WHAT" in
-    all | levels | accel | s7 | int8 | fill | profile) ;;
-    *) echo "usage: bash scripts/gpu_issue16.sh [all|levels|accel|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
+    all | calib | levels | accel | s7 | int8 | fill | profile) ;;
+    *) echo "usage: bash scripts/gpu_issue16.sh [all|calib|levels|accel|s7|int8 [quick]|fill|profile]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
@@ -92,8 +94,9 @@ torch.cuda.get_device_name())"
         step done
         exit 0
     fi
-    [ "$WHAT" = accel ] || step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load, fused int8/NF4)"
-    [ "$WHAT" = accel ] || run 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
+    tests=yes; { [ "$WHAT" = accel ] || [ "$WHAT" = calib ]; } && tests=no  # after "all", which ran them
+    [ $tests = no ] || step "CUDA tests (graphs, fused draft norm, bounded overlap thread, streamed layers, NF4, self drafts, noise, n-grams, fit-first load, fused int8/NF4)"
+    [ $tests = no ] || run 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_fixed_grow.py tests/test_graphs.py \
         tests/test_offload.py tests/test_sampling.py tests/test_scripts.py tests/test_self_draft.py tests/test_ngram.py \
         tests/test_sizes.py tests/test_lowbit_mm.py tests/test_captured.py
     if [ "$WHAT" = all ]; then
@@ -105,6 +108,17 @@ torch.cuda.get_device_name())"
                     --domain $dom --no-accelerate --no-ar-loaded --prompts 2 --new-tokens $n --ar-tokens 4 \
                     --warmup-tokens 32 --budgets $b --grows $g --modes "" --out "$OUT/gpu_auto_${dom}_$g.json"
             done
+        done
+        step done
+        exit 0
+    fi
+    if [ "$WHAT" = calib ]; then
+        for dom in code prose; do
+            b=1024 n=64; [ $dom = prose ] && b=256 n=48
+            step "70B NF4 at 24 GB, int8 7B draft (bitsandbytes), $dom $b: raw draft log-probs, then calibrated scores"
+            run 110 python3 scripts/bench_gpu.py --settings 70b-nf4@24 --draft-dtype int8 --int8-kernel bnb \
+                --domain $dom --no-accelerate --no-ar-loaded --no-auto --prompts 2 --new-tokens $n --ar-tokens 4 \
+                --warmup-tokens 32 --budgets $b --calibrate off,on --modes "" --out "$OUT/gpu_calib_${dom}.json"
         done
         step done
         exit 0

@@ -77,7 +77,7 @@ def test_refit_blends_with_the_draft_and_keeps_sibling_order(monkeypatch):
             q1 = float(torch.rand((), generator=g)) * q0
             cal.obs[1].append((math.log(q1), int(float(torch.rand((), generator=g)) < q1**a1)))
 
-    feed(20, 0.5, 1.0)
+    feed(10, 0.5, 1.0)
     cal.refit()
     assert 0.8 < cal.alpha[0] <= 1.0
     feed(2000, 0.5, 1.0)

@@ -38,7 +38,7 @@ from torch import Tensor
 # plausible
 ALPHA_MIN, ALPHA_MAX = 0.2, 2.5
 # the fit is blended with 1 (the draft's own probabilities) as n / (n + PRIOR_OBS) for n observations of a bucket
-PRIOR_OBS = 200
+PRIOR_OBS = 64
 WINDOW = (2048, 8192)  # the most recent observations kept per bucket (first choices; the others, ~B per node)
 REFIT_EVERY = 16  # first-choice observations between two fits
 P_CLAMP = 1e-6
