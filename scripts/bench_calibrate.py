@@ -22,12 +22,13 @@ Prompts are the stdlib code / pydoc prose chunks of ``scripts/bench_acceptance.p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from scripts.report import finish  # noqa: E402
 
 BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0001)
 KINDS = ("code", "prose")
@@ -198,12 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
-    return 0 if report["all_exact"] else 1
+    return finish(run(args), args.out)
 
 
 if __name__ == "__main__":

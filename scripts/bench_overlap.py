@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from scripts.bench_self_draft import PROMPTS  # noqa: E402 - the same 3 code + 3 prose prompts
+from scripts.report import finish  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -218,12 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
-    return 0 if report["all_exact"] else 1
+    return finish(run(args), args.out)
 
 
 if __name__ == "__main__":
