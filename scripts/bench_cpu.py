@@ -263,10 +263,14 @@ class Config:
 
 
 def our_configs(methods: str) -> list[Config]:
-    """ours-ar, ours-default, then each ``--methods`` entry: ``specexec:N``, ``specexec:auto``, ``chain:G``, a name."""
+    """ours-ar, ours-default, then each ``--methods`` entry: ``specexec:N``, ``specexec:auto``, ``chain:G``, a name,
+    ``default-raw`` (the default tree with calibrate off)."""
     out = [Config("ours-ar", "ours", "ar"), Config("ours-default", "ours", None, "auto")]
     for item in (m.strip() for m in methods.split(",")):
         if not item:
+            continue
+        if item == "default-raw":  # the default with the draft's raw log-probs as tree scores (--no-calibrate)
+            out.append(Config("ours-default-raw", "ours", None, "raw"))
             continue
         name, _, param = item.partition(":")
         if name in ("specexec", "chain") and not param:
@@ -383,7 +387,9 @@ class Runner:
         from specexec.config import ChainConfig
 
         tree, chain = self.tree_default, ChainConfig()
-        if c.method == "specexec" and c.param:
+        if c.param == "raw":
+            tree = replace(self.tree_default, calibrate=False)
+        elif c.method == "specexec" and c.param:
             tree = (
                 self.tree_default if c.param == "auto" else replace(self.tree_default, budget=int(c.param), auto=False)
             )
@@ -742,7 +748,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default="",
-        help="our extra configurations: specexec:N, specexec:auto, chain:G, or a method name (ngram)",
+        help="our extra configurations: specexec:N, specexec:auto, chain:G, a method name (ngram), or default-raw "
+        "(the default with --no-calibrate)",
     )
     p.add_argument(
         "--hf",
