@@ -264,13 +264,13 @@ class Config:
 
 def our_configs(methods: str) -> list[Config]:
     """ours-ar, ours-default, then each ``--methods`` entry: ``specexec:N``, ``specexec:auto``, ``chain:G``, a name,
-    ``default-raw`` (the default tree with calibrate off)."""
+    ``default-calibrated`` (the default tree with calibrate on)."""
     out = [Config("ours-ar", "ours", "ar"), Config("ours-default", "ours", None, "auto")]
     for item in (m.strip() for m in methods.split(",")):
         if not item:
             continue
-        if item == "default-raw":  # the default with the draft's raw log-probs as tree scores (--no-calibrate)
-            out.append(Config("ours-default-raw", "ours", None, "raw"))
+        if item == "default-calibrated":  # the default with calibrated tree scores (--calibrate)
+            out.append(Config("ours-default-calibrated", "ours", None, "calibrated"))
             continue
         name, _, param = item.partition(":")
         if name in ("specexec", "chain") and not param:
@@ -387,8 +387,8 @@ class Runner:
         from specexec.config import ChainConfig
 
         tree, chain = self.tree_default, ChainConfig()
-        if c.param == "raw":
-            tree = replace(self.tree_default, calibrate=False)
+        if c.param == "calibrated":
+            tree = replace(self.tree_default, calibrate=True)
         elif c.method == "specexec" and c.param:
             tree = (
                 self.tree_default if c.param == "auto" else replace(self.tree_default, budget=int(c.param), auto=False)
@@ -748,8 +748,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default="",
-        help="our extra configurations: specexec:N, specexec:auto, chain:G, a method name (ngram), or default-raw "
-        "(the default with --no-calibrate)",
+        help="our extra configurations: specexec:N, specexec:auto, chain:G, a method name (ngram), or "
+        "default-calibrated (the default with --calibrate)",
     )
     p.add_argument(
         "--hf",

@@ -143,9 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--calibrate",
-        default="on",
-        help="comma-separated on/off: greedy tree scores calibrated online (TreeConfig.calibrate, the default) or the "
-        "draft's raw log-probs ('raw' in the label), each run per budget; the --budget auto run takes the first",
+        default="off",
+        help="comma-separated on/off: greedy tree scores calibrated online (TreeConfig.calibrate) or the draft's raw "
+        "log-probs (the default; 'raw' in the label), each run per budget; the --budget auto run takes the first",
     )
     p.add_argument("--modes-other", action="store_true", help="run the growth modes in every setting (default: first)")
     p.add_argument(

@@ -10,7 +10,7 @@
 # one run (the issue's "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call
 # (spread against leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's
 # int8 kernel runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under
-# its own time limit; "calib" (~2.5 min) calibrated tree scores (the default since the tenth session, which had no
+# its own time limit; "calib" (~2.5 min) calibrated tree scores (TreeConfig.calibrate, built in the tenth session, which had no
 # GPU) against the draft's raw log-probs at a fixed budget, code and prose, one process each; every log line goes into $OUT/session.log and each benchmark's JSON into $OUT (written after
 # every run, so a cut-off step keeps what it measured). bitsandbytes travels as a wheel in .whl/ (see the device
 # README).

@@ -95,8 +95,10 @@ class TreeConfig:
     # auto-budget trees, none in a CPU's fixed-budget ones). Never changes the output
     ngram: int | None = None
     # score greedy steps' trees by the chance the target takes each child, fitted online from what verification
-    # shows (specexec/propose/calibrate.py), instead of the draft's raw probability. Never changes the output
-    calibrate: bool = True
+    # shows (specexec/propose/calibrate.py), instead of the draft's raw probability. Never changes the output. Off by
+    # default: on the real pair it took 4-7% more tokens a step but 22-26% more draft passes (early stop off,
+    # docs/BENCHMARKS.md); its end-to-end speed is not measured yet
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         for flag in ("reuse", "calibrate"):

@@ -63,7 +63,7 @@ def test_smoke_run_json_shape(bench, tiny_pair, tmp_path):
             "--draft",
             str(draft),
             "--methods",
-            "specexec:8,chain:2,default-raw",
+            "specexec:8,chain:2,default-calibrated",
             "--out",
             str(out),
             "--md",
@@ -72,7 +72,14 @@ def test_smoke_run_json_shape(bench, tiny_pair, tmp_path):
     )
     assert rc == 0
     rep = json.loads(out.read_text())
-    configs = ["ours-ar", "ours-default", "ours-specexec-8", "ours-chain-2", "ours-default-raw", *bench.HF_CONFIGS]
+    configs = [
+        "ours-ar",
+        "ours-default",
+        "ours-specexec-8",
+        "ours-chain-2",
+        "ours-default-calibrated",
+        *bench.HF_CONFIGS,
+    ]
     assert [c["name"] for c in rep["meta"]["configs"]] == configs
     assert rep["meta"]["smoke"] and rep["meta"]["max_new_tokens"] == 8 and rep["meta"]["prompts_per_set"] == 1
     assert set(rep["sets"]) == set(bench.SETS)

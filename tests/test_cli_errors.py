@@ -480,7 +480,7 @@ def test_same_default_draft_for_generate_chat_bench(monkeypatch):
 
 
 def test_calibrate_option_reaches_the_tree_config(monkeypatch):
-    """--calibrate (the default) / --no-calibrate: TreeConfig.calibrate of the engine every command loads."""
+    """--calibrate / --no-calibrate (the default): TreeConfig.calibrate of the engine every command loads."""
     import specexec.chat
     import specexec.cli.chat as cli_chat
     from specexec.cli.options import DEMO_TARGET
@@ -506,7 +506,7 @@ def test_calibrate_option_reaches_the_tree_config(monkeypatch):
             monkeypatch.setattr(specexec.chat, "load_engine", lambda *args, **kwargs: None)
             monkeypatch.setattr(specexec.cli.options, "notices_after_load", lambda *args: None)
             monkeypatch.setattr(specexec.bench, "run_bench", bench_runs)
-        for flag, want in (((), True), (("--no-calibrate",), False), (("--calibrate",), True)):
+        for flag, want in (((), False), (("--no-calibrate",), False), (("--calibrate",), True)):
             seen.clear()
             cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", "-q", *flag]
             result = runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))

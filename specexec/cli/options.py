@@ -308,11 +308,12 @@ def ngram_nodes() -> Any:
 
 def calibrate() -> Any:
     return typer.Option(
-        True,
+        False,
         "--calibrate/--no-calibrate",
         help="SpecExec, greedy: score tree nodes by the chance the target takes them, fitted online from what each "
         "verification shows (the draft's first choices are taken more often than its probabilities say), instead "
-        "of the draft's raw probabilities. Default on. Never changes the output.",
+        "of the draft's raw probabilities. Default off (more tokens a step, more draft passes; end to end not measured "
+        "yet). Never changes the output.",
     )
 
 
@@ -406,7 +407,7 @@ def tree_config(
     grow_: str = "auto",
     overlap_: str | int = 0,
     ngram_: str | int | None = None,
-    calibrate_: bool = True,
+    calibrate_: bool = False,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     overlap_ = overlap_levels(overlap_)
