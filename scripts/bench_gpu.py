@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--calibrate",
         default="off",
         help="comma-separated on/off: greedy tree scores calibrated online (TreeConfig.calibrate) or the draft's raw "
-        "log-probs (the default; 'raw' in the label), each run per budget; the --budget auto run takes the first",
+        "log-probs (the default; calibrated runs are labelled so), each run per budget; the --budget auto run takes "
+        "the first",
     )
     p.add_argument("--modes-other", action="store_true", help="run the growth modes in every setting (default: first)")
     p.add_argument(
@@ -789,7 +790,7 @@ def bench_setting(
             f"specexec {b}"
             + (f" {g}" if g != "auto" else "")
             + (f" w{w}" if w != TreeConfig.max_beams else "")
-            + ("" if c else " raw"),
+            + (" calibrated" if c else ""),
             "specexec",
             TreeConfig(budget=b, ngram=ng, grow=g, max_beams=w, calibrate=c),
             args.new_tokens,
