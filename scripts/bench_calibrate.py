@@ -40,6 +40,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft alias or path")
     p.add_argument("--dtype", default="fp32", help="compute dtype of both (counts barely depend on it)")
     p.add_argument("--budgets", default="32,128", help="fixed budgets to compare at")
+    p.add_argument(
+        "--grow",
+        default="dynamic",
+        choices=("dynamic", "static"),
+        help="tree growth: dynamic (the CPU's) or static (a GPU's fixed-width levels: a draft pass a level)",
+    )
     p.add_argument("--prompts", type=int, default=4, help="measured prompts per kind (code, prose)")
     p.add_argument("--warm-prompts", type=int, default=1, help="prompts per kind the calibration learns on first")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -124,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "note": "counts on a CPU (acceptance does not depend on the device); fixed budgets, early stop off",
+        "grow": args.grow,
         "prompts": [{"kind": p.kind, "source": p.source, "lines": p.lines} for p in measured],
         "warm_prompts": [{"kind": p.kind, "source": p.source, "lines": p.lines} for p in warm],
         "reliability": reliability(engine, [p.ids for p in measured], ar, [p.kind for p in measured]),
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     for budget in args.budget_list:
         for calibrate in (False, True):
-            tree = TreeConfig(budget=budget, early_stop=False, grow="dynamic", calibrate=calibrate)
+            tree = TreeConfig(budget=budget, early_stop=False, grow=args.grow, calibrate=calibrate)
             engine.draft_model.calibration = None  # each budget's calibrated runs learn afresh
             if calibrate:
                 for p in warm:

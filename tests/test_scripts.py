@@ -728,7 +728,13 @@ def test_bench_calibrate_counts_both_scores(tiny_pair, tmp_path, monkeypatch):
     for c in rep["configs"]:
         assert c["tokens_per_step_all"] >= 1 and ("tok_s" not in c)
         assert (c["observed"] > 0) == c["calibrate"]
-    for bad in (["--budgets", "x"], ["--prompts", "0"]):
+    static = tmp_path / "static.json"
+    assert (
+        script("bench_calibrate").main([*argv, "--max-new-tokens", "8", "--grow", "static", "--out", str(static)]) == 0
+    )
+    rep = json.loads(static.read_text())
+    assert rep["grow"] == "static" and rep["all_exact"]
+    for bad in (["--budgets", "x"], ["--prompts", "0"], ["--grow", "ahead"]):
         with pytest.raises(SystemExit) as e:
             script("bench_calibrate").main([*argv, *bad])
         assert e.value.code == 2
