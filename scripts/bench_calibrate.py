@@ -167,6 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "exact": r.tokens == want,
                     }
                 )
+                q = per[-1]
+                print(
+                    f"  {p.kind} {p.source}: {q['tokens']} tokens in {q['steps']} steps, {q['passes']} draft passes, "
+                    f"exact={q['exact']}",
+                    flush=True,
+                )
             cal = engine.draft_model.calibration
             row: dict[str, Any] = {
                 "budget": budget,

@@ -749,7 +749,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--methods",
         default="",
         help="our extra configurations: specexec:N, specexec:auto, chain:G, a method name (ngram), or "
-        "default-calibrated (the default with --calibrate)",
+        "default-calibrated (the default with --calibrate: it rescales tree steps only, not the chains the CPU "
+        "policy mostly picks)",
     )
     p.add_argument(
         "--hf",
