@@ -96,8 +96,9 @@ class TreeConfig:
     ngram: int | None = None
     # score greedy steps' trees by the chance the target takes each child, fitted online from what verification
     # shows (specexec/propose/calibrate.py), instead of the draft's raw probability. Never changes the output. Off by
-    # default: on the real pair it took 4-7% more tokens a step but 22-26% more draft passes (early stop off,
-    # docs/BENCHMARKS.md); its end-to-end speed is not measured yet
+    # default: on the real pair it took 4-7% more tokens a step at budgets 32-128 but 22-26% more draft passes, and
+    # no more tokens at 256 with fixed-width levels (early stop off, docs/BENCHMARKS.md); the CPU's auto policy
+    # runs chains, which it does not rescale; not measured on a GPU
     calibrate: bool = False
 
     def __post_init__(self) -> None:
