@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.model import ModelConfig
+from specexec.model.transformer import ModelConfig
 
 ALIGN = 256  # bytes: every tensor starts at a multiple of this (≥ what any GEMM / DMA path wants)
 PAGE = 4096  # bytes: a whole layer buffer is a multiple of this (page-aligned reads and pinning)
@@ -80,7 +80,7 @@ class Entry:
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's weights (names as in :mod:`specexec.model`), (out, in) for linears."""
+    """Shapes of one decoder layer's weights (names as in :mod:`specexec.model.transformer`), (out, in) for linears."""
     D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
     shapes: dict[str, tuple[int, ...]] = {

@@ -3,7 +3,8 @@
 :func:`make_plan` is pure: its inputs are a :class:`Resources` (free VRAM, capped by ``gpu_memory_gb``; RAM; free
 disk where the cache goes; :meth:`Resources.probe` reads them from this machine) and a :class:`PlanModel` (config,
 compute dtype, the VRAM the draft and the KV/step buffers take, the model's layer caches). Byte counts come from
-:mod:`specexec.sizes`; the exact packed layer size from :func:`~offload.layout.layer_layout`. ``load_offloaded`` and
+:mod:`specexec.model.sizes`; the exact packed layer size from :func:`~offload.layout.layer_layout`. ``load_offloaded``
+and
 ``specexec doctor`` both call it.
 Fixed VRAM: the globals (embeddings, final norm, lm_head), the draft, the KV cache and a workspace for a pass of
 ``max_tokens`` tokens. What is left holds the ring of streamed-layer buffers, then as many resident layers as fit,
@@ -31,11 +32,11 @@ import psutil
 import torch
 
 from offload.layout import LayerFormat, layer_layout
-from offload.quant import max_linear_numel
+from offload.packing import max_linear_numel
 from offload.store import CHUNK_BYTES, SsdStore, cache_dir_for, default_cache_dir
-from specexec import sizes
 from specexec.errors import ConfigError, OutOfMemory, check_finite, setting
-from specexec.model import ModelConfig
+from specexec.model import sizes
+from specexec.model.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def globals_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def workspace_bytes(cfg: ModelConfig, fmt: LayerFormat, device: torch.device, max_tokens: int) -> int:
-    """One target pass over ``max_tokens`` tokens: activations and logits (:mod:`specexec.sizes`) + the NF4
+    """One target pass over ``max_tokens`` tokens: activations and logits (:mod:`specexec.model.sizes`) + the NF4
     dequantization scratch on CUDA."""
     isz = _itemsize(fmt.dtype)
     act = sizes.pass_activation_bytes(cfg, max_tokens, isz) + sizes.logits_bytes(cfg, max_tokens, isz)
@@ -156,7 +157,7 @@ class PlanModel:
     cfg: ModelConfig
     dtype: torch.dtype  # compute dtype (target_dtype bf16/fp16 overrides it)
     draft_bytes: int = 0  # VRAM of the resident draft's weights
-    kv_bytes: int = 0  # VRAM of the KV caches and the step's other buffers (see specexec.sizes.EngineMemory)
+    kv_bytes: int = 0  # VRAM of the KV caches and the step's other buffers (see specexec.model.sizes.EngineMemory)
     max_tokens: int = 2048  # rows of the largest target pass (its activations, logits, NF4 scratch)
     cache_dirs: Mapping[str, Path] = field(default_factory=dict)  # layer format name -> this model's cache dir
     cached: frozenset[str] = frozenset()  # format names whose cache is complete on disk

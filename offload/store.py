@@ -43,15 +43,15 @@ MANIFEST = "manifest.json"
 
 
 def default_cache_dir() -> Path:
-    """Where packed layers are cached by default: ``<specexec cache>/offload`` (:func:`specexec.hub.cache_home`)."""
-    from specexec.hub import cache_home
+    """Where packed layers are cached by default: ``<specexec cache>/offload`` (:func:`specexec.home.cache_home`)."""
+    from specexec.home import cache_home
 
     return cache_home() / "offload"
 
 
 def writable_dir(path: Path, what: str) -> Path:
-    """Create ``path`` if needed and check that a file can be written in it (see :func:`specexec.hub.writable_dir`)."""
-    from specexec.hub import writable_dir as _writable
+    """Create ``path`` if needed and check that a file can be written in it (see :func:`specexec.home.writable_dir`)."""
+    from specexec.home import writable_dir as _writable
 
     return _writable(path, what)
 

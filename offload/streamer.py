@@ -1,4 +1,5 @@
-"""The offload streamer: a :class:`~specexec.model.LayerProvider` that copies layers into a GPU ring just in time.
+"""The offload streamer: a :class:`~specexec.model.transformer.LayerProvider` that copies layers into a GPU ring just
+in time.
 
 Layers under the VRAM budget stay resident (one device buffer each, never streamed). The others are streamed, in
 order, through a ring of ``ring_size`` preallocated device buffers of one layer each. Streamed layers form an
@@ -37,8 +38,9 @@ import torch
 from torch import Tensor
 
 from offload.layout import LayerLayout
-from offload.quant import DequantScratch, layer_weights, max_linear_numel
+from offload.packing import layer_weights, max_linear_numel
 from offload.store import HostBuffer
+from specexec.formats.nf4 import DequantScratch
 
 if TYPE_CHECKING:
     from offload.plan import Plan

@@ -3,7 +3,7 @@
 
 Every number comes from real generations through the library's one decode loop (``Engine.generate``): per
 prompt, AR, chain at each ``--gammas`` and specexec at each ``--budgets``, greedy, ``--new-tokens`` tokens each.
-Per run the engine's :class:`~specexec.decode.Stats` are kept whole (``to_json(shapes=True)``: tokens per step,
+Per run the engine's :class:`~specexec.decoding.loop.Stats` are kept whole (``to_json(shapes=True)``: tokens per step,
 draft passes, every step's tree shape, the accepted-tokens histogram, measured draft / target / decode seconds).
 Greedy runs must reproduce AR's tokens exactly; the script checks it and exits 1 on a mismatch.
 
@@ -205,7 +205,7 @@ class GpuCosts:
 
     def step_seconds(self, verify_budget: int, beams: list[int]) -> float:
         """One step: the recorded draft passes (tokens per pass) + bookkeeping per level + the target's verify."""
-        from specexec.budget import interp
+        from specexec.decoding.budget import interp
 
         draft = sum(self.pass_seconds(k) for k in beams) + self.per_level * len(beams)
         return draft + (interp(self.verify_s, verify_budget) if verify_budget else self.ar_s)
@@ -239,7 +239,7 @@ class GpuCostBudget:
         return 0  # fixed budgets verify what they grew
 
     def grow_cost(self, budget: int) -> Any:
-        from specexec.budget import interp
+        from specexec.decoding.budget import interp
         from specexec.propose import GrowCost
 
         return GrowCost(

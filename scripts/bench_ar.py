@@ -66,8 +66,8 @@ def shared_transformer(hf: Any, path: Path) -> Any:
     """
     import torch
 
-    from specexec.loading import read_config
-    from specexec.model import Globals, ResidentLayers, Transformer
+    from specexec.loading.checkpoint import read_config
+    from specexec.model.transformer import Globals, ResidentLayers, Transformer
 
     def share(mods: list[Any], attr: str) -> torch.Tensor:
         fused = torch.cat([getattr(m, attr).detach() for m in mods])
@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from specexec import api, hub
-    from specexec.engine import Engine
-    from specexec.loading import load_tokenizer, model_dir
+    from specexec import api
+    from specexec.decoding.engine import Engine
+    from specexec.loading import hub
+    from specexec.loading.checkpoint import load_tokenizer, model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

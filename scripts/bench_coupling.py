@@ -51,8 +51,8 @@ def measure(
     import numpy as np
     import torch
 
-    from specexec import sampling
     from specexec.config import SamplingConfig
+    from specexec.decoding import sampling
 
     samp = SamplingConfig(temperature=temperature)
     out: dict[str, Any] = {}

@@ -304,9 +304,10 @@ class Runner:
     def __init__(self, args: argparse.Namespace, configs: list[Config]) -> None:
         import torch
 
-        from specexec import api, hub
+        from specexec import api
         from specexec.config import SamplingConfig
-        from specexec.loading import model_dir
+        from specexec.loading import hub
+        from specexec.loading.checkpoint import model_dir
 
         self.args, self.configs = args, configs
         fixed = [int(c.param) for c in configs if c.method == "specexec" and c.param and c.param.isdigit()]
@@ -346,7 +347,7 @@ class Runner:
                 self.hf["draft-bf16"] = load(d_path, torch.bfloat16)
 
     def encode(self, p: Prompt) -> list[int]:
-        from specexec.text import encode_text, render_chat
+        from specexec.decoding.text import encode_text, render_chat
 
         if p.chat and getattr(self.tok, "chat_template", None):
             return render_chat(self.tok, [{"role": "user", "content": p.text}])
@@ -358,7 +359,7 @@ class Runner:
         and whether it is within floating-point noise (``NEAR_TIE``)."""
         import torch
 
-        from specexec import sampling
+        from specexec.decoding import sampling
 
         m = self.engine.target
         prefix = ids + ref[:i]

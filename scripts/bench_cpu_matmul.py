@@ -1,5 +1,5 @@
 """CPU matmul orientation: ``F.linear(x, w)`` vs ``w @ x.T`` for the demo target's shapes, and what
-``specexec.model.linear`` (which picks ``w @ x.T`` for 5..48 rows on a CPU) makes of a target pass.
+``specexec.formats.dense.linear`` (which picks ``w @ x.T`` for 5..48 rows on a CPU) makes of a target pass.
 
 Prints a markdown table and writes JSON. Ratios are from one run on one machine:
 
@@ -35,7 +35,7 @@ def best_ms(fn, reps: int) -> float:
 def target_passes(target: str) -> list[dict]:
     """Seconds of one target pass (after a 100-token prefix) by tokens: F.linear everywhere vs model.linear."""
     from specexec import api
-    from specexec import model as model_mod
+    from specexec.model import transformer as model_mod
 
     engine = api.load(target, None, device="cpu", dtype="fp32", context=512, progress=False)
     m, n = engine.target, 100

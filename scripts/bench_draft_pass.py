@@ -5,12 +5,12 @@ Issue 16 weighs draft precision against resident target layers (``scripts/plan_d
 and a partial self-derived draft (``--draft self --draft-layers``) against a separate one. Both plans need the
 draft pass's *time* on the GPU, which no script measured for the group-wise formats (q4/q3/q2 dequantize to 16 bits
 and then run one GEMM; no fused kernel) or for a 70B-shaped partial draft. This script builds each draft with
-random weights (:func:`specexec.synthetic.resident_model`: every linear and the lm_head in the format, as the
+random weights (:func:`specexec.model.synthetic.resident_model`: every linear and the lm_head in the format, as the
 loader quantizes them; a few distinct layers cycled, so memory stays small while every pass reads as many bytes as
 the whole model would) and times ``Transformer.forward`` (eager, bf16 compute) over a ``--prefix``-token KV prefix
 for 1, 64 and 128 rows: median of ``--repeats`` passes after a warm-up, each closed by a device sync.
 
-Per row: ms per pass, the draft's weight bytes (:func:`specexec.sizes.model_weight_bytes`, the whole model's) and
+Per row: ms per pass, the draft's weight bytes (:func:`specexec.model.sizes.model_weight_bytes`, the whole model's) and
 those bytes / pass time (the weight bandwidth the pass achieved; a dequantizing pass also writes and reads a 16-bit
 copy of each weight, which this figure does not count). Drafts (``--drafts``, comma-separated):
 
@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build(shape: str, layers: int | None, fmt: str, dev, dtype, distinct: int):
     import torch
 
-    from specexec.model import Globals, ModelConfig
-    from specexec.synthetic import resident_model
+    from specexec.model.synthetic import resident_model
+    from specexec.model.transformer import Globals, ModelConfig
 
     cfg = ModelConfig(max_position_embeddings=8192, **{**SHAPES[shape], **({"num_layers": layers} if layers else {})})
     g = torch.Generator(device=dev).manual_seed(1)
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from specexec.sizes import model_weight_bytes
+    from specexec.model.sizes import model_weight_bytes
 
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -129,7 +129,7 @@ def load_acceptance(path: Path, domain: str, budgets: list[int]) -> tuple[dict[i
 
 
 def _cfg(shape: dict[str, int], layers: int | None = None):
-    from specexec.model import ModelConfig
+    from specexec.model.transformer import ModelConfig
 
     kw = dict(shape)
     if layers is not None:
@@ -157,11 +157,11 @@ def _time(fn, repeats: int) -> float:
 def build_draft(dev, fmt: str = "dense") -> Any:
     """A Llama-2-7B-shaped draft computing in bf16, resident, random weights made on the device. ``fmt``
     int8 / nf4: its linears and lm_head quantized as ``--draft-dtype int8|nf4`` loads them
-    (:func:`specexec.loading.quantize_weight`, layer by layer, so the bf16 copy never exists whole)."""
+    (:func:`specexec.loading.checkpoint.quantize_weight`, layer by layer, so the bf16 copy never exists whole)."""
     import torch
 
-    from specexec.loading import quantize_weight
-    from specexec.model import Globals, ResidentLayers, Transformer
+    from specexec.loading.checkpoint import quantize_weight
+    from specexec.model.transformer import Globals, ResidentLayers, Transformer
 
     cfg = _cfg(LLAMA2_7B)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -198,11 +198,11 @@ def build_target(
     import torch
 
     from offload.layout import LayerFormat, layer_layout, layer_shapes
+    from offload.packing import quantize_layer
     from offload.plan import OffloadConfig, PlanModel, Resources, globals_bytes, make_plan, workspace_bytes
-    from offload.quant import quantize_layer
     from offload.store import HostBuffer, RamStore
     from offload.streamer import StreamedLayers
-    from specexec.model import Globals, Transformer
+    from specexec.model.transformer import Globals, Transformer
 
     bf16 = torch.bfloat16
     cfg = _cfg(LLAMA2_70B)
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s; acceptance from {acc_src}", flush=True)
-    from specexec import sizes
+    from specexec.model import sizes
 
     fmt = {"bf16": "dense", "int8": "int8", "nf4": "nf4"}[args.draft_dtype]
     draft = build_draft(dev, fmt)

@@ -3,7 +3,7 @@
 
 Every speed here comes from ``Engine.generate`` -- the one decode loop (propose, verify, accept, commit) with the
 offload streamer, CUDA-graphed draft passes and the policy -- timed by wall clock. What stands in for real weights
-is :mod:`specexec.synthetic`: a target and a draft of the anchors' shapes (Llama-2-70B / 7B, Qwen2.5-32B /
+is :mod:`specexec.model.synthetic`: a target and a draft of the anchors' shapes (Llama-2-70B / 7B, Qwen2.5-32B /
 0.5B, Llama-3-8B / 3.2-1B) with random layers and a planted next-token agreement set to the real Qwen pair's
 (code: top-1 0.72, top-8 0.965; prose: 0.58 / 0.925). Streamed bytes, matmuls and tree shapes are real; the
 tokens per step are what the engine got from the planted pair, reported beside each speed, and the realised
@@ -21,7 +21,7 @@ Per setting (target shape, target format, VRAM cap), the target is placed by the
 Reported per run (measured): tokens/s, tokens/step, draft s/step, target (verify) s/step, step/verify (the goal
 is <= 1.1: the draft hidden), reused nodes, speedup over ``ar (no draft)``, and whether the tokens equal the
 target's greedy text (AR for the first ``--ar-tokens`` tokens; after that the target's greedy walk over its
-bigram table, which is what its AR decodes: see :func:`specexec.synthetic.bigram_logits`). A PCIe4 column is a
+bigram table, which is what its AR decodes: see :func:`specexec.model.synthetic.bigram_logits`). A PCIe4 column is a
 PROJECTION (named ``projected_pcie4_*``): each step's verify taken as at least streamed bytes / 25 GB/s.
 
 ``accelerate``: HF accelerate ``device_map`` CPU offload of an ``--accelerate-layers``-layer 70B-shaped bf16
@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from specexec.config import GROW_MODES, TreeConfig  # noqa: E402 - light (no torch at import)
+from specexec.formats import nf4
 
 GB = 1e9
 PCIE4_GBPS = 25.0
@@ -180,12 +181,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the n-gram branches merged into the trees by default carry it); otherwise random prompts, which never repeat",
     )
     p.add_argument("--draft-dtype", choices=("bf16", "int8", "nf4"), default="bf16")
-    for fmt, default in (("int8", "specexec.model.CUDA_INT8_KERNEL"), ("nf4", "offload.quant.DRAFT_NF4_KERNEL")):
+    for fmt, default in (
+        ("int8", "specexec.formats.int8.CUDA_INT8_KERNEL"),
+        ("nf4", "specexec.formats.nf4.DRAFT_NF4_KERNEL"),
+    ):
         p.add_argument(
             f"--{fmt}-kernel",
             choices=("auto", "triton", "bnb"),
             default="auto",
-            help=f"an {fmt} draft's CUDA kernel: the fused Triton one (specexec.lowbit_mm), bitsandbytes', or the "
+            help=f"an {fmt} draft's CUDA kernel: the fused Triton one (formats.lowbit_mm), bitsandbytes', or the "
             f"library's default ({default}: bnb)",
         )
     p.add_argument(
@@ -241,19 +245,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _cfg(shape: str):
-    from specexec.model import ModelConfig
+    from specexec.model.transformer import ModelConfig
 
     return ModelConfig(max_position_embeddings=8192, **SHAPES[shape])
 
 
 def _draft_kernel_name(dev, draft_dtype: str) -> str | None:
-    """The low-bit draft's kernel on ``dev`` (int8: specexec.model's choice; NF4: offload.quant's), else None."""
-    from offload import quant
-    from specexec.model import _int8_kernel
+    """The low-bit draft's kernel on ``dev`` (specexec.formats.int8's or specexec.formats.nf4's), else None."""
+    from specexec.formats.int8 import _int8_kernel
 
     if draft_dtype == "int8":
         return _int8_kernel(dev)
-    return quant.DRAFT_NF4_KERNEL if draft_dtype == "nf4" and dev.type == "cuda" else None
+    return nf4.DRAFT_NF4_KERNEL if draft_dtype == "nf4" and dev.type == "cuda" else None
 
 
 def _sync(dev) -> None:
@@ -305,12 +308,13 @@ def resident_layers(
 def modelled_choice(
     t_cfg, fmt: str, d_cfg, dev, cap_gb: float, kv_bytes: int, max_tokens: int, h2d: float, hbm: float
 ) -> dict[str, Any]:
-    """What ``--draft-dtype auto`` (:mod:`specexec.draft_choice`) models for this setting: each draft format's
+    """What ``--draft-dtype auto`` (:mod:`specexec.loading.draft_choice`) models for this setting: each draft format's
     placement and modelled time a token, and its pick (the VRAM cap and bandwidths as measured here)."""
     import torch
 
     from offload.layout import LayerFormat, layer_layout
-    from specexec import draft_choice, sizes
+    from specexec.loading import draft_choice
+    from specexec.model import sizes
 
     layer = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", torch.bfloat16)).nbytes
     streamed, resident = {}, {}
@@ -357,11 +361,11 @@ def place_target(
     import torch
 
     from offload.layout import LayerFormat, layer_layout
-    from offload.quant import quantize_layer
+    from offload.packing import quantize_layer
     from offload.store import HostBuffer, RamStore
     from offload.streamer import StreamedLayers
-    from specexec import synthetic
-    from specexec.model import Transformer
+    from specexec.model import synthetic
+    from specexec.model.transformer import Transformer
 
     bf16 = torch.bfloat16
     layout = layer_layout(t_cfg, LayerFormat("dense" if fmt == "bf16" else "nf4", bf16))
@@ -411,7 +415,7 @@ def greedy_reference(t_glob, prompts: list[list[int]], n: int) -> list[list[int]
     """The target's greedy continuation from its bigram table (what its AR decodes; layers add nothing)."""
     import torch
 
-    from specexec import synthetic
+    from specexec.model import synthetic
 
     out = []
     for p in prompts:
@@ -450,7 +454,7 @@ def run_engine(
     measured runs."""
     import torch
 
-    from specexec import synthetic
+    from specexec.model import synthetic
 
     glob = engine.target.globals
     engine.generate(prompts[0], min(warmup_tokens, n_new), method=method, tree=tree)  # graphs, calibration, ring
@@ -546,9 +550,9 @@ def profile_run(engine, prompt: list[int], n_new: int, method: str, tree, path: 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from scripts.trace_summary import summarize
-    from specexec import decode
+    from specexec.decoding import loop as decode
+    from specexec.propose import best_first as tree_mod
     from specexec.propose import draft_model, fixed_grow
-    from specexec.propose import tree as tree_mod
 
     def marked(fn, name: str):  # noqa: ANN001, ANN202
         def inner(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -628,9 +632,10 @@ def bench_setting(
     """One setting's runs; ``save(out)`` after each, so a run cut off by a time limit keeps what it measured."""
     import torch
 
-    from specexec import decode, sizes, synthetic
     from specexec.config import NGRAM_NODES_GPU
-    from specexec.engine import Engine
+    from specexec.decoding import loop as decode
+    from specexec.decoding.engine import Engine
+    from specexec.model import sizes, synthetic
 
     t_shape, fmt, d_shape, cap = SETTINGS[name]
     t_cfg, d_cfg = _cfg(t_shape), _cfg(d_shape)
@@ -863,8 +868,8 @@ def bench_accelerate(n_layers: int, dev, tokens: int, h2d: float) -> dict[str, A
     import torch
 
     from scripts.bench_offload import accelerate_llama
-    from specexec import synthetic
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
+    from specexec.model import synthetic
 
     s = SHAPES["llama2-70b"]
     main: Any = dev.index or 0 if dev.type == "cuda" else "cpu"  # --smoke: the same calls, all on the CPU
@@ -880,7 +885,7 @@ def bench_accelerate(n_layers: int, dev, tokens: int, h2d: float) -> dict[str, A
     del model
     _free(dev)
     # ours: the same shape, every layer streamed (cap 0: nothing resident), plain decoding end to end
-    from specexec.model import ModelConfig
+    from specexec.model.transformer import ModelConfig
 
     cfg = ModelConfig(max_position_embeddings=8192, **{**s, "num_layers": n_layers})
     planted = synthetic.plant(cfg.vocab_size, hidden=(cfg.hidden_size,))
@@ -944,14 +949,12 @@ def main(argv: list[str] | None = None) -> int:
     LEADING_RESIDENT = args.leading_resident
     import torch
 
-    from specexec import model as model_mod
+    from specexec.formats import int8 as model_mod
 
     if args.int8_kernel != "auto":
         model_mod.CUDA_INT8_KERNEL = args.int8_kernel
     if args.nf4_kernel != "auto":
-        from offload import quant
-
-        quant.DRAFT_NF4_KERNEL = args.nf4_kernel
+        nf4.DRAFT_NF4_KERNEL = args.nf4_kernel
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     bad = [s for s in names if s not in SETTINGS]
@@ -980,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload.plan import measure_h2d_bandwidth
 
     h2d = measure_h2d_bandwidth(dev) if dev.type == "cuda" else 25.0
-    from specexec.draft_choice import device_memory_gbps
+    from specexec.loading.draft_choice import device_memory_gbps
 
     args.device_gbps = device_memory_gbps(dev) if dev.type == "cuda" else 1000.0
     report: dict[str, Any] = {
@@ -989,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
         "h2d_pinned_gbps": h2d,
         "note": (
             "measured end to end with the real engine; target/draft are random-layer models of the named shapes with "
-            "a planted next-token agreement (specexec.synthetic), so tokens/step are the planted pair's; "
+            "a planted next-token agreement (specexec.model.synthetic), so tokens/step are the planted pair's; "
             "projected_pcie4_* are projections (verify >= streamed bytes / 25 GB/s)"
         ),
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -8,7 +8,8 @@ that many rows, open or padding. A pass's cost grows with its rows (bitsandbytes
 and the question is what they cost in acceptance. That depends on the draft's and the target's distributions, not
 on the device, so it is counted here, greedy, with the real engine (every text checked against the target's AR):
 
-* ``--pair planted`` (default): the planted-agreement bigram pair the GPU benchmark times (specexec.synthetic; code
+* ``--pair planted`` (default): the planted-agreement bigram pair the GPU benchmark times (specexec.model.synthetic;
+code
   or prose agreement), at small sizes;
 * ``--pair real``: the Qwen2.5-Coder 0.5B / 1.5B demo pair on the same prompts as bench_overlap (slow: minutes per
   width at budget 256).
@@ -102,9 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _planted(args: argparse.Namespace, domain: str) -> tuple[Any, list[list[int]], dict[str, float]]:
     import torch
 
-    from specexec import synthetic
-    from specexec.engine import Engine
-    from specexec.model import ModelConfig
+    from specexec.decoding.engine import Engine
+    from specexec.model import synthetic
+    from specexec.model.transformer import ModelConfig
 
     def cfg(hidden: int) -> ModelConfig:
         return ModelConfig(
@@ -151,7 +152,8 @@ def _real(args: argparse.Namespace) -> tuple[Any, dict[str, list[list[int]]]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from specexec.config import TreeConfig
-    from specexec.propose import GrowCost, tree
+    from specexec.propose import GrowCost
+    from specexec.propose import best_first as tree
 
     cost = None if args.no_early_stop else GrowCost(args.pass_ms / 1e3, args.verify_s)
     beams: list[list[int]] = []

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A low-bit draft's linears, per kernel: the fused Triton GEMMs (specexec.lowbit_mm) vs bitsandbytes vs 16-bit.
+"""A low-bit draft's linears, per kernel: the fused Triton GEMMs (specexec.formats.lowbit_mm) vs bitsandbytes vs 16-bit.
 
 A draft pass multiplies a level's rows (16-256 on a GPU's trees) by every weight, so it is bound by the weights'
 bytes. For each linear shape of a 7B- and an 8B-shaped draft (``--shapes``) and each row count (``--rows``) this
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tiles",
         default="",
         help="the Triton kernels again with other tiles, as extra kernels '<fmt>-triton:<tile>': ';'-separated "
-        "BLOCK_O,BLOCK_T_MAX,BLOCK_K,WARPS,STAGES (specexec.lowbit_mm.TILE)",
+        "BLOCK_O,BLOCK_T_MAX,BLOCK_K,WARPS,STAGES (specexec.formats.lowbit_mm.TILE)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreted): logic only")
     p.add_argument("--out", type=Path, default=Path("bench_out/lowbit_mm.json"))
@@ -110,9 +110,9 @@ def bench(args: argparse.Namespace, dev) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from specexec import lowbit_mm
-    from specexec.loading import quantize_weight
-    from specexec.model import Int8Linear
+    from specexec.formats import lowbit_mm
+    from specexec.formats.int8 import Int8Linear
+    from specexec.loading.checkpoint import quantize_weight
 
     default_tile = lowbit_mm.TILE
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     else:
         dev = torch.device("cuda")
-    from specexec import lowbit_mm
+    from specexec.formats import lowbit_mm
 
     if any("triton" in k for k in args.kernel_list) and not lowbit_mm.available():
         print("error: the triton kernel needs Triton (pip install triton)", file=sys.stderr)

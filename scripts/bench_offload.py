@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(n_layers: int) -> Any:
-    from specexec.model import ModelConfig
+    from specexec.model.transformer import ModelConfig
 
     return ModelConfig(num_layers=n_layers, max_position_embeddings=4096, **LLAMA2_70B)
 
@@ -135,7 +135,7 @@ def _random_layer(cfg: Any, layout: Any, dev: Any) -> Any:
     import torch
 
     from offload.layout import layer_shapes
-    from offload.quant import quantize_layer
+    from offload.packing import quantize_layer
 
     g = torch.Generator(device=dev).manual_seed(0)
     dense = {
@@ -197,10 +197,11 @@ def _stream_runs(
     import torch
 
     from offload.layout import LayerFormat, layer_layout
-    from offload.quant import DequantScratch, layer_weights, max_linear_numel
+    from offload.packing import layer_weights, max_linear_numel
     from offload.store import HostBuffer, RamStore
     from offload.streamer import StreamedLayers
-    from specexec.model import Globals, Transformer
+    from specexec.formats.nf4 import DequantScratch
+    from specexec.model.transformer import Globals, Transformer
 
     bf16 = torch.bfloat16
     lfmt = LayerFormat("dense" if fmt == "bf16" else "nf4", bf16)

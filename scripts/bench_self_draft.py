@@ -5,11 +5,12 @@ Loads the target once (fp32, CPU) and pairs it with each draft of ``--drafts`` i
 
 - ``self-<fmt>``: the target's own checkpoint in a low-bit weight format (what :func:`specexec.api.load` with
   ``draft="self", draft_dtype=<fmt>`` loads): ``int8`` (per-channel), ``nf4`` (bitsandbytes), or the group-wise
-  ``q4`` / ``q3`` / ``q2`` (:mod:`specexec.groupquant`); ``self`` is ``self-int8``;
+  ``q4`` / ``q3`` / ``q2`` (:mod:`specexec.formats.groupquant`); ``self`` is ``self-int8``;
 - ``<fmt>``: the separate draft (``--draft``, the demo's 0.5B) in ``fp32`` or any of those formats.
 
 Every draft keeps its full vocabulary (no reduced head), so the formats are compared on their weights alone. NF4 and
-group-wise weights are dequantized once after loading (:func:`specexec.groupquant.dequantize_resident`): on a CPU
+group-wise weights are dequantized once after loading (:func:`specexec.formats.groupquant.dequantize_resident`): on a
+CPU
 those formats compute "dequantize, then the dense linear" every pass, so the counts are the same bit for bit, only
 without re-dequantizing 1.5B weights per draft pass. For every draft: greedy SpecExec trees at fixed budgets (8 and
 32 by default; no early stop, so tree sizes do not depend on timings) and a chain of ``gamma`` tokens, over code and
@@ -81,8 +82,8 @@ def parse_draft(name: str) -> tuple[bool, str, bool, str | None, bool]:
 
 def kept_layers(spec: str, target: Any, encode: Any) -> list[int] | None:
     """A partial self draft's layers (None: all): the experiment rules ``even:N`` / ``tail:N``, else the
-    library's spec (:mod:`specexec.layer_select`)."""
-    from specexec import layer_select
+    library's spec (:mod:`specexec.loading.layer_select`)."""
+    from specexec.loading import layer_select
 
     L = target.cfg.num_layers
     rule, _, n = spec.partition(":")
@@ -103,8 +104,8 @@ def greedy_agreement(target: Any, n: int, encode: Any, tokens: int = 128) -> lis
 
     import torch
 
-    from specexec import layer_select
-    from specexec.model import ResidentLayers, Transformer
+    from specexec.loading import layer_select
+    from specexec.model.transformer import ResidentLayers, Transformer
 
     ids = layer_select.calibration_tokens(encode, target.cfg.vocab_size)[:tokens]
     T = len(ids)
@@ -161,11 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from specexec import api, hub
+    from specexec import api
     from specexec.config import ChainConfig, TreeConfig
-    from specexec.engine import Engine
-    from specexec.groupquant import dequantize_resident
-    from specexec.loading import load_model, model_dir
+    from specexec.decoding.engine import Engine
+    from specexec.formats.groupquant import dequantize_resident
+    from specexec.loading import hub
+    from specexec.loading.checkpoint import load_model, model_dir
 
     cpu = torch.device("cpu")
     budgets = [int(b) for b in args.budgets.split(",")]

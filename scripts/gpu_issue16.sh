@@ -6,7 +6,7 @@
 # growth until this is measured), on code and on prose, each grow in its own process with a fixed-budget run beside
 # its auto run. "levels" (~6 min) repeats the ninth session's first call: ahead / captured / captured-ahead x 128 /
 # 32-row levels on bitsandbytes' int8 kernel, then the fused int8 and NF4 kernels at 32 rows, then the kernels
-# alone (specexec.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in
+# alone (specexec.formats.lowbit_mm). "accel" (~4 min) a 70B bf16 target and a 70B NF4 one beside accelerate device_map in
 # one run (the issue's "x accelerate, end to end" in one format on one machine). "s7" repeats session 7's first call
 # (spread against leading resident layers, bounded overlap on code and prose, the 8B NF4 draft); "int8" session 7's
 # int8 kernel runs; "fill" and "profile" earlier sessions' runs. The runs that matter most come first, each under

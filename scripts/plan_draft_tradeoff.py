@@ -3,8 +3,8 @@
 
 For 70B-class targets streamed from pinned RAM (Llama-2-70B with a Llama-2-7B-shaped draft; Llama-3.1-70B with a
 Llama-3.1-8B-shaped one; NF4 and bf16 target layers) under 24, 16 and 12 GB caps, the library's own memory plan
-(:func:`offload.plan.make_plan`, charged with :func:`specexec.sizes.plan_reservations` as ``specexec.load`` does)
-places the target's layers next to a draft kept in bf16, int8 or NF4 (:func:`specexec.sizes.model_weight_bytes`).
+(:func:`offload.plan.make_plan`, charged with :func:`specexec.model.sizes.plan_reservations` as ``specexec.load`` does)
+places the target's layers next to a draft kept in bf16, int8 or NF4 (:func:`specexec.model.sizes.model_weight_bytes`).
 
 Per row: the draft's bytes, the target layers that stay resident, the bytes every target pass streams, and that
 pass's floor at the measured H100 pinned bandwidth (55.1 GB/s, docs/GPU facts) and at a PCIe4 desktop's 25 GB/s.
@@ -15,7 +15,8 @@ actually keeps is measured elsewhere (``scripts/bench_self_draft.py``: on the CP
 0.88 of the fp32 draft's tokens per pass at budget 8); on a GPU it remains to be measured.
 
 A second table (``--self-draft``) answers, with the same plan: does a **self-derived** draft -- the target's own
-layers, all of them, resident in nf4 or the group-wise q4 / q3 / q2 (:mod:`specexec.groupquant`), with its own KV
+layers, all of them, resident in nf4 or the group-wise q4 / q3 / q2 (:mod:`specexec.formats.groupquant`), with its own
+KV
 cache of the target's shape -- fit beside the streamed target's globals, ring, KV caches and workspace, and how
 many target layers stay resident? Llama-2-70B and Llama-3-70B and a Qwen2.5-32B shape at 24 GB, Llama-3-8B at 8 GB,
 each against a separate NF4 draft of its family. Besides the plan's floors it gives each draft's HBM traffic per
@@ -27,7 +28,7 @@ then one GEMM; no fused kernel), plus a 16-bit copy of every quantized weight wr
     python scripts/plan_draft_tradeoff.py --partial --out docs/plan_partial_self_draft.json
 
 ``--partial``: the same question for a *partial* self-derived draft (``--draft-layers``: a subset of the target's
-layers, the rest skipped; :mod:`specexec.layer_select`), NF4 target layers: per format, drafts keeping 3/4, 1/2,
+layers, the rest skipped; :mod:`specexec.loading.layer_select`), NF4 target layers: per format, drafts keeping 3/4, 1/2,
 3/8 and 1/4 of the layers, and the most layers that fit with no target layer resident and with half as many
 resident as beside the separate NF4 draft.
 """
@@ -94,7 +95,7 @@ CAPS = (24.0, 16.0, 12.0)
 
 
 def config(name: str):
-    from specexec.model import ModelConfig
+    from specexec.model.transformer import ModelConfig
 
     shape: dict[str, Any] = {"head_dim": 128, **SHAPES[name]}
     return ModelConfig(max_position_embeddings=8192, **shape)
@@ -120,7 +121,7 @@ def row(
     from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
     from specexec.config import TreeConfig
     from specexec.errors import OutOfMemory
-    from specexec.sizes import model_weight_bytes, plan_reservations
+    from specexec.model.sizes import model_weight_bytes, plan_reservations
 
     t_cfg, d_cfg = config(target), config(draft)
     if kept is not None:
@@ -191,7 +192,7 @@ def quantized_params(name: str, layers: int | None = None) -> int:
     linears and the lm_head."""
     from dataclasses import replace
 
-    from specexec.sizes import layer_params
+    from specexec.model.sizes import layer_params
 
     cfg = config(name)
     if layers is not None:

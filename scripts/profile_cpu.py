@@ -116,8 +116,8 @@ class PhaseTimer:
         setattr(owner, attr, new)
 
     def __enter__(self) -> PhaseTimer:
-        from specexec import decode
-        from specexec.model import Transformer
+        from specexec.decoding import loop as decode
+        from specexec.model.transformer import Transformer
         from specexec.propose.draft_model import DraftModel
         from specexec.propose.ngram import NGramDraft
 
@@ -245,7 +245,7 @@ class Profiler:
         self.tok = self.engine.tokenizer.tokenizer
 
     def encode(self, p: Any) -> list[int]:
-        from specexec.text import encode_text, render_chat
+        from specexec.decoding.text import encode_text, render_chat
 
         if p.chat and getattr(self.tok, "chat_template", None):
             return render_chat(self.tok, [{"role": "user", "content": p.text}])

@@ -1,6 +1,6 @@
 """specexec: exact speculative decoding (SpecExec draft trees) for offloaded 70B-class models.
 
-``specexec.load(target, draft=None, ...)`` returns an :class:`~specexec.engine.Engine`; see the README.
+``specexec.load(target, draft=None, ...)`` returns an :class:`~specexec.decoding.engine.Engine`; see the README.
 Importing the package loads nothing and touches no network.
 """
 

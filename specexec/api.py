@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from specexec import draft_choice, hub, layer_select, memory, sizes
 from specexec.config import TreeConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
-from specexec.loading import (
+from specexec.loading import draft_choice, hub, layer_select, memory
+from specexec.loading.checkpoint import (
     DEFAULT_DRAFT_VOCAB,
     SELF_DRAFT,
     check_tokenizers_match,
@@ -34,6 +34,7 @@ from specexec.loading import (
     read_config,
     resolve_dtype,
 )
+from specexec.model import sizes
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,19 @@ def load(
     draft_layers: str | None = None,
     share_prefix: bool = True,
 ) -> Engine:
-    """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.engine.Engine`.
+    """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.decoding.engine.Engine`.
 
     ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
     ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
-    cached measurement of this machine, :mod:`specexec.cpu_probe`), ``draft_dtype`` the draft's (default: same as
+    cached measurement of this machine, :mod:`specexec.loading.cpu_probe`), ``draft_dtype`` the draft's (default: same
+    as
     ``dtype``; also the low-bit weight formats ``int8`` -- fbgemm on a CPU, bitsandbytes' int8 GEMM on CUDA -- and
     ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests -- and the group-wise ``q4``,
-    ``q3``, ``q2`` (:mod:`specexec.groupquant`: 4/3/2-bit codes, an fp16 scale and offset per 64 input columns,
-    dequantized every pass); see :func:`specexec.loading.draft_format`). ``draft_dtype`` auto (or None) on a GPU
+    ``q3``, ``q2`` (:mod:`specexec.formats.groupquant`: 4/3/2-bit codes, an fp16 scale and offset per 64 input columns,
+    dequantized every pass); see :func:`specexec.loading.checkpoint.draft_format`). ``draft_dtype`` auto (or None) on
+    a GPU
     with a streamed target: the 16-bit, int8 or NF4 draft, whichever is expected to decode fastest -- fewer streamed
-    bytes against dearer draft passes and a little acceptance (:mod:`specexec.draft_choice`).
+    bytes against dearer draft passes and a little acceptance (:mod:`specexec.loading.draft_choice`).
 
     ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
     low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
@@ -74,18 +77,19 @@ def load(
     counted in its low-bit format. ``draft_layers`` (self-derived drafts only): a *partial* self
     draft that keeps some of the target's layers and skips the rest (``all``, a number ``40``, a fraction ``0.5``
     -- chosen by their influence on a calibration text, measured on the target at load -- or indices
-    ``0-11,20``; :mod:`specexec.layer_select`); its weights and KV cache shrink with the layers it keeps.
+    ``0-11,20``; :mod:`specexec.loading.layer_select`); its weights and KV cache shrink with the layers it keeps.
     ``draft_vocab``: restrict the draft's lm_head to that many
     frequency-ranked token ids plus special ids and the tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft
     whose vocabulary is over twice that (its lm_head is then a large share of each draft pass), else the full
     vocabulary; 0: the full vocabulary. ``draft_dtype`` auto on a CPU: int8 weights where this machine runs them
-    clearly faster than dense ones (measured once, :func:`specexec.cpu_probe.choose_draft`). ``context`` is the
+    clearly faster than dense ones (measured once, :func:`specexec.loading.cpu_probe.choose_draft`). ``context`` is the
     longest prompt + answer the KV caches hold.
-    ``cache_dir``: specexec's cache root (models, offload layer caches); default :func:`specexec.hub.cache_home`.
+    ``cache_dir``: specexec's cache root (models, offload layer caches); default
+    :func:`specexec.loading.hub.cache_home`.
 
     Before anything is allocated, the weights (at their loaded dtype, counted from the safetensors headers), both
-    KV caches and every tree-sized buffer are checked against free memory (:mod:`specexec.memory`); a load that
-    does not fit raises :class:`~specexec.memory.NotEnoughMemory` (naming the largest tree budget that fits when
+    KV caches and every tree-sized buffer are checked against free memory (:mod:`specexec.loading.memory`); a load that
+    does not fit raises :class:`~specexec.loading.memory.NotEnoughMemory` (naming the largest tree budget that fits when
     the tree is what is too big).
     """
     if context < 8:
@@ -121,7 +125,7 @@ def load(
     plan = None
     tree_cap: int | None = None  # the largest --budget auto tree the memory plan left room for, when lowered
     if _offloaded(offload, dev):
-        from offload.load import plan_with_draft, target_compute_dtype
+        from specexec.loading.offloaded import plan_with_draft, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
 
@@ -214,7 +218,7 @@ def load(
 def _load_target(path: Path, dev: torch.device, dtype: str, cfg: Any, plan: Any, offload: Any):
     """The target: through the offload manager when it has a plan, else resident."""
     if plan is not None:
-        from offload import load_offloaded
+        from specexec.loading.offloaded import load_offloaded
 
         return load_offloaded(path, dev, dtype, offload, plan=plan)
     return _load(path, dev, resolve_dtype(dtype, dev, cfg))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specexec.config import METHODS, ChainConfig, SamplingConfig, TreeConfig
-from specexec.engine import Engine, Result
+from specexec.decoding.engine import Engine, Result
 from specexec.errors import ConfigError, SpecexecError, setting
 
 # ``default``: what ``generate`` / ``chat`` do with no tuning flags (specexec with --budget auto, or n-grams without

@@ -1,4 +1,5 @@
-"""Multi-turn chat over an :class:`~specexec.engine.Engine`: history, chat-template rendering, the context window,
+"""Multi-turn chat over an :class:`~specexec.decoding.engine.Engine`: history, chat-template rendering, the context
+window,
 interruption, transcripts; plus the pure input helpers the ``specexec chat`` REPL uses.
 
 Every turn renders the WHOLE conversation (system prompt, earlier turns, the new user message) with the
@@ -32,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
-from specexec.engine import Engine, Generation, Result, Stats
+from specexec.decoding.engine import Engine, Generation, Result, Stats
+from specexec.decoding.text import render_chat
 from specexec.errors import ConfigError, SpecexecError, setting
-from specexec.text import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,14 @@ def load_engine(
     The CLI passes a spinner as ``status``; the two steps are separate because two live displays cannot nest.
     Memory is checked by :func:`specexec.api.load` before anything large is allocated.
     """
-    from specexec import api, hub
+    from specexec import api
+    from specexec.loading import hub
 
     vocab: dict[str, Any] = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: default
     if opts.draft_layers is not None:
         vocab["draft_layers"] = opts.draft_layers
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
-    from specexec.loading import SELF_DRAFT
+    from specexec.loading.checkpoint import SELF_DRAFT
 
     d_path: Any = None
     if opts.draft == SELF_DRAFT:
@@ -133,7 +135,7 @@ class GenOptions:
 
 
 class Reply:
-    """One answer being generated. Iterate for text pieces (like :class:`~specexec.engine.Generation`).
+    """One answer being generated. Iterate for text pieces (like :class:`~specexec.decoding.engine.Generation`).
 
     ``notices`` (window changes) are known before iteration. When iteration ends, normally, through
     :meth:`pieces`' stop flag, or through an exception such as ``KeyboardInterrupt``, the turn is recorded in the

@@ -27,11 +27,12 @@ from typing import Any
 import psutil
 import torch
 
-from specexec import draft_choice, sizes
 from specexec.config import TreeConfig
 from specexec.errors import SpecexecError
-from specexec.model import ModelConfig
-from specexec.sizes import layer_bytes, param_count
+from specexec.loading import draft_choice
+from specexec.model import sizes
+from specexec.model.sizes import layer_bytes, param_count
+from specexec.model.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ def _free_disk(path: Path) -> int | None:
 
 def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool = True) -> SystemInfo:
     """Everything about this machine the planner cares about (``measure=False`` skips the timed tests)."""
-    from specexec import hub
+    from specexec.loading import hub
 
     vm = psutil.virtual_memory()
     gpu = gpu_info(measure)
@@ -292,10 +293,10 @@ def model_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | Non
     None). A local path or a downloaded alias gives its config.json; an alias not downloaded gives the architecture
     recorded in configs/models.toml; an HF id gives its config.json if the HF cache holds it, else None with the
     reason. A spec that is none of these (unknown alias, missing path) raises :class:`SpecexecError`. ``home``:
-    the cache root aliases are looked up in (default :func:`specexec.hub.cache_home`)."""
+    the cache root aliases are looked up in (default :func:`specexec.loading.hub.cache_home`)."""
     import json
 
-    from specexec import hub
+    from specexec.loading import hub
 
     source: Path | None = None
     if spec in hub.aliases():
@@ -360,11 +361,12 @@ def recommend(
     """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
     nothing is downloaded). Unknown specs raise :class:`SpecexecError`. ``draft``: a draft model (alias, id or
     path) charged to the plan: on a GPU each of its precisions (16-bit, int8, nf4) is planned, and the one
-    ``--draft-dtype auto`` would load (the first that fits, as :func:`offload.load.plan_with_draft`) sets the
+    ``--draft-dtype auto`` would load (the first that fits, as :func:`specexec.loading.offloaded.plan_with_draft`)
+    sets the
     recommendation. ``draft`` "self": a self-derived draft (the target's own layers, all or ``draft_layers`` of
     them), planned in nf4, q4, q3 and q2 (it is never 16-bit); the first that fits sets the recommendation."""
-    from specexec import layer_select
-    from specexec.loading import SELF_DRAFT
+    from specexec.loading import layer_select
+    from specexec.loading.checkpoint import SELF_DRAFT
 
     if draft_layers is not None and draft != SELF_DRAFT:
         raise layer_select.needs_self_draft(draft_layers)
@@ -402,7 +404,7 @@ def recommend(
 
 def _recommend_cpu(rec: Recommendation, cfg: ModelConfig, system: SystemInfo, context: int) -> None:
     """CPU-only: the whole model lives in RAM (fp32 if it fits, else bf16); a pass reads every weight."""
-    from specexec.memory import NotEnoughMemory, check_engine
+    from specexec.loading.memory import NotEnoughMemory, check_engine
 
     rec.tier, rec.resident_layers, rec.streamed_layers = "cpu", cfg.num_layers, 0
     tree = TreeConfig()
@@ -455,7 +457,7 @@ def _recommend_gpu(
     plan = None
     plans: dict[str, Any] = {}  # format -> its plan, for those that fit
     error: SpecexecError | None = None
-    from specexec.loading import SELF_DRAFT
+    from specexec.loading.checkpoint import SELF_DRAFT
 
     self_draft = rec.draft == SELF_DRAFT
     # the formats load's --draft-dtype auto weighs on this GPU (int8 needs compute capability 7.5+)
@@ -570,9 +572,10 @@ def run_doctor(
     draft_layers: str | None = None,
 ) -> DoctorReport:
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
-    root (``--cache-dir``; default :func:`specexec.hub.cache_home`), where models are looked up and whose disk is
+    root (``--cache-dir``; default :func:`specexec.loading.hub.cache_home`), where models are looked up and whose disk
+    is
     measured unless ``disk_dir`` is given."""
-    from specexec import hub
+    from specexec.loading import hub
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
     rec = recommend(target, system, context, home, draft, draft_layers) if target else None

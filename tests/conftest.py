@@ -11,7 +11,8 @@ import torch
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "llama_tied")
 
 if not torch.cuda.is_available():
-    # Triton kernels (specexec.lowbit_mm) run under Triton's CPU interpreter here; the mode is fixed when Triton is
+    # Triton kernels (specexec.formats.lowbit_mm) run under Triton's CPU interpreter here; the mode is fixed when
+    # Triton is
     # first imported (its own helpers are built then), so it is set before any test imports it
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -215,7 +216,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _pull_demo() -> None:
-    from specexec import hub
+    from specexec.loading import hub
 
     for alias in (REAL_TARGET, REAL_DRAFT):
         if not hub.is_present(alias):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from specexec.budget import AutoBudget, StepRecord
+from specexec.decoding.budget import AutoBudget, StepRecord
 
 
 def _probs(b: int) -> list[float]:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from specexec.config import SamplingConfig, TreeConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.errors import ConfigError
-from specexec.loading import load_model, load_tokenizer
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import calibrate
 from specexec.propose.calibrate import ScoreCalibration, fit_exponent
 from tests.test_fixed_grow import PROMPTS

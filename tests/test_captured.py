@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from specexec.config import SamplingConfig, TreeConfig
-from specexec.engine import Engine
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding.engine import Engine
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed_grow
 from tests.test_fixed_grow import PROMPTS, _same_tree
 from tests.test_graphs import static_engine
@@ -137,7 +137,7 @@ def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkey
     """Grow "captured" knows a level's count before its pass, so the pass runs the smallest static bucket holding
     the open rows, at least 16 (a small tree leaves few open), where "captured-ahead" (and "ahead") always run the
     level's width."""
-    from specexec.graphs import StaticPasses
+    from specexec.model.graphs import StaticPasses
 
     ran = []
     run = StaticPasses._run
@@ -219,7 +219,7 @@ def test_auto_growth_asks_whether_its_levels_can_replay_as_graphs(draft, monkeyp
     """The proposer resolves grow "auto" with whether a level of ``max_beams`` rows can replay as a CUDA graph (its
     draft's static passes graphed and that wide): on a GPU "captured" then, else "ahead" (levels that cannot be
     captured would only add a host wait a level). A CPU's static passes are not graphed."""
-    from specexec.propose import tree as tree_mod
+    from specexec.propose import best_first as tree_mod
 
     asked = []
     resolve = TreeConfig.grow_mode

@@ -168,7 +168,7 @@ def test_answer_limited_when_message_is_long(engine):
 
 def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monkeypatch):
     """A KeyboardInterrupt raised in the middle of a target pass: partial answer kept, engine still exact."""
-    import specexec.decode as eng
+    import specexec.decoding.loop as eng
 
     real, calls = eng.score_tree, []
 
@@ -195,7 +195,7 @@ def test_interrupt_inside_the_engine_keeps_partial_answer(session, engine, monke
 
 
 def test_interrupt_before_any_text_drops_the_turn(session, monkeypatch):
-    import specexec.decode as eng
+    import specexec.decoding.loop as eng
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -251,7 +251,7 @@ def test_read_message_and_commands():
 
 def _flag_on_step(monkeypatch, step: int, action):
     """Run ``action()`` inside the target pass of ``step`` (1-based): a Ctrl-C arriving while that step runs."""
-    import specexec.decode as eng
+    import specexec.decoding.loop as eng
 
     real, calls = eng.score_tree, []
 

@@ -7,7 +7,7 @@ import inspect
 import logging
 import re
 
-from specexec import convert, hub
+from specexec.loading import convert, hub
 
 
 def test_pip_download_progress_counts_bytes(tmp_path):
@@ -76,7 +76,7 @@ def test_snapshot_download_uses_no_tqdm(monkeypatch, tmp_path):
 
 
 def test_bitsandbytes_kernels_hint_is_debug_only(caplog):
-    import specexec.loading  # noqa: F401  (installs the filter)
+    import specexec.loading.checkpoint  # noqa: F401  (installs the filter)
 
     name = "bitsandbytes.backends.cpu.ops"
     with caplog.at_level(logging.DEBUG):

@@ -42,10 +42,10 @@ def no_load(monkeypatch):
         raise AssertionError("a model was resolved or loaded before the options were validated")
 
     import specexec.api
-    import specexec.hub
+    import specexec.loading.hub
 
     monkeypatch.setattr(specexec.api, "load", forbidden)
-    monkeypatch.setattr(specexec.hub, "resolve", forbidden)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", forbidden)
 
 
 def _cmd(command: str, *args: str) -> list[str]:
@@ -73,7 +73,7 @@ def test_help_states_the_library_default():
     api.load documents it (this fails, as a reminder to update the help, when the library's default changes)."""
     from specexec import api
     from specexec.cli.options import draft_vocab
-    from specexec.loading import DEFAULT_DRAFT_VOCAB
+    from specexec.loading.checkpoint import DEFAULT_DRAFT_VOCAB
 
     assert inspect.signature(api.load).parameters["draft_vocab"].default is None
     doc = " ".join((api.load.__doc__ or "").split())
@@ -103,7 +103,8 @@ def _generate(pair, *args: str) -> Any:
 def test_draft_vocab_and_int8_end_to_end(tiny_pair, loads):
     """--draft-dtype int8 --draft-vocab N reaches api.load, loads an int8 draft with a subset head, and generates
     exactly the target's greedy tokens (the same as --method ar)."""
-    from specexec.model import Int8Linear, SubsetHead
+    from specexec.formats.int8 import Int8Linear
+    from specexec.formats.subset import SubsetHead
 
     ref = _generate(tiny_pair, "--method", "ar")
     assert ref.exit_code == 0, ref.output

@@ -161,7 +161,7 @@ def test_check_load_estimate(models):
 
     from specexec.api import load
     from specexec.config import ChainConfig, TreeConfig
-    from specexec.memory import check_load
+    from specexec.loading.memory import check_load
 
     tree = TreeConfig(budget=16)
     need = check_load(models["target"], models["draft"], torch.device("cpu"), "auto", None, 300, tree, ChainConfig())
@@ -181,10 +181,10 @@ def no_load(monkeypatch):
         raise AssertionError("a model was resolved or loaded before the options were validated")
 
     import specexec.api
-    import specexec.hub
+    import specexec.loading.hub
 
     monkeypatch.setattr(specexec.api, "load", forbidden)
-    monkeypatch.setattr(specexec.hub, "resolve", forbidden)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", forbidden)
 
 
 def _run(command: str, *args: str, prompt: str | None = "t10 t11"):
@@ -310,9 +310,9 @@ def _boom(*args, **kwargs):
 @pytest.mark.parametrize("command", ["generate", "chat", "bench"])
 def test_internal_error_is_one_line_pointing_to_verbose(monkeypatch, command):
     """A plain ValueError from inside the library is a bug: not shown as a user error, exit 1, a pointer to -v."""
-    import specexec.hub
+    import specexec.loading.hub
 
-    monkeypatch.setattr(specexec.hub, "resolve", _boom)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", _boom)
     result = _run(command)
     _one_error_line(result, "internal error (ValueError: boom: a bug, not the user's fault)")
     assert "run again with -v" in result.stderr and result.exit_code == 1
@@ -321,9 +321,9 @@ def test_internal_error_is_one_line_pointing_to_verbose(monkeypatch, command):
 @pytest.mark.parametrize("command", ["generate", "chat", "bench"])
 def test_internal_error_with_verbose_raises(monkeypatch, command):
     """With -v the bug propagates: Python prints the whole traceback."""
-    import specexec.hub
+    import specexec.loading.hub
 
-    monkeypatch.setattr(specexec.hub, "resolve", _boom)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", _boom)
     result = _run(command, "-v")
     assert isinstance(result.exception, ValueError) and "boom" in str(result.exception)
     assert "error: internal error" not in result.stderr
@@ -332,7 +332,7 @@ def test_internal_error_with_verbose_raises(monkeypatch, command):
 def test_internal_error_traceback_subprocess(tmp_path):
     """End to end: -v shows the traceback of a bug, without -v one line (a bug is simulated by a sitecustomize)."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import specexec.hub\ndef _boom(*a, **k):\n    raise ValueError('boom')\nspecexec.hub.resolve = _boom\n"
+        "import specexec.loading.hub\ndef _boom(*a, **k):\n    raise ValueError('boom')\nspecexec.loading.hub.resolve = _boom\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     base = [
@@ -533,7 +533,7 @@ def test_notices_gpu_memory_on_cpu_and_capped_context(models):
 def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
     """Not quiet: the stats line on stderr includes the auto budget's calibration time (the cost-model policy a GPU
     uses; a CPU's measured policy needs no calibration)."""
-    from specexec.engine import Engine
+    from specexec.decoding.engine import Engine
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # no calibration cached from an earlier run
@@ -562,7 +562,7 @@ def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
 
 def test_stats_line_calibration_only_when_measured():
     from specexec.cli.generate import stats_line
-    from specexec.engine import Stats
+    from specexec.decoding.engine import Stats
 
     s = Stats(method="ar").to_json()
     assert "calibration" not in stats_line(s)

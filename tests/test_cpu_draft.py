@@ -12,12 +12,23 @@ import json
 import pytest
 import torch
 
-from specexec import api, cpu_probe
+from specexec import api
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
 from specexec.errors import SpecexecError
-from specexec.loading import draft_vocab_ids, load_model, load_tokenizer, read_config, resolve_draft, resolve_dtype
-from specexec.model import Int8Linear, ModelConfig, SubsetHead, _int8_kernel, cpu_transposed, set_cpu_transposed
+from specexec.formats.dense import cpu_transposed, set_cpu_transposed
+from specexec.formats.int8 import Int8Linear, _int8_kernel
+from specexec.formats.subset import SubsetHead
+from specexec.loading import cpu_probe
+from specexec.loading.checkpoint import (
+    draft_vocab_ids,
+    load_model,
+    load_tokenizer,
+    read_config,
+    resolve_draft,
+    resolve_dtype,
+)
+from specexec.model.transformer import ModelConfig
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")
@@ -305,7 +316,7 @@ def _mid_cfg() -> ModelConfig:
 @pytest.fixture(autouse=True)
 def _keep_orientation():
     """The probes set the process-wide orientation tables; tests leave them as they found them."""
-    from specexec.model import cpu_orientation, set_cpu_orientation
+    from specexec.formats.dense import cpu_orientation, set_cpu_orientation
 
     was = {dt: cpu_orientation(dt) for dt in (torch.float32, torch.bfloat16)}
     yield
@@ -326,7 +337,7 @@ def test_orientation_decision_by_row_count():
 
 
 def test_orientation_is_measured_once_and_applied(tmp_path, monkeypatch):
-    from specexec.model import cpu_orientation
+    from specexec.formats.dense import cpu_orientation
 
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
     calls = []

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from specexec.cli import app
 from specexec.doctor import GpuInfo, SystemInfo, recommend
-from specexec.model import ModelConfig
-from specexec.sizes import layer_bytes, param_count
+from specexec.model.sizes import layer_bytes, param_count
+from specexec.model.transformer import ModelConfig
 from tests.test_chat import make_chat_pair
 
 runner = CliRunner()
@@ -206,7 +206,7 @@ def test_doctor_plans_an_alias_that_is_not_downloaded(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from specexec import hub
+    from specexec.loading import hub
 
     assert not hub.is_present("llama-70b")
     rec = recommend("llama-70b", _system(24, 128), context=4096)
@@ -243,7 +243,7 @@ def test_doctor_plans_an_alias_that_is_not_downloaded(tmp_path, monkeypatch):
 )
 def test_alias_architectures_match_published_sizes(alias, published):
     """configs/models.toml's architecture data gives each model's published parameter count."""
-    from specexec import hub
+    from specexec.loading import hub
 
     cfg = ModelConfig.from_hf(hub.known_config(alias))
     assert param_count(cfg) == pytest.approx(published, rel=2e-3)
@@ -265,7 +265,7 @@ LLAMA2_7B_CFG = dict(
     [(24, "int8", True), (16, "int8", False), (12, "nf4", False), (200, "16-bit", None)],
 )
 def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order):
-    """doctor --draft: the plan per draft precision, and --draft-dtype auto's pick (specexec.draft_choice): at
+    """doctor --draft: the plan per draft precision, and --draft-dtype auto's pick (specexec.loading.draft_choice): at
     24 GB all three fit and a lighter draft leaves more target layers resident; at PCIe4's 25 GB/s and a consumer
     card's assumed 1 TB/s the int8 draft is modelled fastest; under 16 / 12 GB only the lighter ones fit; where
     nothing streams (200 GB) the 16-bit draft stays."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specexec import draft_choice as dc
-from specexec.model import ModelConfig
+from specexec.formats import nf4
+from specexec.loading import draft_choice as dc
+from specexec.model.transformer import ModelConfig
 
 LLAMA2_7B = ModelConfig(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32, head_dim=128,
@@ -37,17 +38,16 @@ def test_cost_model_reproduces_its_h200_calibration():
 
 
 def test_the_opt_in_fused_kernels_drop_what_they_do_not_do(monkeypatch):
-    """With the fused kernels (specexec.lowbit_mm) an NF4 draft's pass writes and reads no 16-bit copy of its
+    """With the fused kernels (specexec.formats.lowbit_mm) an NF4 draft's pass writes and reads no 16-bit copy of its
     weights and an int8 one quantizes no activations: the model drops those terms and takes the fused kernels'
     own per-layer cost (measured on an H100: the NF4 kernel's decoding is slow); with bitsandbytes' kernels (the
     defaults) it is unchanged."""
-    from offload import quant
-    from specexec import model
+    from specexec.formats import int8 as model
 
     before = {f: (dc.pass_bytes(LLAMA2_7B, f), dc.pass_seconds(LLAMA2_7B, f, 4190)) for f in ("int8", "nf4")}
     assert not dc.fused_kernel("int8") and not dc.fused_kernel("nf4") and not dc.fused_kernel("dense")
     monkeypatch.setattr(model, "CUDA_INT8_KERNEL", "triton")
-    monkeypatch.setattr(quant, "DRAFT_NF4_KERNEL", "triton")
+    monkeypatch.setattr(nf4, "DRAFT_NF4_KERNEL", "triton")
     assert dc.fused_kernel("int8") and dc.fused_kernel("nf4")
     assert dc.pass_bytes(LLAMA2_7B, "int8") == before["int8"][0]  # int8 rewrote nothing to begin with
     assert dc.pass_seconds(LLAMA2_7B, "int8", 4190) == pytest.approx(before["int8"][1] - 32 * 0.18e-3)
@@ -110,7 +110,7 @@ def test_without_the_16_bit_draft_there_is_no_break_even():
 def test_picker_plans_every_format_and_loads_the_chosen_one(monkeypatch, tmp_path):
     """plan_with_draft(pick=...) plans all formats that fit and returns the picked one's plan; without pick it
     keeps the first that fits (an explicit --draft-dtype)."""
-    import offload.load as load
+    import specexec.loading.offloaded as load
     from offload.plan import Plan
 
     seen: list[list[str]] = []
@@ -130,7 +130,7 @@ def test_picker_plans_every_format_and_loads_the_chosen_one(monkeypatch, tmp_pat
         calls.append(str(draft_bytes))
         return f"plan-{draft_bytes}"
 
-    from specexec.sizes import PlanReservations
+    from specexec.model.sizes import PlanReservations
 
     monkeypatch.setattr(load, "PlanModel", FakeModel)
     monkeypatch.setattr(load, "make_plan", fake_plan)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.engine import Cancelled, Engine, StepInfo
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding.engine import Cancelled, Engine, StepInfo
+from specexec.decoding.text import ChatTemplateError, encode_text, render_chat
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import NGramConfig
-from specexec.text import ChatTemplateError, encode_text, render_chat
 from tests.conftest import make_noisy_copy, make_tiny
 
 CPU = torch.device("cpu")
@@ -60,9 +60,9 @@ def test_encode_chat_is_render_chat(engine, monkeypatch):
         assert engine.encode(text) == encode_text(tok, text)
         assert want != encode_text(tok, text)  # the template really wraps it
     calls = []
-    import specexec.engine
+    import specexec.decoding.engine
 
-    monkeypatch.setattr(specexec.engine, "render_chat", lambda t, m: calls.append(m) or [7])
+    monkeypatch.setattr(specexec.decoding.engine, "render_chat", lambda t, m: calls.append(m) or [7])
     assert engine.encode("t10", chat=True) == [7] and calls == [[{"role": "user", "content": "t10"}]]
 
 

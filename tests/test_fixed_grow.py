@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from specexec.config import OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
-from specexec.engine import Engine
+from specexec.decoding.engine import Engine
+from specexec.decoding.sampling import logprobs as sample_logprobs
 from specexec.errors import ConfigError
-from specexec.loading import load_model, load_tokenizer
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, NGramConfig, TreeDraft
-from specexec.sampling import logprobs as sample_logprobs
 from tests.conftest import FAMILIES
 from tests.test_specexec import _engine
 
@@ -543,7 +543,7 @@ def test_a_failing_background_thread_raises_on_the_decode_thread(engines, monkey
 def test_static_passes_defer_captures_while_a_thread_queues_levels(noisy_pairs):
     """With ``capture_ok`` off (the overlap thread), a pass whose graph is missing runs eagerly and its bucket
     is captured at the next pass allowed to capture; the results equal the eager passes'."""
-    from specexec.graphs import StaticPasses
+    from specexec.model.graphs import StaticPasses
 
     model = load_model(noisy_pairs["llama"][1], CPU, torch.float32)
     cache = model.new_cache(64)
@@ -596,7 +596,7 @@ def test_overlap_auto_adapts_and_grows_nothing_on_a_cpu(engines, drafts):
     """``--overlap auto``: on a CPU no background level runs (they would run in turn and only cost) and the text is
     AR's; the level count grows by two a step while the levels finish beside the target's pass, shrinks to three
     quarters when they do not, and stays within 1..OVERLAP_AUTO_MAX."""
-    from specexec.propose.tree import OVERLAP_AUTO_START
+    from specexec.propose.best_first import OVERLAP_AUTO_START
 
     e = engines["qwen2"]
     tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, reuse=True, grow="static", overlap=-1)
@@ -644,7 +644,7 @@ def test_bounded_background_levels_stop_once_the_target_pass_has_ended(noisy_pai
     step's commit waits for at most that many; what was grown is carried as usual, and the text equals AR."""
     from specexec.config import SamplingConfig as S
     from specexec.propose import StepContext
-    from specexec.propose import tree as tree_mod
+    from specexec.propose import best_first as tree_mod
 
     monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(lag=2))  # in flight until asked twice
     monkeypatch.setattr(TreeDraft, "_bounded", lambda self, device: True)

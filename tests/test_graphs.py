@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.engine import Engine
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding.engine import Engine
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, TreeDraft
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec import convert, hub
 from specexec.cli.models import app as models_app
 from specexec.errors import SpecexecError
+from specexec.loading import convert, hub
 
 REQUIRED_ALIASES = {
     "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",

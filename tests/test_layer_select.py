@@ -16,12 +16,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec import api, layer_select, sizes
+from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import ConfigError
-from specexec.layer_select import LayerSpec, parse
-from specexec.loading import load_model, read_config
+from specexec.loading import layer_select
+from specexec.loading.checkpoint import load_model, read_config
+from specexec.loading.layer_select import LayerSpec, parse
+from specexec.model import sizes
 from tests.conftest import make_tiny
 from tests.test_self_draft import _weight_bytes, assert_tree_and_chain_equal_ar, spy_check_engine
 
@@ -213,10 +215,10 @@ def test_cli_bad_draft_layers_is_one_line_before_loading(monkeypatch, extra, mes
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was resolved or loaded before the options were validated")
 
-    import specexec.hub
+    import specexec.loading.hub
 
     monkeypatch.setattr(api, "load", forbidden)
-    monkeypatch.setattr(specexec.hub, "resolve", forbidden)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", forbidden)
     for command in ("generate", "chat", "serve", "bench"):
         cmd = [command, "--target", "/nonexistent", "--device", "cpu", "-q", *extra]
         if command == "generate":

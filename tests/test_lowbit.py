@@ -1,6 +1,6 @@
-"""Group-wise 2/3/4-bit draft weights (``q2``/``q3``/``q4``, :mod:`specexec.groupquant`).
+"""Group-wise 2/3/4-bit draft weights (``q2``/``q3``/``q4``, :mod:`specexec.formats.groupquant`).
 
-Packing is bit-exact and as small as :mod:`specexec.sizes` says; dequantization is within half a step of the
+Packing is bit-exact and as small as :mod:`specexec.model.sizes` says; dequantization is within half a step of the
 weight; a model in these formats holds exactly the bytes the memory checks count; a self-derived or separate draft
 in them leaves greedy output equal to the target's own (exactness does not depend on the draft); the CLI refuses a
 bad ``--draft-dtype`` with one line. Tiny random models only.
@@ -12,13 +12,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec import api, sizes
+from specexec import api
 from specexec.cli import app
 from specexec.config import TreeConfig
-from specexec.engine import Engine
-from specexec.groupquant import GroupQuantLinear, dequantize_resident, pack_codes, unpack_codes
-from specexec.loading import draft_format, load_model, load_tokenizer, read_config
-from specexec.model import SubsetHead
+from specexec.decoding.engine import Engine
+from specexec.formats.groupquant import GroupQuantLinear, dequantize_resident, pack_codes, unpack_codes
+from specexec.formats.subset import SubsetHead
+from specexec.loading.checkpoint import draft_format, load_model, load_tokenizer, read_config
+from specexec.model import sizes
 from tests.test_self_draft import _weight_bytes, assert_tree_and_chain_equal_ar
 
 CPU = torch.device("cpu")

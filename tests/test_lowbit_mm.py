@@ -1,4 +1,4 @@
-"""The fused low-bit GEMMs (specexec.lowbit_mm) that an int8 or NF4 draft may run on CUDA (opt-in).
+"""The fused low-bit GEMMs (specexec.formats.lowbit_mm) that an int8 or NF4 draft may run on CUDA (opt-in).
 
 On the CPU the very kernels run under Triton's interpreter: their tiling, masks (rows, outputs and an uneven inner
 dimension), the int8 per-channel scale, NF4's nibble order, level table and block absmax (blocks aligned with rows
@@ -13,12 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import quant
-from specexec import lowbit_mm
 from specexec.config import TreeConfig
-from specexec.engine import Engine
-from specexec.loading import load_model, load_tokenizer
-from specexec.model import Int8Linear
+from specexec.decoding.engine import Engine
+from specexec.formats import lowbit_mm, nf4
+from specexec.formats.int8 import Int8Linear
+from specexec.loading.checkpoint import load_model, load_tokenizer
 
 pytest.importorskip("triton", reason="Triton is not installed (CUDA builds of PyTorch ship it; dev extra on CPU)")
 
@@ -27,11 +26,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # one rounding to the output dtype
 
 
-def _nf4(n: int, k: int, device=CPU, blocksize: int = 64) -> quant.NF4Linear:
+def _nf4(n: int, k: int, device=CPU, blocksize: int = 64) -> nf4.NF4Linear:
     torch.manual_seed(n * 7 + k)
     w = torch.randn(n, k, device=device)
-    packed, absmax = quant.quantize_nf4(w, blocksize)
-    return quant.NF4Linear(packed, absmax, (n, k), torch.float32, blocksize, quant.nf4_code(device))
+    packed, absmax = nf4.quantize_nf4(w, blocksize)
+    return nf4.NF4Linear(packed, absmax, (n, k), torch.float32, blocksize, nf4.nf4_code(device))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 65, 130])
@@ -107,7 +106,7 @@ def test_int8_linear_and_nf4_linear_triton_kernels_on_cpu():
 
 COMPILE_CHECK = """
 import json, sys
-from specexec import lowbit_mm
+from specexec.formats import lowbit_mm
 out = []
 for arch in (80, 89, 90):
     for fmt in (lowbit_mm.INT8, lowbit_mm.NF4):
@@ -150,7 +149,7 @@ def _use_kernel(model, kernel: str) -> int:
     seen = 0
     weights = [w for layer in model.layers.layers for w in layer.values()] + [model.globals.lm_head]
     for w in weights:
-        if isinstance(w, (Int8Linear, quant.NF4Linear)):
+        if isinstance(w, (Int8Linear, nf4.NF4Linear)):
             w.kernel, seen = kernel, seen + 1
     return seen
 
@@ -178,9 +177,9 @@ def test_low_bit_draft_on_the_fused_kernels_keeps_greedy_output_exact(tiny_pair,
 def test_draft_nf4_kernel_setting_reaches_only_cuda_drafts(monkeypatch):
     """loading.quantize_weight (the drafts' quantizer) stamps DRAFT_NF4_KERNEL on CUDA weights only; a CPU
     weight keeps bitsandbytes' dequantize-and-multiply path."""
-    from specexec.loading import quantize_weight
+    from specexec.loading.checkpoint import quantize_weight
 
-    monkeypatch.setattr(quant, "DRAFT_NF4_KERNEL", "triton")
+    monkeypatch.setattr(nf4, "DRAFT_NF4_KERNEL", "triton")
     assert quantize_weight(torch.randn(64, 64), "nf4", CPU, torch.float32).kernel == "bnb"
 
 
@@ -193,7 +192,7 @@ def test_draft_nf4_kernel_setting_reaches_only_cuda_drafts(monkeypatch):
 def test_cuda_kernels_match_dequantized_and_bitsandbytes(rows, monkeypatch):
     """The compiled kernels at every row tile, both formats; the "triton" layers run them up to MAX_ROWS rows and
     bitsandbytes' beyond."""
-    from specexec import model
+    from specexec.formats import int8 as model
 
     torch.manual_seed(rows)
     dev = torch.device("cuda")
@@ -209,8 +208,8 @@ def test_cuda_kernels_match_dequantized_and_bitsandbytes(rows, monkeypatch):
     if rows <= lowbit_mm.MAX_ROWS:
         assert torch.equal(got, fused)
     assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()  # bitsandbytes' W8A8 is the coarser one
-    monkeypatch.setattr(quant, "DRAFT_NF4_KERNEL", "triton")
-    from specexec.loading import quantize_weight
+    monkeypatch.setattr(nf4, "DRAFT_NF4_KERNEL", "triton")
+    from specexec.loading.checkpoint import quantize_weight
 
     lin = quantize_weight(w.to(dev), "nf4", dev, torch.bfloat16)
     assert lin.kernel == "triton"

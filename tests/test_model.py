@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specexec.loading import load_model
+from specexec.loading.checkpoint import load_model
 from tests.conftest import FAMILIES
 
 
@@ -40,7 +40,7 @@ def test_logits_match_transformers(tiny_models, family):
 
 
 def test_config_parses_rope_scaling(tiny_models):
-    from specexec.loading import read_config
+    from specexec.loading.checkpoint import read_config
 
     cfg = read_config(tiny_models["llama3"])
     assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
@@ -52,7 +52,7 @@ def test_config_parses_rope_scaling(tiny_models):
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 48, 49, 64, 65])
 def test_linear_orientation_rule_is_numerically_a_linear(dtype, rows):
     """Both orientations compute x @ w.T; the per-row-count table (set by the CPU probe) only picks the kernel."""
-    from specexec.model import ORIENT_MAX_ROWS, cpu_orientation, cpu_transposed, linear, set_cpu_orientation
+    from specexec.formats.dense import ORIENT_MAX_ROWS, cpu_orientation, cpu_transposed, linear, set_cpu_orientation
 
     torch.manual_seed(0)
     x, w = torch.randn(rows, 64).to(dtype), torch.randn(96, 64).to(dtype)
@@ -114,7 +114,7 @@ def test_fp32_model_keeps_a_16_bit_untied_embedding(tiny_models, tmp_path):
 def test_rope_with_a_sign_folded_sin_is_the_rotate_half_formula_bit_for_bit():
     """apply_rope swaps halves and folds the rotation's sign into sin (rope_tables): the same arithmetic per
     element as HF's ``x * cos + rotate_half(x) * sin``, so the target's numerics did not move."""
-    from specexec.model import apply_rope, rope_tables
+    from specexec.model.transformer import apply_rope, rope_tables
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

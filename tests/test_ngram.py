@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from specexec.budget import AdaptiveBudget, StepRecord
 from specexec.config import NGRAM_LEN_GPU, NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
-from specexec.engine import Engine, default_ngram
+from specexec.decoding.budget import AdaptiveBudget, StepRecord
+from specexec.decoding.engine import Engine, default_ngram
 from specexec.errors import ConfigError
-from specexec.loading import load_model, load_tokenizer
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import NGramConfig, NGramDraft, StepContext
 
 CPU = torch.device("cpu")
@@ -243,7 +243,7 @@ def test_adaptive_policy_prior_orders_untried_arms():
 def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_path, monkeypatch):
     """The cost-model auto budget (a GPU's) calibrates once per machine and model pair: a second engine reuses the
     cached file; measured costs far from it make the engine calibrate again before the next generation."""
-    from specexec.budget import drifted
+    from specexec.decoding.budget import drifted
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
     target, draft = noisy_pairs["llama"]
@@ -285,7 +285,7 @@ def test_measured_policy_is_kept_across_generations(engine):
 
 def _scored_tree(logps):
     """A chain-free tree: every node a child of the root, with the given cumulative log-probs."""
-    from specexec.tree import Tree
+    from specexec.decoding.tree import Tree
 
     t = Tree(1, len(logps) + 1, CPU)
     t.append([0] * len(logps), list(range(2, 2 + len(logps))), [1] * len(logps), list(logps))
@@ -293,7 +293,7 @@ def _scored_tree(logps):
 
 
 def test_trim_keeps_the_nodes_worth_their_verification_time():
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     logps = [math.log(p) for p in (0.9, 0.6, 0.3, 0.05, 0.02, 0.01)]
     steep = VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})  # a compute-bound verifier: 0.1 s per extra token
@@ -318,7 +318,7 @@ def test_trim_keeps_the_nodes_worth_their_verification_time():
 
 
 def test_verify_costs_learn_and_never_decrease_with_size():
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     v = VerifyCosts({1: 1.0, 16: 2.0})
     assert v.at(8) == pytest.approx(1.0 + 7 / 15)
@@ -333,7 +333,7 @@ def test_verify_costs_learn_and_never_decrease_with_size():
 
 
 def test_no_trim_on_exploration_steps():
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     p = AdaptiveBudget((0, 4, 16), explore_every=2, verify=VerifyCosts({1: 1.0, 2: 3.0}))
     p._rate = 1.0
@@ -350,7 +350,7 @@ def test_no_trim_on_exploration_steps():
 
 def test_trimmed_proposals_stay_exact(engine):
     """An auto CPU policy that trims (a steep verification curve) still reproduces AR, and does trim."""
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     ar = engine.generate(prompt, 40, method="ar").tokens
@@ -365,7 +365,7 @@ def test_trimmed_proposals_stay_exact(engine):
 def test_chain_arms_of_the_cpu_policy_are_exact(engine, samp):
     """Negative arms are chains of the draft's argmax (sampling: its coupled draws), verified by the tree walk: the
     same tokens as AR for the same seed, also when sampling, and the policy really ran them."""
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     for ids in (_prompt(engine), [40, 41, 42]):
         engine.reset()
@@ -401,7 +401,7 @@ def test_chain_stop_weighs_the_next_token_against_its_pass():
 def test_chain_arms_stop_per_token_and_stay_exact(engine):
     """Once a pass cost is measured the policy hands chain arms a ChainStop: chains end early where the draft is
     unsure (early_stops counts them), and the tokens are still AR's."""
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
     from specexec.propose.chain import ChainStop
 
     pol = AdaptiveBudget((-6,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
@@ -446,7 +446,7 @@ def test_chain_arms_run_on_along_ngram_continuations_exactly(engine, samp):
     the chain's draft tokens + 1 (the continuation ran on past the chain at no draft cost), the chain stops
     earlier once costs are known, and the tokens are AR's for the same seed, greedy or sampled (at a temperature
     low enough that the sampled text follows the cycle too: a hot sample of a tiny random model does not repeat)."""
-    from specexec.budget import VerifyCosts
+    from specexec.decoding.budget import VerifyCosts
 
     prompt = _prompt(engine)
     engine.reset()
@@ -478,7 +478,7 @@ def test_coupled_chains_when_sampling(tiny_models, tmp_path):
 def test_coupling_raises_acceptance_over_the_argmax():
     """The coupled draw matches the target's Gumbel-max draw more often than the draft's argmax does, for a draft
     close to the target (deterministic: fixed logits, seeds 0..1999)."""
-    from specexec import sampling
+    from specexec.decoding import sampling
 
     gen = torch.Generator().manual_seed(0)
     p_logits = torch.randn(64, 50, generator=gen) * 2.0

@@ -11,16 +11,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload import OffloadConfig, StreamedLayers, load_offloaded, quant
+from offload import OffloadConfig, StreamedLayers
 from offload import plan as plan_mod
 from offload.layout import ALIGN, PAGE, LayerFormat, LayerLayout, layer_layout
+from offload.packing import dense_weights, layer_weights, quantize_layer
 from offload.plan import PlanModel, Resources, make_plan
-from offload.quant import NF4Linear, dense_weights, layer_weights, quantize_layer
 from offload.store import RamStore
 from specexec.cli.options import FLAGS
 from specexec.errors import OutOfMemory, SpecexecError
-from specexec.loading import load_model
-from specexec.model import ModelConfig, ResidentLayers, Transformer
+from specexec.formats import nf4
+from specexec.formats.nf4 import NF4Linear
+from specexec.loading.checkpoint import load_model
+from specexec.loading.offloaded import load_offloaded
+from specexec.model.transformer import ModelConfig, ResidentLayers, Transformer
 from tests.conftest import make_tiny
 
 CPU = torch.device("cpu")
@@ -170,7 +173,7 @@ def test_nf4_pack_unpack_equals_bitsandbytes(shape):
     w = torch.randn(shape)
     q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
     expect = bnbf.dequantize_4bit(q, state)
-    packed, absmax = quant.quantize_nf4(w, 64)
+    packed, absmax = nf4.quantize_nf4(w, 64)
     assert torch.equal(packed, q.view(-1)) and torch.equal(absmax, state.absmax)
     assert torch.equal(_nf4_reference(packed, absmax, shape, 64), expect)
     # through a packed layer buffer and views re-created from it
@@ -209,8 +212,8 @@ def test_nf4_forward_equals_dequantized_resident(tiny3, tmp_path):
 
 def test_nf4_cache_second_start_does_not_quantize(tiny3, tmp_path, monkeypatch):
     calls = []
-    real = quant.quantize_nf4
-    monkeypatch.setattr(quant, "quantize_nf4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = nf4.quantize_nf4
+    monkeypatch.setattr(nf4, "quantize_nf4", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = _passes(_load(tiny3, tmp_path, mode="ram", target_dtype="nf4", resident_layers=0))
     assert len(calls) == 3 * 4  # 3 layers x 4 linears, once
     calls.clear()
@@ -510,9 +513,9 @@ def test_cuda_nf4(wide, tmp_path):
 def test_auto_draft_precision_falls_back_to_what_fits(monkeypatch, tiny3, tmp_path):
     """--draft-dtype auto on a GPU: a 16-bit draft that leaves no room for the streamed target goes int8, then NF4;
     where the 16-bit one fits it stays; when none fits the error says what was tried."""
-    from offload.load import plan_with_draft
-    from specexec.loading import read_config
-    from specexec.sizes import PlanReservations
+    from specexec.loading.checkpoint import read_config
+    from specexec.loading.offloaded import plan_with_draft
+    from specexec.model.sizes import PlanReservations
 
     _fake_ram(monkeypatch, available_gb=100, total_gb=128)
     off = OffloadConfig(mode="ram", target_dtype="bf16", cache_dir=tmp_path)

@@ -109,7 +109,7 @@ def test_hf_view_is_the_transformers_model(tiny_models, family):
 
 @slow
 def test_ar_equals_transformers_greedy(engine, ar_outputs):
-    from specexec import hub
+    from specexec.loading import hub
 
     hf = hf_view(engine.target, hub.local_path(TARGET))  # the same weights, transformers' code: no second copy
     for p in PROMPTS[:3]:
@@ -217,7 +217,8 @@ def test_fp32_target_exact():
 
 def fp32_check() -> None:
     """The body of :func:`test_fp32_target_exact`, run in its own process (raises AssertionError on a failure)."""
-    from specexec import api, hub
+    from specexec import api
+    from specexec.loading import hub
     from specexec.propose.ngram import NGramConfig
     from tests.conftest import REAL_CONTEXT, _pull_demo
 

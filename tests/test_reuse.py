@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specexec.budget import AdaptiveBudget
 from specexec.config import SamplingConfig, TreeConfig
-from specexec.engine import Engine
+from specexec.decoding.budget import AdaptiveBudget
+from specexec.decoding.engine import Engine
 from specexec.errors import ConfigError
-from specexec.loading import load_model, load_tokenizer
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, NGramConfig, StepContext, TreeDraft
 from tests.conftest import FAMILIES
 

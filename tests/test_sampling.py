@@ -38,14 +38,14 @@ import pytest
 import torch
 from scipy import stats
 
-from specexec import accept, sampling
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.engine import Engine
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding import accept, sampling
+from specexec.decoding.engine import Engine
+from specexec.decoding.tree import Tree
+from specexec.decoding.verify import walk
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, Proposal, TreeDraft
 from specexec.propose.chain import draft_choice
-from specexec.tree import Tree
-from specexec.verify import walk
 from tests.conftest import make_noisy_copy, make_tiny
 
 CPU = torch.device("cpu")
@@ -640,7 +640,7 @@ def test_engine_negative_control_accept_everything(engine, tables, monkeypatch):
         toks = proposal.tree.n_tokens[1:].tolist()
         return list(range(len(toks) + 1)), toks + [emitted[-1]]
 
-    monkeypatch.setattr("specexec.decode.accept", accept_all)
+    monkeypatch.setattr("specexec.decoding.loop.accept", accept_all)
     out = [
         tuple(
             engine.generate(

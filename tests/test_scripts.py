@@ -57,7 +57,7 @@ def fake_prompts(vocab: int):
 
 
 def test_make_prompts_are_deterministic_and_split_by_kind(tiny_pair):
-    from specexec.loading import load_tokenizer
+    from specexec.loading.checkpoint import load_tokenizer
 
     ba = script("bench_acceptance")
     tok = load_tokenizer(tiny_pair[0]).tokenizer
@@ -314,8 +314,8 @@ def test_profile_cpu_smoke(tiny_pair, tmp_path, capsys):
 
 def test_profile_cpu_phase_timer_restores_the_library():
     """The timers wrap library functions only while the context is open."""
-    from specexec import decode
-    from specexec.model import Transformer
+    from specexec.decoding import loop as decode
+    from specexec.model.transformer import Transformer
     from specexec.propose.ngram import NGramDraft
 
     pc = script("profile_cpu")

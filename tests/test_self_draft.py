@@ -2,7 +2,7 @@
 
 Exactness: a low-bit draft changes only what is proposed, so greedy output equals the target's AR output token for
 token and seeded sampling is reproducible. Sizes: the bytes the loader allocates for an int8/nf4 model equal
-:func:`specexec.sizes.model_weight_bytes`, and the offload plan keeps more target layers resident beside a low-bit
+:func:`specexec.model.sizes.model_weight_bytes`, and the offload plan keeps more target layers resident beside a low-bit
 draft than beside a bf16 one (plan arithmetic on Llama-2/3-70B-shaped configs; no GPU needed).
 """
 
@@ -13,14 +13,17 @@ import torch
 from typer.testing import CliRunner
 
 from offload.plan import OffloadConfig, PlanModel, Resources, make_plan
-from offload.quant import NF4Linear
-from specexec import api, memory, sizes
+from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import ConfigError
-from specexec.groupquant import GroupQuantLinear
-from specexec.loading import draft_format, load_model, read_config
-from specexec.model import Int8Linear, ModelConfig
+from specexec.formats.groupquant import GroupQuantLinear
+from specexec.formats.int8 import Int8Linear
+from specexec.formats.nf4 import NF4Linear
+from specexec.loading import memory
+from specexec.loading.checkpoint import draft_format, load_model, read_config
+from specexec.model import sizes
+from specexec.model.transformer import ModelConfig
 
 CPU = torch.device("cpu")
 PROMPT = [5, 9, 17, 33, 4]
@@ -258,10 +261,10 @@ def test_cli_self_draft_with_a_dense_dtype_is_one_line(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was resolved or loaded before the options were validated")
 
-    import specexec.hub
+    import specexec.loading.hub
 
     monkeypatch.setattr(api, "load", forbidden)
-    monkeypatch.setattr(specexec.hub, "resolve", forbidden)
+    monkeypatch.setattr(specexec.loading.hub, "resolve", forbidden)
     for command in ("generate", "chat"):
         cmd = [command, "--target", "/nonexistent", "--device", "cpu", "-q", "--draft", "self", "--draft-dtype", "bf16"]
         if command == "generate":

@@ -482,7 +482,7 @@ def test_two_concurrent_clients_both_complete_correctly(live, ref):
 
 
 def test_second_turn_prefills_only_the_new_tokens(client, ref):
-    from specexec.text import render_chat
+    from specexec.decoding.text import render_chat
 
     tok = ref.tokenizer.tokenizer
     first = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8)

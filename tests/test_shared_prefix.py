@@ -17,8 +17,8 @@ import torch
 
 from specexec import api
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.engine import Engine, shared_layers
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding.engine import Engine, shared_layers
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from tests.test_layer_select import six  # noqa: F401  (fixture: a 6-layer model)
 from tests.test_self_draft import PROMPT, assert_tree_and_chain_equal_ar
 

@@ -1,4 +1,4 @@
-"""specexec.sizes against real allocations; the load-time memory check (stored dtype, tree-sized buffers) refusing
+"""specexec.model.sizes against real allocations; the load-time memory check (stored dtype, tree-sized buffers) refusing
 before anything is allocated; the offload cache's read-only error; ``specexec cache``."""
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec import api, memory, sizes
+from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, TreeConfig
+from specexec.decoding.tree import Tree
 from specexec.errors import OutOfMemory, SpecexecError
-from specexec.kv_cache import KVCache
-from specexec.loading import load_model, read_config
-from specexec.model import ModelConfig
-from specexec.tree import Tree
+from specexec.loading import memory
+from specexec.loading.checkpoint import load_model, read_config
+from specexec.model import sizes
+from specexec.model.kv_cache import KVCache
+from specexec.model.transformer import ModelConfig
 from tests.conftest import make_tiny
 
 CPU = torch.device("cpu")
@@ -188,7 +190,8 @@ def test_context_too_big_names_the_context(pair, monkeypatch):
 def test_ssd_cache_on_a_read_only_file_system(pair, tmp_path, monkeypatch, caplog):
     """--offload ssd whose cache directory cannot be written: one clear error before any layer is written; the
     write is announced (what, where, how big) first."""
-    from offload import OffloadConfig, load_offloaded
+    from offload import OffloadConfig
+    from specexec.loading.offloaded import load_offloaded
 
     cache = tmp_path / "cache"
     real_mkdir = Path.mkdir
@@ -263,7 +266,7 @@ def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_
     --max-budget until some draft format fits, the engine caps auto trees there and refuses bigger fixed ones; when
     even the smallest cap does not fit, the error says so."""
     from offload import OffloadConfig
-    from offload import load as offload_load
+    from specexec.loading import offloaded as offload_load
 
     real = offload_load.plan_with_draft
     asked: list[int] = []

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.engine import Engine
-from specexec.loading import load_model, load_tokenizer
+from specexec.decoding.engine import Engine
+from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, GrowCost, TreeDraft
 from tests.conftest import FAMILIES
 
@@ -93,7 +93,7 @@ def test_tree_is_exact_top_budget(noisy_pairs):
     budget = 20
     tree, _, _ = _grow(model, [5, 6, 7], TreeConfig(budget=budget, max_beams=1000, max_branch=96, max_depth=2))
     # brute force: all depth-1 and depth-2 continuations
-    from specexec.kv_cache import KVCache  # noqa: F401
+    from specexec.model.kv_cache import KVCache  # noqa: F401
 
     e = Engine(model, load_tokenizer(draft), None, context=64)
     lp1 = torch.log_softmax(_logits(e, [5, 6, 7]), -1)
@@ -208,7 +208,7 @@ def test_early_stop_keeps_exact_budget(noisy_pairs, budget):
 
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_early_stop_in_the_engine_is_exact(engines, early_stop):
-    from specexec.budget import FixedBudget, StepCosts
+    from specexec.decoding.budget import FixedBudget, StepCosts
 
     e = engines["llama"]
     tree = TreeConfig(budget=32, early_stop=early_stop)

@@ -40,8 +40,9 @@ def test_real_pair_load_costs_its_weights_once(real_pair):
     tensor (sizes.resident_bytes) and the slack above -- the old loader's mapped file pages (~2.5 GB) fail this --
     and the process holds less than the budget with the pair resident (the session's peak is reported by conftest;
     the fp32 exactness test's target takes it over 8 GB at one point, see pytest_sessionfinish)."""
-    from specexec import hub, sizes
-    from specexec.loading import read_config
+    from specexec.loading import hub
+    from specexec.loading.checkpoint import read_config
+    from specexec.model import sizes
 
     weights = 0
     for alias in (REAL_TARGET, REAL_DRAFT):

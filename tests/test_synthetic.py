@@ -1,14 +1,15 @@
-"""Planted-agreement model pairs (specexec.synthetic): what the GPU benchmark times the engine with."""
+"""Planted-agreement model pairs (specexec.model.synthetic): what the GPU benchmark times the engine with."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specexec import decode, synthetic
 from specexec.config import SamplingConfig, TreeConfig
-from specexec.engine import Engine
-from specexec.model import ModelConfig
+from specexec.decoding import loop as decode
+from specexec.decoding.engine import Engine
+from specexec.model import synthetic
+from specexec.model.transformer import ModelConfig
 
 CPU = torch.device("cpu")
 V = 512

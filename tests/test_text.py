@@ -12,8 +12,7 @@ import random
 
 import pytest
 
-from specexec.errors import SpecexecError
-from specexec.text import (
+from specexec.decoding.text import (
     ChatTemplateError,
     Detokenizer,
     MessageError,
@@ -24,6 +23,7 @@ from specexec.text import (
     finish_reason,
     render_chat,
 )
+from specexec.errors import SpecexecError
 
 CORPUS = [
     'def add_one(x):\n    """Return x + 1."""\n    return x + 1  # 加一\n',
@@ -407,8 +407,8 @@ def test_text_stream_length(byte_tok):
 # -- the real Qwen tokenizer ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_qwen_tokenizer_token_by_token():
-    from specexec import hub
-    from specexec.loading import load_tokenizer
+    from specexec.loading import hub
+    from specexec.loading.checkpoint import load_tokenizer
 
     alias = "qwen2.5-coder-1.5b"
     if not hub.is_present(alias):

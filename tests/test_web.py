@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from specexec.engine import Result, Stats
+from specexec.decoding.engine import Result, Stats
 from specexec.server import ServerConfig, create_app
 from tests.test_server import LiveServer
 
@@ -78,7 +78,7 @@ class FakeEngine:
     """The public engine API the server uses, over a real (tiny) tokenizer; output scripted by the test."""
 
     def __init__(self, model_dir: Path) -> None:
-        from specexec.loading import load_tokenizer
+        from specexec.loading.checkpoint import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
         self.context = 4096
@@ -224,7 +224,7 @@ def test_stop_aborts_the_answer_and_cancels_the_generation(browser, site, fake):
 def test_new_chat_clears_the_conversation(browser, site, fake):
     from selenium.webdriver.common.by import By
 
-    from specexec.text import render_chat
+    from specexec.decoding.text import render_chat
 
     fake.script, fake.delay = ["first answer"], 0.01
     _open(browser, site)

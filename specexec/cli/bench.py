@@ -40,10 +40,7 @@ def bench(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
-    grow: str = o.grow(),
-    overlap: str = o.overlap(),
     ngram_nodes: str = o.ngram_nodes(),
-    calibrate: bool = o.calibrate(),
     context: int = o.context(2048),
     device: str = o.device(),
     dtype: str = o.dtype(),
@@ -69,7 +66,6 @@ def bench(
         from specexec.config import TreeConfig
 
         # everything that needs no model is checked first: a bad option never costs a model load
-        levels = o.overlap_levels(overlap)
         cfg = BenchConfig(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
             budgets=parse_ints(budgets, "--budgets"),
@@ -81,11 +77,7 @@ def bench(
                 max_branch=max_branch,
                 max_depth=max_depth,
                 early_stop=early_stop,
-                grow=grow,
-                overlap=levels,
-                reuse=levels != 0,
                 ngram=o.ngram_limit(ngram_nodes),
-                calibrate=calibrate,
             ),
         )
         o.check_max_new_tokens(max_new_tokens, context)

@@ -1,4 +1,5 @@
-"""``specexec cache list`` / ``specexec cache rm NAME|--all``: what specexec keeps on disk (see :mod:`specexec.cache`).
+"""``specexec cache list`` / ``specexec cache rm NAME|--all``: what specexec keeps on disk (see
+:mod:`specexec.loading.cache`).
 
 Parsing and printing only.
 """
@@ -28,7 +29,7 @@ def list_(cache_dir: Path | None = o.cache_dir()) -> None:
     setup_logging(False)
 
     def run() -> None:
-        from specexec import cache, hub
+        from specexec.loading import cache, hub
 
         items = cache.entries(cache_dir)
         root = hub.cache_home(cache_dir)
@@ -54,8 +55,8 @@ def rm(
     setup_logging(False)
 
     def run() -> None:
-        from specexec import cache
         from specexec.errors import SpecexecError
+        from specexec.loading import cache
 
         if all_ == bool(names):
             raise SpecexecError("give entry names or --all (not both)")

@@ -63,10 +63,7 @@ def chat(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
-    grow: str = o.grow(),
-    overlap: str = o.overlap(),
     ngram_nodes: str = o.ngram_nodes(),
-    calibrate: bool = o.calibrate(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -103,7 +100,7 @@ def chat(
             draft_layers_=draft_layers,
         )
         tree = o.tree_config(
-            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes, calibrate
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes
         )
         o.check_method(method, model.draft)
         o.check_max_new_tokens(max_new_tokens, context)

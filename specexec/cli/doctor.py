@@ -47,8 +47,8 @@ def doctor(
         if draft is not None and target is None:
             raise ConfigError("draft", draft, "needs --target (the draft is planned beside a target)")
         if draft_layers is not None:
-            from specexec import layer_select
-            from specexec.loading import SELF_DRAFT
+            from specexec.loading import layer_select
+            from specexec.loading.checkpoint import SELF_DRAFT
 
             if draft != SELF_DRAFT:
                 raise layer_select.needs_self_draft(draft_layers)

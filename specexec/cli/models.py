@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specexec import hub
 from specexec.cli import options as o
 from specexec.errors import SpecexecError
+from specexec.loading import hub
 
 app = typer.Typer(
     help="List and pull models (aliases, the demo pair).",

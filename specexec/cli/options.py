@@ -28,10 +28,7 @@ library's validated configs (no logic beyond that). A command looks like this::
         max_branch: int = o.max_branch(),
         max_depth: int = o.max_depth(),
         early_stop: Optional[bool] = o.early_stop(),
-        grow: str = o.grow(),
-        overlap: str = o.overlap(),
         ngram_nodes: str = o.ngram_nodes(),
-        calibrate: bool = o.calibrate(),
         quiet: bool = o.quiet(),
         verbose: bool = o.verbose(),
     ) -> None:
@@ -39,8 +36,7 @@ library's validated configs (no logic beyond that). A command looks like this::
 
         def run() -> None:
             # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap,
-                                 ngram_nodes, calibrate)
+            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes)
             model = o.model_options(target, draft, device, dtype, draft_dtype, context,
                                     o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
                                     cache_dir, draft_vocab)
@@ -71,7 +67,6 @@ from specexec.config import (
     NEEDS_DRAFT,
     NGRAM_NODES_CPU,
     NGRAM_NODES_GPU,
-    OVERLAP_AUTO,
     ChainConfig,
     SamplingConfig,
     TreeConfig,
@@ -109,10 +104,7 @@ FLAGS: dict[str, str] = {
     "TreeConfig.max_branch": "--max-branch",
     "TreeConfig.max_depth": "--max-depth",
     "TreeConfig.early_stop": "--early-stop",
-    "TreeConfig.grow": "--grow",
-    "TreeConfig.overlap": "--overlap",
     "TreeConfig.ngram": "--ngram-nodes",
-    "TreeConfig.calibrate": "--calibrate",
     "ChainConfig.gamma": "--gamma",
     "SamplingConfig.temperature": "--temperature",
     "SamplingConfig.top_p": "--top-p",
@@ -186,7 +178,7 @@ def draft_vocab() -> Any:
 
 
 def draft_layers() -> Any:
-    """``--draft-layers SPEC`` (None: all; see :mod:`specexec.layer_select`)."""
+    """``--draft-layers SPEC`` (None: all; see :mod:`specexec.loading.layer_select`)."""
     return typer.Option(
         None,
         "--draft-layers",
@@ -266,33 +258,12 @@ def early_stop() -> Any:
         "--early-stop/--no-early-stop",
         help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
         "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
-        "Default: on for a CPU draft and for fixed-width growth on a GPU (off for --grow dynamic on a GPU).",
+        "Default: on for a CPU draft and for fixed-width growth on a GPU (off for a GPU's dynamic growth).",
     )
 
 
-def grow() -> Any:
-    return typer.Option(
-        "auto",
-        "--grow",
-        help="SpecExec: how a level of tree growth runs (the same trees either way). dynamic: passes sized by the "
-        "open nodes; static: fixed-width levels, one device read a level; ahead: fixed-width levels, the host "
-        "queues the next level while the GPU runs this one; captured / captured-ahead: static / ahead with each level "
-        "(its bookkeeping and its draft pass) replayed as CUDA graphs, greedy steps only (a GPU's: on a CPU they run "
-        "eagerly over fixed-size arrays, slower); auto (default): on a CUDA GPU captured with a fixed "
-        "--budget, ahead with --budget auto or --overlap; dynamic on a CPU (ahead with --overlap). The fixed-width "
-        "modes' early stop (--early-stop) reads its numbers with each level's count, ahead one level late.",
-    )
 
 
-def overlap() -> Any:
-    return typer.Option(
-        "0",
-        "--overlap",
-        help="SpecExec on a GPU: grow N more tree levels below what is verified while the target's pass runs (a side "
-        "CUDA stream; at most N, and none once that pass ends), and start the next tree from the subtree under the "
-        "accepted tokens; 'auto': as many as fit beside the pass, up to 32 (none on a CPU). Needs --grow static or "
-        "ahead. On a CPU the levels run in turn and only cost time. Never changes the output.",
-    )
 
 
 def ngram_nodes() -> Any:
@@ -306,15 +277,6 @@ def ngram_nodes() -> Any:
     )
 
 
-def calibrate() -> Any:
-    return typer.Option(
-        False,
-        "--calibrate/--no-calibrate",
-        help="SpecExec, greedy: score tree nodes by the chance the target takes them, fitted online from what each "
-        "verification shows (the draft's first choices are taken more often than its probabilities say), instead "
-        "of the draft's raw probabilities. Default off (more tokens a step in small trees, more draft passes; "
-        "chains, which the CPU's --budget auto mostly runs, are left as they are). Never changes the output.",
-    )
 
 
 def ngram_limit(value: str | int | None) -> int | None:
@@ -329,19 +291,6 @@ def ngram_limit(value: str | int | None) -> int | None:
         raise ConfigError("TreeConfig.ngram", value, "must be in 0..1024 or auto") from None
 
 
-def overlap_levels(value: str | int) -> int:
-    """``--overlap N|auto`` -> TreeConfig.overlap (auto: OVERLAP_AUTO)."""
-    if isinstance(value, int):
-        return value
-    if value.strip().lower() == "auto":
-        return OVERLAP_AUTO
-    try:
-        n = int(value)
-    except ValueError:
-        raise ConfigError("TreeConfig.overlap", value, "must be in 0..64 or auto") from None
-    if n < 0:
-        raise ConfigError("TreeConfig.overlap", value, "must be in 0..64 or auto")
-    return n
 
 
 def gamma() -> Any:
@@ -404,13 +353,9 @@ def tree_config(
     max_branch_: int,
     max_depth_: int,
     early_stop_: bool | None = None,
-    grow_: str = "auto",
-    overlap_: str | int = 0,
     ngram_: str | int | None = None,
-    calibrate_: bool = False,
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
-    overlap_ = overlap_levels(overlap_)
     ngram = ngram_limit(ngram_)
     if budget_.strip().lower() == "auto":
         return TreeConfig(
@@ -421,11 +366,7 @@ def tree_config(
             max_branch=max_branch_,
             max_depth=max_depth_,
             early_stop=early_stop_,
-            grow=grow_,
-            overlap=overlap_,
-            reuse=overlap_ != 0,
             ngram=ngram,
-            calibrate=calibrate_,
         )
     try:
         b = int(budget_)
@@ -438,11 +379,7 @@ def tree_config(
         max_branch=max_branch_,
         max_depth=max_depth_,
         early_stop=early_stop_,
-        grow=grow_,
-        overlap=overlap_,
-        reuse=overlap_ != 0,
         ngram=ngram,
-        calibrate=calibrate_,
     )
 
 
@@ -509,8 +446,8 @@ def model_options(
 def _check_draft_layers(draft_: str | None, spec: str | None) -> None:
     """``--draft-layers`` needs ``--draft self`` and a well-formed spec (checked before anything loads; whether its
     indices exist is checked at load, against the target's layer count)."""
-    from specexec import layer_select
-    from specexec.loading import SELF_DRAFT
+    from specexec.loading import layer_select
+    from specexec.loading.checkpoint import SELF_DRAFT
 
     if spec is None:
         return
@@ -552,7 +489,7 @@ def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
 
 def _check_self_draft(draft_: str | None, draft_dtype_: str | None) -> None:
     """``--draft self`` is the target in low bit: a dense ``--draft-dtype`` is refused before anything loads."""
-    from specexec.loading import SELF_DRAFT, check_self_draft_dtype
+    from specexec.loading.checkpoint import SELF_DRAFT, check_self_draft_dtype
 
     if draft_ == SELF_DRAFT:
         check_self_draft_dtype(draft_dtype_)
@@ -631,7 +568,7 @@ def notices_before_load(model: Any) -> None:
     off = model.offload
     if off is None or off.gpu_memory_gb is None:
         return
-    from specexec.loading import parse_device
+    from specexec.loading.checkpoint import parse_device
 
     try:
         dev = parse_device(model.device)

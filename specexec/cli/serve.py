@@ -56,10 +56,7 @@ def serve(
     max_branch: int = o.max_branch(),
     max_depth: int = o.max_depth(),
     early_stop: bool | None = o.early_stop(),
-    grow: str = o.grow(),
-    overlap: str = o.overlap(),
     ngram_nodes: str = o.ngram_nodes(),
-    calibrate: bool = o.calibrate(),
     gamma: int = o.gamma(),
     context: int = o.context(),
     device: str = o.device(),
@@ -88,7 +85,7 @@ def serve(
         from specexec.server import Defaults, ServerConfig, create_app
 
         tree = o.tree_config(
-            budget, max_budget, max_beams, max_branch, max_depth, early_stop, grow, overlap, ngram_nodes, calibrate
+            budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes
         )
         chain = o.chain_config(gamma)
         samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)

@@ -1,8 +1,8 @@
 """The proposer seam: where a decode step's candidate tokens come from.
 
-Decoding is one loop (:mod:`specexec.decode`): propose → verify (ONE target pass over the proposal's tree) →
+Decoding is one loop (:mod:`specexec.decoding.loop`): propose → verify (ONE target pass over the proposal's tree) →
 accept → commit → emit. Only the proposer varies. A proposer returns a :class:`Proposal`: a tree rooted at the
-pending token (flat tensors, :class:`specexec.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact
+pending token (flat tensors, :class:`specexec.decoding.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact
 tree walk, right for any tree; ``"chain"``: speculative sampling along a chain with the draft distributions q it
 was sampled from), and what it spent (draft passes, tokens per pass). After acceptance the loop calls the
 proposer's ``commit`` with the accepted path and the committed sequence; the proposer updates its own state
@@ -36,11 +36,11 @@ Every proposal is verified exactly, so a proposer can only change speed, never t
 """
 
 from specexec.propose.base import Proposal, Proposer, StepContext
+from specexec.propose.best_first import GrowCost, TreeDraft
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel, TargetPrefix
 from specexec.propose.ngram import NGramConfig, NGramDraft
 from specexec.propose.nodraft import NoDraft
-from specexec.propose.tree import GrowCost, TreeDraft
 
 __all__ = [
     "ChainDraft",

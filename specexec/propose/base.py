@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingConfig
-from specexec.tree import Tree
+from specexec.decoding.tree import Tree
 
 RULES = ("tree", "chain")
 

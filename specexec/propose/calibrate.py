@@ -17,7 +17,7 @@ accepted path the target's next token is known, so each of that node's children 
 observation (its log q, whether it was the target's token). The fit moves away from 1 (the draft's own
 probabilities) as observations accumulate, over a window of the most recent ones (a conversation that turns from
 code to prose refits), and only greedy steps are observed or rescaled: a sampled step's tree holds coupled draws
-(:func:`specexec.sampling.coupled_logprobs`), whose chances are not the target's argmax's.
+(:func:`specexec.decoding.sampling.coupled_logprobs`), whose chances are not the target's argmax's.
 
 Any score keeps the output exact: the scores only shape the tree, and the target verifies whatever is proposed.
 

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.graphs import StaticPasses
-from specexec.tree import Tree
+from specexec.decoding.tree import Tree
+from specexec.model.graphs import StaticPasses
 
 log = logging.getLogger(__name__)
 

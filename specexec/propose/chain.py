@@ -2,7 +2,8 @@
 time. Greedy: the draft's argmax, verified by the exact tree walk. Sampling: x_i ~ q_i, verified by speculative
 sampling with those q (the ``"chain"`` acceptance rule); or, with ``StepContext.walk`` (the CPU policy's chain
 arms), coupled draws -- x_i drawn from q_i with the Gumbel noise the tree walk uses at that position
-(:func:`specexec.sampling.coupled_choice`) -- verified by the exact tree walk, so the same seed gives AR's text."""
+(:func:`specexec.decoding.sampling.coupled_choice`) -- verified by the exact tree walk, so the same seed gives AR's
+text."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specexec import sampling
 from specexec.config import SamplingConfig
+from specexec.decoding import sampling
+from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
-from specexec.tree import Tree
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ChainDraft:
     """``ctx.budget`` (gamma) draft tokens per step; with a :class:`ChainStop` as ``ctx.cost``, up to gamma.
 
     With ``lookup`` (an :class:`~specexec.propose.ngram.NGramDraft`; greedy chains verified by the tree walk only,
-    as :class:`~specexec.propose.tree.TreeDraft` asks for them) the prompt-lookup continuations are merged into
+    as :class:`~specexec.propose.best_first.TreeDraft` asks for them) the prompt-lookup continuations are merged into
     the chain's tree: where the text copies from its context (an edit, a translation, a summary of given text), a
     continuation runs on past the chain's last draft token at no draft cost, and alternatives branch off it. A
     chain whose tokens so far follow a continuation stops earlier (ChainStop's ``covered``): the draft pass would

@@ -4,7 +4,7 @@ Cache slots: the committed sequence occupies slots [0, n); the root (pending tok
 proposer expands get slots n+1, n+2, ... (pruned nodes leave unused slots behind, harmless: no mask row points at
 them). ``tokens`` are the committed tokens whose keys/values are in the cache (a prefix of the sequence).
 
-Subtree reuse (:class:`~specexec.propose.tree.TreeDraft`): :meth:`commit` may also carry the entries of a grown
+Subtree reuse (:class:`~specexec.propose.best_first.TreeDraft`): :meth:`commit` may also carry the entries of a grown
 subtree (its root = the next pending token, then its expanded nodes) to slots n', n'+1, ... right behind the new
 committed prefix, so the next tree starts from them without a draft pass. ``epoch`` counts every change of the
 cache by anything else, so a proposer can tell that the entries it left behind are still there.
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.graphs import StaticPasses
-from specexec.kv_cache import KVCache
-from specexec.model import Transformer
+from specexec.model.graphs import StaticPasses
+from specexec.model.kv_cache import KVCache
+from specexec.model.transformer import Transformer
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -66,7 +66,7 @@ class DraftModel:
     """Owns the draft model's KV cache.
 
     ``static``: run passes of up to ``static_rows`` tokens with padded static shapes (CUDA graphs on a GPU; see
-    :mod:`specexec.graphs`); None = only on CUDA. The cache's last slot is reserved as the padding scratch slot.
+    :mod:`specexec.model.graphs`); None = only on CUDA. The cache's last slot is reserved as the padding scratch slot.
     """
 
     def __init__(

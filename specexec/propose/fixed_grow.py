@@ -1,5 +1,5 @@
 """Best-first tree growth in fixed-width levels: no host read inside a level (``TreeConfig.grow`` "static" /
-"ahead"; the default "dynamic" growth is :meth:`specexec.propose.tree.TreeDraft.grow`).
+"ahead"; the default "dynamic" growth is :meth:`specexec.propose.best_first.TreeDraft.grow`).
 
 The dynamic growth compacts the tree after every level and sizes each draft pass by the number of open nodes, so
 the host reads the device about six times a level (the budget-th log-prob, the open count, boolean selections, the
@@ -52,13 +52,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from specexec import sampling
+from specexec.decoding import sampling
+from specexec.decoding.tree import Tree
 from specexec.propose.captured import MIN_ROWS, LevelSpace, capturable, space_for
-from specexec.tree import Tree
 
 if TYPE_CHECKING:
     from specexec.config import TreeConfig
-    from specexec.propose.tree import GrowCost, TreeDraft
+    from specexec.propose.best_first import GrowCost, TreeDraft
 
 NEG = float("-inf")
 # "carried" aim: the weight of a node's log-prob relative to its root (1: the absolute log-prob, as "frontier"

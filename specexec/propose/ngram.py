@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
-from specexec.tree import Tree
 
 
 @dataclass(frozen=True)

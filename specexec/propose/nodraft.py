@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
-from specexec.tree import Tree
 
 
 class NoDraft:

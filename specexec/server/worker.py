@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
+from specexec.decoding.text import render_chat
 from specexec.errors import SpecexecError
 from specexec.server.protocol import ApiError, GenRequest
-from specexec.text import render_chat
 
 log = logging.getLogger(__name__)
 

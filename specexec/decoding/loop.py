@@ -1,7 +1,8 @@
 """The one decode loop: prefill → (propose → verify → accept → commit → emit)*, with stats.
 
 Every method runs through :func:`decode`: a proposer (:mod:`specexec.propose`) supplies each step's tree, the
-target verifies it in ONE pass (:func:`specexec.verify.score_tree`), the acceptance rule the proposal names keeps
+target verifies it in ONE pass (:func:`specexec.decoding.verify.score_tree`), the acceptance rule the proposal names
+keeps
 the longest exact prefix plus one token of the target's own, both sides commit (the target's KV cache here, the
 proposer's state in ``proposer.commit``), the budget policy learns what the step cost, and the emitted tokens are
 yielded. Chat, ``generate``, ``bench``, the server and the scripts all go through this loop (via the engine).
@@ -22,14 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec import sampling
-from specexec.accept import accept
-from specexec.budget import BudgetPolicy, StepRecord
 from specexec.config import SamplingConfig
-from specexec.kv_cache import KVCache
-from specexec.model import Transformer
+from specexec.decoding import sampling
+from specexec.decoding.accept import accept
+from specexec.decoding.budget import BudgetPolicy, StepRecord
+from specexec.decoding.verify import commit_target, score_tree
+from specexec.model.kv_cache import KVCache
+from specexec.model.transformer import Transformer
 from specexec.propose.base import Proposer, StepContext
-from specexec.verify import commit_target, score_tree
 
 # overlapped growth on a GPU: the target's pass runs on a stream of the highest priority, so the draft's levels on
 # their (default-priority) side stream only take the SMs the target's kernels leave free. Without it the two share

@@ -3,7 +3,7 @@
 Why: a huge ``--context`` or tree ``--budget`` makes the static KV caches, the ancestry mask and the logits
 bigger than the RAM, and ``torch.zeros`` of that size either fails with an allocator traceback or, worse, gets the
 process OOM-killed (or swapping) halfway through. :func:`check_engine` adds up what a load will allocate (weights
-at their loaded dtype, both KV caches, every tree-sized buffer: :mod:`specexec.sizes`) and raises
+at their loaded dtype, both KV caches, every tree-sized buffer: :mod:`specexec.model.sizes`) and raises
 :class:`NotEnoughMemory` with the numbers and the fix -- for an oversized tree, the largest budget that fits.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from specexec import sizes
 from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import OutOfMemory, setting
-from specexec.loading import model_dir, parse_dtype, read_config
-from specexec.model import ModelConfig
+from specexec.loading.checkpoint import model_dir, parse_dtype, read_config
+from specexec.model import sizes
+from specexec.model.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ def check_load(
     """Check, from config.json and the safetensors headers only, that loading these models with these settings
     fits (see :func:`check_engine`).
 
-    ``target``/``draft`` are model locations (validated with :func:`specexec.loading.model_dir`); ``dtype`` and
+    ``target``/``draft`` are model locations (validated with :func:`specexec.loading.checkpoint.model_dir`); ``dtype``
+    and
     ``draft_dtype`` are the CLI names (``auto``, ``bf16``...; ``nf4`` counts as offloaded). Returns the estimate.
     """
     t_dir = model_dir(target)

@@ -1,7 +1,7 @@
 """Group-wise 2/3/4-bit weights (``q2``, ``q3``, ``q4``): a draft weight format for self-derived drafts.
 
 Format (per linear weight W (out, in)): the input columns of each output row are split into groups of
-:data:`~specexec.sizes.GROUP_SIZE` (64; a last partial group is padded). Each group stores an fp16 ``offset`` m
+:data:`~specexec.model.sizes.GROUP_SIZE` (64; a last partial group is padded). Each group stores an fp16 ``offset`` m
 (its minimum, rounded down to fp16) and an fp16 ``scale`` s ((max - m) / (2^bits - 1), rounded up to fp16), and every
 value as the unsigned code q = round((w - m) / s) in [0, 2^bits - 1]: round-to-nearest, asymmetric min/max (the
 zero point of the GPTQ/HQQ papers is -m / s here, kept as the offset m so the error bound holds with the stored fp16
@@ -11,10 +11,10 @@ guarantee that no code is clamped).
 Packing: along each row, every 8 consecutive codes are one ``8 * bits``-bit little-endian integer (code i at bit
 ``bits * i``) stored as ``bits`` bytes -- 2-bit: 4 codes a byte; 3-bit: 8 codes in 3 bytes; 4-bit: 2 a byte. So a
 weight takes ``out * groups * (64 * bits / 8 + 4)`` bytes: 0.3125 (q2), 0.4375 (q3), 0.5625 (q4) bytes a parameter,
-exactly :func:`specexec.sizes.group_linear_bytes`.
+exactly :func:`specexec.model.sizes.group_linear_bytes`.
 
 Compute (:class:`GroupQuantLinear`): dequantize the whole weight into the compute dtype, then one matmul (the dense
-:func:`specexec.model.linear`), on any device with the same torch ops -- correct, not fast: there is no fused
+:func:`specexec.formats.dense.linear`), on any device with the same torch ops -- correct, not fast: there is no fused
 low-bit kernel here. A draft only proposes, so the quantization error changes acceptance, never the output.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.sizes import GROUP_BITS, GROUP_SIZE
+from specexec.model.sizes import GROUP_BITS, GROUP_SIZE
 
 CODES_PER_WORD = 8  # codes packed into one `bits`-byte word
 
@@ -164,7 +164,7 @@ class GroupQuantLinear:
 
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) @ W.T -> (T, out): dequantize, then the dense linear (its CPU kernel choice included)."""
-        from specexec.model import linear
+        from specexec.formats.dense import linear
 
         return linear(x, self.dequantize(x.dtype))
 
@@ -198,7 +198,7 @@ def dequantize_resident(model: Any) -> int:
     tokens (acceptance), not for memory (the dense copy is what the format exists to avoid). int8 weights are left
     alone: their CPU kernel quantizes activations too, so they have no dense equivalent.
     """
-    from offload.quant import NF4Linear
+    from specexec.formats.nf4 import NF4Linear
 
     if model.device.type != "cpu":
         raise ValueError("dequantize_resident is for CPU models (on CUDA NF4 runs fused kernels)")

@@ -1,7 +1,8 @@
 """The engine: a loaded target (+ optional draft) that generates many times, reusing its KV caches.
 
 It builds what a generation needs -- a proposer for the method (:mod:`specexec.propose`), a budget policy
-(:mod:`specexec.budget`) -- and runs the one decode loop (:func:`specexec.decode.decode`). Methods: ``ar`` (no
+(:mod:`specexec.decoding.budget`) -- and runs the one decode loop (:func:`specexec.decoding.loop.decode`). Methods:
+``ar`` (no
 proposal), ``chain`` (gamma draft tokens; Leviathan et al. 2023 / Chen et al. 2023), ``specexec`` (a best-first
 tree of ``budget`` draft tokens, arXiv 2406.02532; with n-gram branches merged in when ``ngram`` is given) and
 ``ngram`` (draft-free prompt lookup, merged into a trie).
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from specexec.budget import (
+from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingConfig, TreeConfig, check_method
+from specexec.decoding.budget import (
     AdaptiveBudget,
     AutoBudget,
     BudgetPolicy,
@@ -34,11 +36,11 @@ from specexec.budget import (
     load_calibration,
     save_calibration,
 )
-from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingConfig, TreeConfig, check_method
-from specexec.decode import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
+from specexec.decoding.loop import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
+from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
-from specexec.loading import TokenizerInfo
-from specexec.model import Transformer
+from specexec.loading.checkpoint import TokenizerInfo
+from specexec.model.transformer import Transformer
 from specexec.propose import (
     ChainDraft,
     DraftModel,
@@ -49,7 +51,6 @@ from specexec.propose import (
     TargetPrefix,
     TreeDraft,
 )
-from specexec.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -340,8 +341,10 @@ class Engine:
         :data:`~specexec.config.NGRAM_NODES_GPU` on a GPU; see :meth:`TreeConfig.ngram_nodes`). ``policy``: a
         budget policy to use instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``:
         stop strings; the text ends right before the first one (not included) and finish_reason is "stop".
-        ``on_step``: called with a :class:`~specexec.decode.StepInfo` after every step; returning False (or raising
-        :class:`~specexec.decode.Cancelled`) ends the generation after that step, as :meth:`Generation.close` does
+        ``on_step``: called with a :class:`~specexec.decoding.loop.StepInfo` after every step; returning False (or
+        raising
+        :class:`~specexec.decoding.loop.Cancelled`) ends the generation after that step, as :meth:`Generation.close`
+        does
         (finish_reason "cancelled").
         """
         method = method or ("specexec" if self.draft is not None else "ar")

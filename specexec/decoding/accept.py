@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specexec import sampling
 from specexec.config import SamplingConfig
+from specexec.decoding import sampling
+from specexec.decoding.tree import Tree
+from specexec.decoding.verify import walk
 from specexec.propose.base import Proposal
-from specexec.tree import Tree
-from specexec.verify import walk
 
 
 def accept(

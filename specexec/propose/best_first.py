@@ -39,8 +39,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from specexec import sampling
 from specexec.config import CAPTURED, OVERLAP_AUTO, OVERLAP_AUTO_MAX, SamplingConfig, TreeConfig
+from specexec.decoding import sampling
+from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.calibrate import ScoreCalibration, Snapshot
 from specexec.propose.captured import capturable
@@ -48,7 +49,6 @@ from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.fixed_grow import FixedGrowth, finish, grow_fixed, regrown
 from specexec.propose.ngram import NGramDraft
-from specexec.tree import Tree
 
 GREEDY = SamplingConfig()
 OVERLAP_BUDGET = 4  # "frontier" aim: the best (this x budget) nodes, those just outside the verified tree
@@ -337,7 +337,8 @@ class TreeDraft:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
         ``seed`` (sampling): children are ranked and scored by the draft's log-probs perturbed by the walk's noise
-        (:func:`specexec.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw, the
+        (:func:`specexec.decoding.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw,
+        the
         token the target's walk draws wherever p is close to q. ``cost`` enables the early stop (when
         ``cfg.early_stop``; by default on a CPU, and for fixed-width growth on a GPU); None grows up to
         ``max_depth`` levels. ``start``: a carried subtree rooted at seq[-1] whose expanded nodes' draft entries are

@@ -16,16 +16,16 @@ states entering and leaving it (ShortGPT, arXiv 2403.03853); the layers with the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 
 import torch
 import torch.nn.functional as F
 
 from specexec.errors import ConfigError, setting
-from specexec.loading import SELF_DRAFT
-from specexec.model import Transformer
+from specexec.loading.checkpoint import SELF_DRAFT
+from specexec.model.transformer import Transformer
 
-CALIBRATION = Path(__file__).resolve().parents[1] / "configs" / "calibration.txt"
+CALIBRATION = resources.files("specexec.configs") / "calibration.txt"  # the package data of configs/
 MIN_KEPT = 2  # a fraction keeps at least this many layers
 MIN_CALIBRATION = 32  # fewer calibration ids than this: a tokenizer that cannot read the text
 MAX_LAYERS = 1 << 16  # for a syntax check before the target's layer count is known

@@ -18,18 +18,16 @@ call dequantizes with bitsandbytes (0.50 has CPU quantize/dequantize kernels, no
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from offload.layout import LINEARS, LayerLayout
-
 FUSED_MAX_TOKENS = 1536  # CUDA: up to this many rows bnb.matmul_4bit picks its kernel; above, scratch + one GEMM
-# an NF4 *draft's* linears on CUDA (specexec.loading.quantize_weight sets it on each): "bnb", or "triton"
-# (specexec.lowbit_mm's fused NF4 GEMM up to its MAX_ROWS rows a call, bitsandbytes' beyond: opt-in, not GPU-measured
+# an NF4 *draft's* linears on CUDA (specexec.loading.checkpoint.quantize_weight sets it on each): "bnb", or "triton"
+# (specexec.formats.lowbit_mm's fused NF4 GEMM up to its MAX_ROWS rows a call, bitsandbytes' beyond: opt-in, not
+# GPU-measured
 # yet). A streamed target's linears always run bitsandbytes'.
 DRAFT_NF4_KERNEL = "bnb"
 
@@ -42,8 +40,8 @@ def _bnb() -> Any:
 
 
 def _lowbit() -> Any:
-    """specexec.lowbit_mm (the draft's fused kernels), imported on first use."""
-    from specexec import lowbit_mm
+    """specexec.formats.lowbit_mm (the draft's fused kernels), imported on first use."""
+    from specexec.formats import lowbit_mm
 
     return lowbit_mm
 
@@ -62,22 +60,6 @@ def quantize_nf4(w: Tensor, blocksize: int = 64) -> tuple[Tensor, Tensor]:
         w.contiguous(), blocksize=blocksize, quant_type="nf4", compress_statistics=False
     )
     return packed.view(-1), state.absmax.float()
-
-
-def quantize_layer(weights: Mapping[str, Tensor], layout: LayerLayout, device: torch.device) -> dict[str, Tensor]:
-    """One dense layer (names as in :mod:`specexec.model`) -> tensors keyed by ``layout`` entry names, on CPU.
-
-    Linears are quantized on ``device`` (fast on CUDA); norms and biases are cast to the layout's dtype.
-    """
-    fmt = layout.fmt
-    out: dict[str, Tensor] = {}
-    for name, w in weights.items():
-        if name in LINEARS:
-            packed, absmax = quantize_nf4(w.to(device=device, dtype=fmt.dtype), fmt.blocksize)
-            out[f"{name}.nf4"], out[f"{name}.absmax"] = packed.cpu(), absmax.cpu()
-        else:
-            out[name] = w.to(fmt.dtype)
-    return out
 
 
 class DequantScratch:
@@ -143,7 +125,7 @@ class NF4Linear:
                 interpret=x.device.type != "cuda",
             )  # fmt: skip
         if x.device.type != "cuda":
-            from specexec.model import linear  # the dense path, CPU kernel choice included (bit-equal results)
+            from specexec.formats.dense import linear  # the dense path, CPU kernel choice included (bit-equal results)
 
             return linear(x, self.dequantize())
         if x.numel() // x.shape[-1] <= FUSED_MAX_TOKENS:
@@ -151,40 +133,3 @@ class NF4Linear:
         w = self.scratch.get(self.shape) if self.scratch is not None else None
         w = _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self.state, out=w)
         return F.linear(x, w)
-
-
-def max_linear_numel(layout: LayerLayout) -> int:
-    """Values in the layout's largest linear weight (the dequantization scratch size)."""
-    return max(math.prod(s) for n, s in layout.weight_shapes if n in LINEARS)
-
-
-def layer_weights(layout: LayerLayout, buf: Tensor, scratch: DequantScratch | None = None) -> dict[str, Any]:
-    """The model's per-layer mapping (see :mod:`specexec.model`) over a packed layer buffer, without copies.
-
-    Dense layouts give tensor views; NF4 layouts give :class:`NF4Linear` objects for the linears. Build this once
-    per buffer: the views follow whatever bytes are later copied into ``buf``.
-    """
-    views = layout.views(buf)
-    if layout.fmt.kind == "dense":
-        return views
-    code = nf4_code(buf.device)
-    out: dict[str, Any] = {}
-    for name, shape in layout.weight_shapes:
-        if name in LINEARS:
-            out[name] = NF4Linear(
-                views[f"{name}.nf4"],
-                views[f"{name}.absmax"],
-                shape,
-                layout.fmt.dtype,
-                layout.fmt.blocksize,
-                code,
-                scratch,
-            )
-        else:
-            out[name] = views[name]
-    return out
-
-
-def dense_weights(layer: Mapping[str, Any]) -> dict[str, Tensor]:
-    """A layer mapping with every NF4 linear dequantized (the dense model NF4 computes exactly, on CPU)."""
-    return {k: (w.dequantize() if isinstance(w, NF4Linear) else w) for k, w in layer.items()}

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.model import Globals, ModelConfig, ResidentLayers, Transformer
+from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
 
 CODE = (0.72, 0.965)  # (top-1 agreement, coverage) of the real demo pair on code (docs/MODELS.md)
 PROSE = (0.58, 0.925)  # ... on English prose
@@ -244,8 +244,8 @@ def resident_model(
     """A model with every layer resident on ``device``: ``distinct`` different random layers (default all) that
     the layer list cycles through (the compute is the same; memory is that of ``distinct`` layers unless a
     caller needs each one distinct). ``fmt`` int8 / nf4 quantizes every linear and the lm_head as a low-bit
-    draft loads them (:func:`specexec.loading.quantize_weight`)."""
-    from specexec.loading import quantize_weight
+    draft loads them (:func:`specexec.loading.checkpoint.quantize_weight`)."""
+    from specexec.loading.checkpoint import quantize_weight
 
     n = cfg.num_layers if distinct is None else max(1, min(distinct, cfg.num_layers))
     made: list[dict[str, Any]] = []
@@ -262,7 +262,7 @@ def resident_model(
 
 class SyntheticTokenizer:
     """A tokenizer for planted models: ids print as ``<id>``; no special tokens, no EOS (generations run to their
-    token limit). Enough for :class:`specexec.text.TextStream` and the engine."""
+    token limit). Enough for :class:`specexec.decoding.text.TextStream` and the engine."""
 
     chat_template = None
     all_special_ids: list[int] = []
@@ -282,8 +282,8 @@ class SyntheticTokenizer:
 
 
 def tokenizer_info(vocab_size: int) -> Any:
-    """A :class:`specexec.loading.TokenizerInfo` around :class:`SyntheticTokenizer` (no EOS ids)."""
-    from specexec.loading import TokenizerInfo
+    """A :class:`specexec.loading.checkpoint.TokenizerInfo` around :class:`SyntheticTokenizer` (no EOS ids)."""
+    from specexec.loading.checkpoint import TokenizerInfo
 
     return TokenizerInfo(tokenizer=SyntheticTokenizer(vocab_size), eos_ids=frozenset())
 

@@ -2,7 +2,7 @@
 
 Weights are read only from safetensors (or GGUF, converted once to safetensors); pickle checkpoints
 (``.bin``/``.pt``/``.pth``) are refused, never unpickled. q/k/v and gate/up projections are fused at load time
-into ``wqkv`` and ``w13`` (see :mod:`specexec.model` for the per-layer names).
+into ``wqkv`` and ``w13`` (see :mod:`specexec.model.transformer` for the per-layer names).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import torch
 from torch import Tensor
 
 from specexec.errors import ConfigError, SpecexecError, setting
-from specexec.model import Globals, Int8Linear, ModelConfig, ResidentLayers, SubsetHead, Transformer
-from specexec.sizes import GROUP_BITS
+from specexec.formats import nf4
+from specexec.formats.int8 import Int8Linear
+from specexec.formats.subset import SubsetHead
+from specexec.model.sizes import GROUP_BITS
+from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTIZED = ("int8", "nf4", *GROUP_BITS)  # draft weight formats besides "dense" (q4/q3/q2: specexec.groupquant)
+QUANTIZED = ("int8", "nf4", *GROUP_BITS)  # draft weight formats besides "dense" (q4/q3/q2: specexec.formats.groupquant)
 DRAFT_DTYPES = ("auto", *DTYPES, *QUANTIZED)  # what a draft accepts
 SELF_DRAFT = "self"  # draft="self": the target's own checkpoint loaded in low bit as its draft (SubSpec-style)
 DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
@@ -75,11 +78,11 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
     """The compute dtype to load ``cfg``'s model in. 'auto' on a CPU: fp32 or bf16, whichever this machine runs
-    faster for multi-row passes (:mod:`specexec.cpu_probe`, measured once per machine and cached)."""
+    faster for multi-row passes (:mod:`specexec.loading.cpu_probe`, measured once per machine and cached)."""
     if name == "int8":
         raise SpecexecError("int8 is a draft-only format (--draft-dtype int8); the target's dtype sets the output")
     if device.type == "cpu":
-        from specexec import cpu_probe
+        from specexec.loading import cpu_probe
 
         dtype = cpu_probe.choose_dtype(cfg) if name == "auto" else parse_dtype(name, device)
         cpu_probe.orientation(cfg, dtype)  # which matmul kernel each row count uses (measured once, cached)
@@ -116,7 +119,7 @@ def draft_format(
     draft). Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU
     (int8: fbgemm's int8 GEMM; nf4 and q4/q3/q2: dequantized per pass, correct but slow), the target's 16-bit
     ``dtype`` on CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8; q4/q3/q2 dequantize per
-    pass with plain torch ops, :mod:`specexec.groupquant`). A self-derived draft
+    pass with plain torch ops, :mod:`specexec.formats.groupquant`). A self-derived draft
     (``self_draft``) is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it
     would be the target itself, at the target's cost).
     """
@@ -126,7 +129,7 @@ def draft_format(
             name = "nf4" if device.type == "cuda" else "int8"
     name = name or dtype
     if name == "auto" and device.type == "cpu" and not self_draft:
-        from specexec import cpu_probe
+        from specexec.loading import cpu_probe
 
         dt, int8 = cpu_probe.choose_draft(cfg)  # int8 weights where this CPU runs them clearly faster (measured)
         if int8:
@@ -143,7 +146,7 @@ def draft_format(
 def draft_vocab_ids(tokenizer: TokenizerInfo, vocab_size: int, k: int = DEFAULT_DRAFT_VOCAB) -> Tensor:
     """A data-free frequency-ranked draft vocabulary (FR-Spec, arXiv 2502.14856): ids [0, k) -- in a byte-level
     BPE lower ids are earlier merges, i.e. more frequent -- plus every special / added / EOS id. The prompt's
-    and generated tokens join at run time (:meth:`specexec.model.SubsetHead.observe`)."""
+    and generated tokens join at run time (:meth:`specexec.formats.subset.SubsetHead.observe`)."""
     if k < 1:
         raise SpecexecError(f"draft vocabulary size must be >= 1, got {k}")
     tok = tokenizer.tokenizer
@@ -200,7 +203,7 @@ def _pickle_refusal(path: Path) -> str:
 
 
 def _converted_gguf(path: Path) -> Path:
-    from specexec import convert, hub
+    from specexec.loading import convert, hub
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -369,26 +372,27 @@ INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model
 
 
 def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, refine: bool = False) -> Any:
-    """A linear weight (out, in) as an int8 (:class:`~specexec.model.Int8Linear`, quantized on the CPU from fp32),
-    NF4 (:class:`offload.quant.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
-    q4/q3/q2 (:class:`~specexec.groupquant.GroupQuantLinear`, quantized on the CPU from fp32) weight on ``device``
+    """A linear weight (out, in) as an int8 (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from
+    fp32),
+    NF4 (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
+    q4/q3/q2 (:class:`~specexec.formats.groupquant.GroupQuantLinear`, quantized on the CPU from fp32) weight on
+    ``device``
     computing in ``dtype``. ``refine``: the group-wise formats' clip-range / offset search
-    (:meth:`~specexec.groupquant.GroupQuantLinear.quantize`)."""
+    (:meth:`~specexec.formats.groupquant.GroupQuantLinear.quantize`)."""
     if fmt == "int8":
         return Int8Linear(w.float()).to(device)
     if fmt in GROUP_BITS:
-        from specexec.groupquant import GroupQuantLinear
+        from specexec.formats.groupquant import GroupQuantLinear
 
         return GroupQuantLinear.quantize(w.cpu().float(), fmt, refine).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
-    from offload import quant
-    from specexec.sizes import NF4_BLOCKSIZE
+    from specexec.model.sizes import NF4_BLOCKSIZE
 
-    packed, absmax = quant.quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
-    out = quant.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, quant.nf4_code(device))
+    packed, absmax = nf4.quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
+    out = nf4.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4.nf4_code(device))
     if device.type == "cuda":
-        out.kernel = quant.DRAFT_NF4_KERNEL
+        out.kernel = nf4.DRAFT_NF4_KERNEL
     return out
 
 
@@ -429,18 +433,21 @@ def load_model(
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
-    ``layers`` may be a ready :class:`~specexec.model.LayerProvider` (e.g. the offload streamer); then only the
+    ``layers`` may be a ready :class:`~specexec.model.transformer.LayerProvider` (e.g. the offload streamer); then
+    only the
     globals are loaded here. ``int8`` (drafts): every linear and the lm_head (and a tied embedding) as
-    :class:`~specexec.model.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
-    kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4 (:class:`offload.quant.NF4Linear`).
+    :class:`~specexec.formats.int8.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
+    kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4
+    (:class:`specexec.formats.nf4.NF4Linear`).
     ``fmt`` (drafts): the weight format by name, dense | int8 | nf4 | q4 | q3 | q2 (the group-wise ones:
-    :class:`~specexec.groupquant.GroupQuantLinear`); it replaces the two flags. ``refine``: q4/q3/q2 with the
-    clip-range / offset search of :meth:`~specexec.groupquant.GroupQuantLinear.quantize` (same bytes, slower
+    :class:`~specexec.formats.groupquant.GroupQuantLinear`); it replaces the two flags. ``refine``: q4/q3/q2 with the
+    clip-range / offset search of :meth:`~specexec.formats.groupquant.GroupQuantLinear.quantize` (same bytes, slower
     to load). An untied embedding stays dense.
     Activations, norms, biases and the KV cache stay in ``dtype``.
-    ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.model.SubsetHead`; drafts only:
+    ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.formats.subset.SubsetHead`; drafts only:
     it changes the logits).
-    ``keep_layers`` (drafts: a partial self-derived draft, :mod:`specexec.layer_select`): load only these decoder
+    ``keep_layers`` (drafts: a partial self-derived draft, :mod:`specexec.loading.layer_select`): load only these
+    decoder
     layers, ascending; the model runs them in order and skips the rest (its config says ``len(keep_layers)``
     layers, so its KV cache holds only those).
     """

@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from offload.layout import LayerLayout, layer_layout
+from offload.packing import quantize_layer
 from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
-from offload.quant import quantize_layer
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
 from specexec.errors import ConfigError, OutOfMemory, SpecexecError, setting
-from specexec.loading import iter_layers, load_model, model_dir, parse_dtype, read_config
-from specexec.model import ModelConfig, Transformer
+from specexec.loading.checkpoint import iter_layers, load_model, model_dir, parse_dtype, read_config
+from specexec.model.transformer import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,11 @@ def plan_with_draft(
     pick: Callable[[list[tuple[str, Plan]]], str] | None = None,
 ) -> tuple[Plan, str]:
     """The plan for the first draft weight format of ``formats`` (e.g. dense, int8, nf4) whose draft leaves room
-    for the streamed target, and that format. ``reserve(fmt)`` gives the :class:`~specexec.sizes.PlanReservations`
+    for the streamed target, and that format. ``reserve(fmt)`` gives the :class:`~specexec.model.sizes.PlanReservations`
     with the draft in ``fmt``. Only a lack of GPU memory moves on to the next format; when none fits, the error
     of the last one is raised, saying which precisions were tried. ``resources``: the machine (default: probed).
     ``pick``: plan every format and let ``pick([(format, plan) of those that fit])`` name the one to load
-    (``--draft-dtype auto`` on a GPU: :func:`specexec.draft_choice.picker`); None: the first that fits.
+    (``--draft-dtype auto`` on a GPU: :func:`specexec.loading.draft_choice.picker`); None: the first that fits.
 
     ``--draft-dtype auto`` on a GPU plans the 16-bit, int8 and NF4 drafts: a 16-bit 7B draft takes 13.5 GB, more
     than a 16 GB card has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits; among

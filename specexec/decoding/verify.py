@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specexec.kv_cache import KVCache
-from specexec.model import Transformer
-from specexec.tree import Tree
+from specexec.decoding.tree import Tree
+from specexec.model.kv_cache import KVCache
+from specexec.model.transformer import Transformer
 
 
 def score_tree(target: Transformer, cache: KVCache, tree: Tree, n: int, chunk: int) -> Tensor:

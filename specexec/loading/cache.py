@@ -1,4 +1,4 @@
-"""What specexec keeps on disk under its cache root (:func:`specexec.hub.cache_home`), listed and removed.
+"""What specexec keeps on disk under its cache root (:func:`specexec.loading.hub.cache_home`), listed and removed.
 
 Entries: each converted model (``models/<alias>``), each packed-layer cache of the offload manager
 (``offload/<model>-<format>-<key>``: SSD tier, NF4), each converted GGUF given by path (``converted/<name>``),
@@ -13,8 +13,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexec import hub
 from specexec.errors import SpecexecError
+from specexec.loading import hub
 
 log = logging.getLogger(__name__)
 

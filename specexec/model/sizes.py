@@ -1,9 +1,11 @@
 """Bytes, from a model's config alone: weights, KV caches and the buffers one decoding step allocates.
 
-The one place where memory arithmetic lives. The load checks (:mod:`specexec.memory`, :func:`specexec.api.load`),
+The one place where memory arithmetic lives. The load checks (:mod:`specexec.loading.memory`,
+:func:`specexec.api.load`),
 ``specexec doctor`` and the offload planner (:mod:`offload.plan`) all call these functions; none re-derives a size.
 
-- **weights**: parameter counts of the Llama-family layout used by :mod:`specexec.model` (fused q/k/v [+ bias],
+- **weights**: parameter counts of the Llama-family layout used by :mod:`specexec.model.transformer` (fused q/k/v [+
+bias],
   gated MLP, two norms a layer; embedding, final norm and lm_head once when tied), and what a checkpoint stores
   (:func:`stored_weights` reads the safetensors headers: element counts and stored dtypes, no weight is read).
 - **KV caches**: ``2 x layers x kv_heads x slots x head_dim`` elements each, sized exactly as the engine sizes
@@ -26,12 +28,12 @@ from pathlib import Path
 
 from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
-from specexec.model import ModelConfig
+from specexec.model.transformer import ModelConfig
 
 GB = 1e9
 NF4_BLOCKSIZE = 64  # values per NF4 absmax block (bitsandbytes' quantize_4bit, no nested quantization)
 NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCKSIZE  # 4-bit codes + one fp32 absmax per block
-GROUP_SIZE = 64  # input columns per group of the group-wise formats (specexec.groupquant)
+GROUP_SIZE = 64  # input columns per group of the group-wise formats (specexec.formats.groupquant)
 GROUP_BITS = {"q4": 4, "q3": 3, "q2": 2}  # group-wise formats: bits a code; fp16 scale + fp16 offset per group
 WEIGHT_FORMATS = ("dense", "int8", "nf4", *GROUP_BITS)  # how a (draft) model's linears are held: model_weight_bytes
 
@@ -102,7 +104,8 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
 
 
 def group_linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """One (out, in) linear weight in a group-wise format (``q2``/``q3``/``q4``, :mod:`specexec.groupquant`): per
+    """One (out, in) linear weight in a group-wise format (``q2``/``q3``/``q4``, :mod:`specexec.formats.groupquant`):
+    per
     row, ceil(in / 64) groups of 64 codes packed at ``bits`` bits (8 codes in ``bits`` bytes; a last partial group is
     padded) + an fp16 scale and an fp16 offset per group."""
     groups = -(-inp // GROUP_SIZE)
@@ -121,7 +124,8 @@ def _linear_bytes(out: int, inp: int, fmt: str) -> int:
 
 
 def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
-    """Resident bytes of a whole model as :func:`specexec.loading.load_model` holds it, computing at ``itemsize``.
+    """Resident bytes of a whole model as :func:`specexec.loading.checkpoint.load_model` holds it, computing at
+    ``itemsize``.
 
     ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
     fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4.
@@ -208,7 +212,7 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
-    """Bytes of a :class:`~specexec.kv_cache.KVCache` with ``slots`` slots."""
+    """Bytes of a :class:`~specexec.model.kv_cache.KVCache` with ``slots`` slots."""
     return kv_bytes_per_token(cfg, itemsize) * slots
 
 
@@ -352,7 +356,7 @@ def step_buffers(
 
 @dataclass(frozen=True)
 class EngineMemory:
-    """What an :class:`~specexec.engine.Engine` allocates, in bytes."""
+    """What an :class:`~specexec.decoding.engine.Engine` allocates, in bytes."""
 
     weights: int  # target + draft weights (0 for the target when it is offloaded)
     kv_context: int  # both KV caches' slots for the committed context (the tree room is in ``step``)

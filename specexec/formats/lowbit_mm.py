@@ -18,8 +18,8 @@ each step, and measured slower than bitsandbytes beyond 32 rows on an H200; why 
 Measured: the first (B-position) int8 version on an H200, a 7B layer's linears: 79 us at 16 rows against
 bitsandbytes' 138 and 16-bit's 110; 108 / 135 / 111 at 32; but 160 / 148 / 114 at 64 and 262 / 175 / 123 at 128,
 and end to end it did not beat bitsandbytes'. This version and the NF4 kernel are not GPU-measured yet
-(``scripts/bench_lowbit_mm.py``). So both are opt-in: ``specexec.model.CUDA_INT8_KERNEL`` and
-``offload.quant.DRAFT_NF4_KERNEL`` (drafts only; a streamed target keeps bitsandbytes').
+(``scripts/bench_lowbit_mm.py``). So both are opt-in: ``specexec.formats.int8.CUDA_INT8_KERNEL`` and
+``specexec.formats.nf4.DRAFT_NF4_KERNEL`` (drafts only; a streamed target keeps bitsandbytes').
 
 Only drafts use them: a draft's numbers change what it proposes, never the output.
 

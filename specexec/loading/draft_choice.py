@@ -22,15 +22,18 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specexec import sizes
-from specexec.model import ModelConfig
+from specexec.formats import nf4
+from specexec.model import sizes
+from specexec.model.transformer import ModelConfig
 
-CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "draft_formats.toml"
+CONFIG_PATH = resources.files("specexec.configs") / "draft_formats.toml"  # the package data of configs/
 GB = 1e9
 ASSUMED_DEVICE_GBPS = 1000.0  # device memory when not measurable: a consumer card's (RTX 4090: ~1 TB/s)
 LAYER_70B = 855_654_400  # a Llama-2/3-70B decoder layer's parameters (the calibration's)
@@ -41,7 +44,7 @@ class FormatCost:
     keep: float  # tokens per step kept against the 16-bit draft (a prior)
     layer_ms: float  # extra per draft layer and pass
     rewrite: float  # 16-bit linear bytes written and read back per pass, as a multiple of their size
-    # the same two with the opt-in fused kernel (specexec.lowbit_mm) instead of bitsandbytes' (None: as above)
+    # the same two with the opt-in fused kernel (specexec.formats.lowbit_mm) instead of bitsandbytes' (None: as above)
     fused_layer_ms: float | None = None
     fused_rewrite: float | None = None
 
@@ -56,16 +59,14 @@ class FormatCost:
 
 
 def fused_kernel(fmt: str) -> bool:
-    """Whether a CUDA draft in ``fmt`` runs the opt-in fused kernel (``specexec.model.CUDA_INT8_KERNEL`` /
-    ``offload.quant.DRAFT_NF4_KERNEL`` set to "triton")."""
+    """Whether a CUDA draft in ``fmt`` runs the opt-in fused kernel (``specexec.formats.int8.CUDA_INT8_KERNEL`` /
+    ``specexec.formats.nf4.DRAFT_NF4_KERNEL`` set to "triton")."""
     if fmt == "int8":
-        from specexec import model
+        from specexec.formats import int8 as model
 
         return model.CUDA_INT8_KERNEL == "triton"
     if fmt == "nf4":
-        from offload import quant
-
-        return quant.DRAFT_NF4_KERNEL == "triton"
+        return nf4.DRAFT_NF4_KERNEL == "triton"
     return False
 
 
@@ -87,7 +88,7 @@ def _opt(table: dict[str, Any], key: str) -> float | None:
 
 
 @cache
-def cost_model(path: Path = CONFIG_PATH) -> CostModel:
+def cost_model(path: Traversable | Path = CONFIG_PATH) -> CostModel:
     """The constants of ``configs/draft_formats.toml`` (malformed data is a bug: ValueError)."""
     with path.open("rb") as f:
         raw: dict[str, Any] = tomllib.load(f)
@@ -232,7 +233,8 @@ def measure_bandwidths(device: torch.device, nbytes: int = 1 << 28) -> tuple[flo
 def picker(  # noqa: ANN201
     d_cfg: ModelConfig, t_cfg: ModelConfig, device: torch.device, bandwidths: tuple[float, float] | None = None
 ):
-    """A ``pick`` for :func:`offload.load.plan_with_draft`: measures this GPU's bandwidths (once, when there is a
+    """A ``pick`` for :func:`specexec.loading.offloaded.plan_with_draft`: measures this GPU's bandwidths (once, when
+    there is a
     choice to make), logs every option and returns the chosen format."""
     import logging
 

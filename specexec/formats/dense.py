@@ -1,0 +1,82 @@
+"""Dense linears and embedding lookups (the dispatch every weight format goes through).
+
+On a CPU, passes of a few rows may run ``w @ x.T`` instead of ``F.linear``: which row counts do is measured per
+machine (:mod:`specexec.loading.cpu_probe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Which CPU passes go through ``w @ x.T`` instead of ``F.linear`` (see :func:`linear`), per dtype, by row count.
+# The BLAS picks its kernel by shape, and which orientation wins depends on the CPU, the build and the row count:
+# on one 2-core EPYC box ``F.linear`` cost 2-3x one row at 2-7 rows while ``w @ x.T`` stayed near one row, and an
+# earlier measurement on the same class found the opposite at 2-5 rows. So :mod:`specexec.loading.cpu_probe` measures
+# both
+# on the model's own layer shapes (:func:`set_cpu_orientation`); until it has, fp32 uses the rule measured first
+# (scripts/bench_cpu_matmul.py: 8..48 rows) and other dtypes ``F.linear``.
+ORIENT_MAX_ROWS = 64  # larger passes (prefill, big trees) always use F.linear
+_DEFAULT_FP32_ROWS = (8, 48)
+_CPU_ORIENT: dict[torch.dtype, tuple[bool, ...]] = {
+    torch.float32: tuple(_DEFAULT_FP32_ROWS[0] <= r <= _DEFAULT_FP32_ROWS[1] for r in range(ORIENT_MAX_ROWS + 1))
+}
+
+
+def set_cpu_orientation(dtype: torch.dtype, transposed_rows: Sequence[int] | None) -> None:
+    """CPU passes in ``dtype`` with a row count in ``transposed_rows`` use ``w @ x.T`` (process-wide); None
+    restores the default rule."""
+    if transposed_rows is None:
+        if dtype == torch.float32:
+            lo, hi = _DEFAULT_FP32_ROWS
+            _CPU_ORIENT[dtype] = tuple(lo <= r <= hi for r in range(ORIENT_MAX_ROWS + 1))
+        else:
+            _CPU_ORIENT.pop(dtype, None)
+        return
+    rows = set(transposed_rows)
+    _CPU_ORIENT[dtype] = tuple(r in rows for r in range(ORIENT_MAX_ROWS + 1))
+
+
+def cpu_orientation(dtype: torch.dtype) -> list[int]:
+    """The row counts whose CPU passes in ``dtype`` use ``w @ x.T``."""
+    table = _CPU_ORIENT.get(dtype, ())
+    return [r for r, on in enumerate(table) if on]
+
+
+def set_cpu_transposed(dtype: torch.dtype, on: bool) -> None:
+    """Whether CPU passes of 8..48 rows in ``dtype`` use the ``w @ x.T`` orientation (process-wide)."""
+    set_cpu_orientation(dtype, range(8, 49) if on else [])
+
+
+def cpu_transposed(x: Tensor) -> bool:
+    """Does :func:`linear` run ``x`` (T, in) through ``w @ x.T``?"""
+    if x.device.type != "cpu" or x.dim() != 2:
+        return False
+    table = _CPU_ORIENT.get(x.dtype)
+    r = x.shape[0]
+    return table is not None and r <= ORIENT_MAX_ROWS and table[r]
+
+
+def linear(x: Tensor, w: Any) -> Tensor:
+    """x (T, in) @ w.T -> (T, out). ``w`` is a dense tensor or any object with ``.linear(x)`` (e.g. NF4, int8).
+
+    On a CPU, passes of a few rows (tree verification, draft levels) may go through ``w @ x.T``: the BLAS often
+    picks a far better kernel for that orientation. Which row counts do is measured per machine and dtype by
+    :mod:`specexec.loading.cpu_probe` (:func:`set_cpu_orientation`; the numbers it saw are in ``doctor``).
+    """
+    if isinstance(w, Tensor):
+        if cpu_transposed(x):
+            return torch.mm(w, x.T).T
+        return F.linear(x, w)
+    return w.linear(x)
+
+
+def embed_rows(w: Any, tokens: Tensor) -> Tensor:
+    """Embedding lookup: rows ``tokens`` of a dense (V, D) tensor or of a quantized weight (``.rows(tokens)``)."""
+    if isinstance(w, Tensor):
+        return w[tokens]
+    return w.rows(tokens)

@@ -1,0 +1,1 @@
+"""From a name to a loaded engine: hub and cache, GGUF conversion, checkpoints, memory checks, placement."""
