@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_COSTS = ROOT / "docs" / "bench_e2e_h100.json"
+GPU_COSTS = ROOT / "tests" / "data" / "bench_e2e_h100.json"
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py"))
 
 
