@@ -1,4 +1,4 @@
-"""Planted-agreement model pairs (specexec.model.synthetic): what the GPU benchmark times the engine with."""
+"""Planted-agreement model pairs (specexec.loading.synthetic): what the GPU benchmark times the engine with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from specexec.config import SamplingConfig, TreeConfig
 from specexec.decoding import loop as decode
 from specexec.decoding.engine import Engine
-from specexec.model import synthetic
+from specexec.loading import synthetic
 from specexec.model.transformer import ModelConfig
 
 CPU = torch.device("cpu")

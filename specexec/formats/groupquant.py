@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.model.sizes import GROUP_BITS, GROUP_SIZE
-
+GROUP_SIZE = 64  # input columns per group
+GROUP_BITS = {"q4": 4, "q3": 3, "q2": 2}  # bits a code; an fp16 scale and an fp16 offset per group
 CODES_PER_WORD = 8  # codes packed into one `bits`-byte word
 
 

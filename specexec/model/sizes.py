@@ -28,13 +28,12 @@ from pathlib import Path
 
 from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
+from specexec.formats.groupquant import GROUP_BITS, GROUP_SIZE
 from specexec.model.transformer import ModelConfig
 
 GB = 1e9
 NF4_BLOCKSIZE = 64  # values per NF4 absmax block (bitsandbytes' quantize_4bit, no nested quantization)
 NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCKSIZE  # 4-bit codes + one fp32 absmax per block
-GROUP_SIZE = 64  # input columns per group of the group-wise formats (specexec.formats.groupquant)
-GROUP_BITS = {"q4": 4, "q3": 3, "q2": 2}  # group-wise formats: bits a code; fp16 scale + fp16 offset per group
 WEIGHT_FORMATS = ("dense", "int8", "nf4", *GROUP_BITS)  # how a (draft) model's linears are held: model_weight_bytes
 
 # safetensors dtype names -> bytes per element
