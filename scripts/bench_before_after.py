@@ -2,15 +2,15 @@
 """``specexec bench`` of an older revision and of this checkout, in one run: speed side by side, tokens compared.
 
 A refactor must not move speed beyond noise nor change a single greedy token. This script checks both at once:
-it makes a git worktree of ``--before`` (default: the last commit before the architecture refactor, issue 12),
-then runs the ``specexec bench`` CLI of each checkout in turn with the same arguments, in ABBA order (before,
-after, after, before by default: a machine that drifts slower or faster during the run favours neither), each run
-in a fresh process. Every (method, parameter, prompt) run's tokens are recorded (a thin wrapper around each
-checkout's own ``specexec.bench._one``; the code under test is untouched) and compared across the two revisions
-and across repeats. Prints a table (tokens/s per method, median of the repeats, after/before ratio) and writes
-JSON.
+it makes a git worktree of ``--before`` (default ``HEAD``: this checkout's uncommitted changes against their base;
+name an older revision to compare a range of commits), then runs the ``specexec bench`` CLI of each checkout in
+turn with the same arguments, in ABBA order (before, after, after, before by default: a machine that drifts slower
+or faster during the run favours neither), each run in a fresh process. Every (method, parameter, prompt) run's
+tokens are recorded (a thin wrapper around each checkout's own ``specexec.bench._one``; the code under test is
+untouched) and compared across the two revisions and across repeats. Prints a table (tokens/s per method, median
+of the repeats, after/before ratio) and writes JSON.
 
-    python scripts/bench_before_after.py --out docs/bench_before_after.json -- \
+    python scripts/bench_before_after.py --before v0.3 --out bench_out/before_after.json -- \
         --methods ar,chain,specexec --budgets 16 --gammas 3 --num-prompts 4 -n 32
 
 Arguments after ``--`` go to both ``specexec bench`` runs unchanged; ``--after-args`` adds arguments the older
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BEFORE = "d592451"  # the last commit before issue 12's refactor (wave 2 started at 9a2e707)
+BEFORE = "HEAD"
 
 # Runs inside each checkout's process: records tokens of every timed run, then runs that checkout's CLI.
 WRAPPER = """
@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         before_dir = work / "before"
         known = subprocess.run(["git", "cat-file", "-e", f"{args.before}^{{commit}}"], cwd=ROOT, capture_output=True)
         if known.returncode != 0:
-            print(f"error: --before {args.before}: no such commit in this clone (a shallow clone lacks history)")
+            print(
+                f"error: --before {args.before}: no such commit in this clone (a shallow clone lacks history)",
+                file=sys.stderr,
+            )
             return 2
         subprocess.run(
             ["git", "worktree", "add", "--detach", str(before_dir), args.before],

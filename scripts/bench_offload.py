@@ -10,10 +10,11 @@ In one run it measures:
   * HF accelerate ``device_map`` CPU offload (transformers LlamaForCausalLM, decoder layers on "cpu") of a
     ``--baseline-layers`` 70B-shaped bf16 model at 1 and 128 tokens, and our streamer on the same layers.
 
-Reported, all from this run: efficiency = (streamed bytes / measured pinned GB/s) / forward time (goal >= 0.90
-up to 1024 tokens), bound efficiency = max(copy floor, compute floor) / forward time, and speedup = accelerate
-time / our time. Random layers are made on the GPU and copied to pinned host buffers (one random layer per
-format, tiled: building 70B on the CPU with normal_ is far too slow).
+Reported, all from this run: efficiency = (streamed bytes / measured pinned GB/s) / forward time (1.0: the
+forward runs at the PCIe copy floor, so a tree of that many tokens costs no more than one token), bound efficiency
+= max(copy floor, compute floor) / forward time, and speedup = accelerate time / our time. Random layers are made
+on the GPU and copied to pinned host buffers (one random layer per format, tiled: building 70B on the CPU with
+normal_ is far too slow).
 
     python scripts/bench_offload.py --out bench_out/offload.json
 """
@@ -32,10 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from scripts.shapes import accelerate_llama, model_config, shape  # noqa: E402
+
 GB = 1e9
-LLAMA2_70B = dict(
-    vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128
-)
+VOCAB = shape("llama2-70b")["vocab_size"]
 TOKENS = (1, 16, 128, 512, 1024, 2048)
 RAM_MARGIN = 10e9  # bytes of RAM left free (at least; 10% of what is available if more)
 
@@ -75,7 +76,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--baseline-tokens", default="1,128", help="tokens per pass for the baseline comparison")
     p.add_argument("--out", type=Path, default=Path("bench_out/offload.json"), help="where to write the JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.format_list = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not args.format_list or not set(args.format_list) <= {"bf16", "nf4"}:
+        p.error(f"--formats must list bf16 and/or nf4, got {args.formats!r}")
+    try:
+        args.token_list, args.baseline_token_list = _ints(args.tokens), _ints(args.baseline_tokens)
+    except ValueError:
+        p.error("--tokens and --baseline-tokens take comma-separated positive integers")
+    if not args.token_list or min(args.token_list + args.baseline_token_list) < 1:
+        p.error("--tokens and --baseline-tokens take comma-separated positive integers")
+    if args.repeats < 1 or args.lookahead < 1 or args.baseline_layers < 0:
+        p.error("--repeats and --lookahead must be at least 1, --baseline-layers at least 0")
+    return args
 
 
 def _ints(s: str) -> list[int]:
@@ -86,14 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    formats, tokens = args.format_list, args.token_list
     if not torch.cuda.is_available():
-        print("bench_offload.py needs a CUDA GPU (none is visible): nothing to measure", file=sys.stderr)
+        print("error: bench_offload.py needs a CUDA GPU (none is visible): nothing to measure", file=sys.stderr)
         return 1
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if not set(formats) <= {"bf16", "nf4"}:
-        print(f"--formats must list bf16 and/or nf4, got {args.formats!r}", file=sys.stderr)
-        return 2
-    tokens = _ints(args.tokens)
     if max(tokens) + args.context > args.kv_slots:
         args.context = args.kv_slots - max(tokens)
     dev = torch.device("cuda")
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{report['device']}: pinned H2D {h2d:.1f} GB/s", flush=True)
     if args.baseline_layers:
-        report["baseline"] = {"accelerate": _accelerate(args.baseline_layers, _ints(args.baseline_tokens), dev)}
+        report["baseline"] = {"accelerate": _accelerate(args.baseline_layers, args.baseline_token_list, dev)}
     for fmt in formats:
         report["runs"] += _stream_runs(fmt, args, tokens, h2d, dev, report)
     report["h2d_pinned_gbps_end"] = measure_h2d_bandwidth(dev)  # a sanity check: the link did not change
@@ -125,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(n_layers: int) -> Any:
-    from specexec.model.transformer import ModelConfig
-
-    return ModelConfig(num_layers=n_layers, max_position_embeddings=4096, **LLAMA2_70B)
+    return model_config("llama2-70b", layers=n_layers, context=4096)
 
 
 def _random_layer(cfg: Any, layout: Any, dev: Any) -> Any:
@@ -171,7 +178,7 @@ class _OneLayer:
 def _inputs(T: int, ctx: int, dev: Any) -> tuple[Any, ...]:
     import torch
 
-    ids = torch.randint(3, LLAMA2_70B["vocab_size"], (T,), device=dev)
+    ids = torch.randint(3, VOCAB, (T,), device=dev)
     pos = ctx + torch.arange(T, device=dev)
     mask = torch.arange(ctx + T, device=dev)[None, :] <= pos[:, None]  # (T, ctx+T): the prefix + causal
     return ids, pos, pos, mask
@@ -303,50 +310,6 @@ def _stream_runs(
     return runs
 
 
-def accelerate_llama(n_layers: int, main: Any = 0, shape: dict[str, Any] | None = None) -> Any:
-    """An ``n_layers`` 70B-shaped (or ``shape``: bench_gpu's keys) bf16 HF LlamaForCausalLM with random weights,
-    dispatched by accelerate ``device_map``: decoder layers on "cpu" (offloaded), embedding / norm / lm_head on
-    ``main`` (a CUDA index; "cpu" for a smoke run)."""
-    import torch
-    from accelerate import dispatch_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    s = shape or LLAMA2_70B
-    config = LlamaConfig(
-        vocab_size=s["vocab_size"],
-        hidden_size=s["hidden_size"],
-        intermediate_size=s["intermediate_size"],
-        num_hidden_layers=n_layers,
-        num_attention_heads=s["num_heads"],
-        num_key_value_heads=s["num_kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    block = torch.randn(1 << 20, dtype=torch.bfloat16) * 0.02  # tiled into every weight (normal_ over GBs is slow)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            flat = p.data.view(-1)
-            if "norm" in name:
-                flat.fill_(1.0)
-                continue
-            k, B = flat.numel() // block.numel(), block.numel()
-            flat[: k * B].view(k, B).copy_(block.expand(k, B))
-            flat[k * B :].copy_(block[: flat.numel() - k * B])
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its inv_freq was made on meta
-    device_map = {
-        "model.embed_tokens": main,
-        "model.rotary_emb": main,
-        "model.norm": main,
-        "lm_head": main,
-        **{f"model.layers.{i}": "cpu" for i in range(n_layers)},
-    }
-    return dispatch_model(model, device_map=device_map, main_device=main).eval()
-
-
 def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
     """HF accelerate device_map CPU offload of an ``n_layers`` 70B-shaped bf16 Llama: seconds per forward."""
     import accelerate
@@ -354,7 +317,7 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
     import transformers
 
     t0 = time.perf_counter()
-    model = accelerate_llama(n_layers)
+    model = accelerate_llama(n_layers, dev.index or 0, shape("llama2-70b"))
     print(
         f"accelerate baseline: {n_layers} 70B-shaped bf16 layers on the CPU (set up in "
         f"{time.perf_counter() - t0:.1f} s)",
@@ -368,7 +331,7 @@ def _accelerate(n_layers: int, tokens: list[int], dev: Any) -> dict[str, Any]:
         "transformers": transformers.__version__,
     }
     for T in tokens:
-        ids = torch.randint(3, LLAMA2_70B["vocab_size"], (1, T), device=dev)
+        ids = torch.randint(3, VOCAB, (1, T), device=dev)
         with torch.inference_mode():
             s = _time(lambda: model(input_ids=ids, use_cache=False), 2)
         out["forward_s"][T] = s
