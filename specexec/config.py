@@ -27,9 +27,6 @@ def check_method(method: str) -> None:
 
 GROW_MODES = ("auto", "dynamic", "static", "ahead", "captured", "captured-ahead")
 CAPTURED = ("captured", "captured-ahead")  # the grow modes whose levels run as CUDA graphs (greedy steps)
-OVERLAP_AIMS = ("carried", "frontier")
-OVERLAP_AUTO = -1  # TreeConfig.overlap: as many levels as finish beside the target's pass (GPU; none on a CPU)
-OVERLAP_AUTO_MAX = 32  # the most levels the automatic choice grows a step (draft slots are reserved for them)
 # prompt-lookup nodes merged into each draft tree by default (TreeConfig.ngram None): on a GPU, whatever the budget
 # (a streamed verifier checks a few dozen more tokens at almost no cost, a resident one at little, and they cost no
 # draft pass; nothing is merged where the lookup finds no earlier occurrence); on a CPU, where every verified token
@@ -59,12 +56,6 @@ class TreeConfig:
     # costs it cut the dynamic growth's code acceptance; on an H200 with "ahead" levels it took the draft's time a
     # step from 0.147 to 0.106 s at the same tokens per step, docs/BENCHMARKS.md)
     early_stop: bool | None = None
-    # start each tree from the subtree the last one grew under the accepted path + bonus token (its nodes and draft
-    # keys/values), instead of from the root alone: never changes the output. Off by default: in the sequential loop
-    # the bonus token is by construction no child of the last accepted node in the VERIFIED tree, so a subtree
-    # exists only where growth expanded nodes the budget then pruned -- measured on tiny pairs: 1 step in ~60 with
-    # early stop off, never with it on. It pays once the draft grows beyond what is verified (overlapped growth).
-    reuse: bool = False
     # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py): "dynamic" sizes
     # each draft pass by the open nodes and compacts the tree every level (several host reads a level; the CPU's
     # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
@@ -72,24 +63,11 @@ class TreeConfig:
     # "captured" runs each "static" level as two CUDA graphs (choose the beams; read their count; expand them and run
     # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py).
     # "auto": for a CUDA draft "captured" at a fixed budget where a level can replay as a graph, and "ahead" with
-    # the automatic budget, with overlap (whose background levels are not captured) or with levels wider than the
-    # draft's graphed passes; else "dynamic". Measured on an H100 with a 70B-shaped streamed
-    # target and an int8 7B draft (docs/BENCHMARKS.md): "captured" took the draft's time a step from 0.125 to
-    # 0.114-0.118 s on code at 1024 and from 0.106 to 0.094 s on prose at 256, the same trees; under the automatic
-    # budget its one run was cut off by the run's time limit, so not measured there yet. "ahead" took it from 0.202
-    # to 0.147 s against "dynamic" on an H200 at 256.
+    # the automatic budget or with levels wider than the draft's graphed passes; else "dynamic". Measured on an H100
+    # with a 70B-shaped streamed target and an int8 7B draft (docs/BENCHMARKS.md): "captured" took the draft's time
+    # a step from 0.125 to 0.114-0.118 s on code at 1024 and from 0.106 to 0.094 s on prose at 256, the same trees.
+    # "ahead" took it from 0.202 to 0.147 s against "dynamic" on an H200 at 256.
     grow: str = "auto"
-    # overlapped growth: this many more fixed-width levels grow the tree below what is verified while the target's
-    # pass runs (a side stream on a GPU; in turn on a CPU, where it only costs), and the subtree under the accepted
-    # path + bonus token starts the next tree. Needs reuse and a fixed-width grow mode. Never changes the output.
-    # OVERLAP_AUTO (-1, ``--overlap auto``): on a GPU, as many as fit beside the target's pass (up to
-    # OVERLAP_AUTO_MAX; a thread queuing them stops when the pass ends, else the count adapts each step); on a CPU,
-    # none
-    overlap: int = 0
-    # where the overlapped levels grow (see specexec/propose/fixed_grow.py): "carried" down the likeliest next roots'
-    # best continuations (the subtree the next step may start from); "frontier" the best nodes of the whole store
-    # by absolute log-prob (measured: carries little, docs/BENCHMARKS.md)
-    overlap_aim: str = "carried"
     # prompt-lookup continuations (specexec/propose/ngram.py) merged into every draft tree as extra branches: at most
     # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's
     # auto-budget trees, none in a CPU's fixed-budget ones). Never changes the output
@@ -102,25 +80,10 @@ class TreeConfig:
     calibrate: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("reuse", "calibrate"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"TreeConfig.{flag}", getattr(self, flag), "must be True or False")
+        if not isinstance(self.calibrate, bool):
+            raise ConfigError("TreeConfig.calibrate", self.calibrate, "must be True or False")
         if self.grow not in GROW_MODES:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
-        if self.overlap_aim not in OVERLAP_AIMS:
-            raise ConfigError("TreeConfig.overlap_aim", self.overlap_aim, f"must be one of {', '.join(OVERLAP_AIMS)}")
-        if not (0 <= self.overlap <= 64 or self.overlap == OVERLAP_AUTO):
-            raise ConfigError("TreeConfig.overlap", self.overlap, "must be in 0..64 or auto")
-        if self.overlap and self.grow == "dynamic":
-            key, grow = "TreeConfig.overlap", "TreeConfig.grow"
-            raise ConfigError(
-                key,
-                self.overlap,
-                "needs grow 'static' or 'ahead'",
-                f"{setting(key)} needs {setting(grow, 'static')} or {setting(grow, 'ahead')}",
-            )
-        if self.overlap and not self.reuse:
-            raise ConfigError("TreeConfig.overlap", self.overlap, "needs reuse=True (it grows the next step's tree)")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "must be >= 1")
@@ -145,8 +108,8 @@ class TreeConfig:
         if self.grow != "auto":
             return self.grow
         if device.type != "cuda":
-            return "ahead" if self.overlap else "dynamic"
-        return "ahead" if self.overlap or self.auto or not graphs else "captured"
+            return "dynamic"
+        return "ahead" if self.auto or not graphs else "captured"
 
     def stops_early(self, device: torch.device) -> bool:
         """Whether the cost-based early stop is on for a draft on ``device`` (``early_stop`` None resolved)."""
@@ -158,11 +121,6 @@ class TreeConfig:
     def largest(self) -> int:
         """The largest tree this config can grow (sizes the caches)."""
         return max(self.budget, self.max_budget) if self.auto else self.budget
-
-    @property
-    def max_overlap(self) -> int:
-        """The most overlapped levels a step may grow (sizes the draft cache)."""
-        return OVERLAP_AUTO_MAX if self.overlap == OVERLAP_AUTO else self.overlap
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def engine(noisy_pairs):
 GROWTHS = (
     TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, calibrate=True),
     TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="static", early_stop=True, calibrate=True),
-    TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="ahead", reuse=True, overlap=3, calibrate=True),
+    TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="ahead", calibrate=True),
 )
 
 

@@ -100,14 +100,13 @@ def _static_engine(noisy_pairs) -> Engine:
     return static_engine(noisy_pairs["llama"], 512)
 
 
-def test_captured_levels_keep_greedy_exact_with_reuse_and_early_stop(noisy_pairs, stand_in_graphs):
-    """Through the engine: greedy output equals AR with replayed levels, subtree reuse and overlap (the background
-    levels run uncaptured beside them) and the early stop; a sampled step grows uncaptured and stays AR's draw."""
+def test_captured_levels_keep_greedy_exact_with_early_stop(noisy_pairs, stand_in_graphs):
+    """Through the engine: greedy output equals AR with replayed levels, with and without the early stop; a sampled
+    step grows uncaptured and stays AR's draw."""
     e = _static_engine(noisy_pairs)
     trees = (
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead", reuse=True, overlap=3),
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", reuse=True, overlap=3),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead"),
         TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured", early_stop=True),
         TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured-ahead", early_stop=True),
     )
@@ -246,7 +245,7 @@ def test_auto_growth_asks_whether_its_levels_can_replay_as_graphs(draft, monkeyp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
     """On a GPU: levels are captured and replayed as CUDA graphs, the trees equal "ahead" growth's, and greedy
-    generation (reuse and overlap included) equals AR."""
+    generation equals AR."""
     dev = torch.device("cuda")
     target, draft_path = noisy_pairs["llama"]
     model = load_model(draft_path, dev, torch.float32)
@@ -262,7 +261,7 @@ def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
     e = Engine(load_model(target, dev, torch.float32), load_tokenizer(target), model, context=512)
     for tree in (
         TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", early_stop=True),
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead", reuse=True, overlap=4),
+        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured-ahead"),
     ):
         for ids in PROMPTS:
             e.reset()

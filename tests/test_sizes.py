@@ -74,25 +74,6 @@ def test_engine_caches_are_what_sizes_says(pair):
     chain = ChainConfig()
     assert engine.state.cache.nbytes() == sizes.kv_bytes(t_cfg, sizes.target_cache_slots(200, tree, chain, 16), 4)
     assert engine.draft_model.cache.nbytes() == sizes.kv_bytes(d_cfg, sizes.draft_cache_slots(200, tree, chain, 16), 4)
-    # overlapped growth reserves max_beams draft slots per background level (auto: OVERLAP_AUTO_MAX levels)
-    for overlap in (6, -1):
-        ov = TreeConfig(budget=24, max_beams=8, grow="static", reuse=True, overlap=overlap)
-        e2 = api.load(str(pair[0]), str(pair[1]), device="cpu", context=200, tree=ov, progress=False)
-        need = memory.check_load(pair[0], pair[1], CPU, "auto", None, 200, ov, ChainConfig())
-        assert need.kv == e2.state.cache.nbytes() + e2.draft_model.cache.nbytes(), overlap
-        assert sizes.draft_cache_slots(200, ov) - sizes.draft_cache_slots(200, tree) == 8 * ov.max_overlap
-    # a later generation with more overlapped levels (same tree size) grows the draft's cache, not the target's
-    e3 = api.load(str(pair[0]), str(pair[1]), device="cpu", context=200, tree=tree, progress=False)
-    ids = [5, 6, 7, 8, 9]
-    engine.reset()
-    want = engine.generate(ids, 12, method="ar").tokens
-    assert e3.generate(ids, 12, method="specexec", tree=tree).tokens == want
-    target_bytes = e3.state.cache.nbytes()
-    ov = TreeConfig(budget=24, max_beams=8, grow="static", reuse=True, overlap=6)
-    e3.reset()
-    assert e3.generate(ids, 12, method="specexec", tree=ov).tokens == want
-    assert e3.state.cache.nbytes() == target_bytes
-    assert e3.draft_model.cache.nbytes() == sizes.kv_bytes(d_cfg, sizes.draft_cache_slots(200, ov), 4)
 
 
 def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):

@@ -230,22 +230,6 @@ def test_early_stop_default_follows_the_device():
     assert tree_config("16", 2048, 128, 32, 32, True).early_stop is True
 
 
-def test_overlap_option_takes_a_count_or_auto():
-    """``--overlap N|auto``: a count or OVERLAP_AUTO, reuse on with either; anything else is one ConfigError."""
-    from specexec.cli.generate import tree_config
-    from specexec.config import OVERLAP_AUTO
-    from specexec.errors import ConfigError
-
-    auto = tree_config("16", 2048, 128, 32, 32, None, "ahead", "auto")
-    assert auto.overlap == OVERLAP_AUTO and auto.reuse
-    four = tree_config("auto", 2048, 128, 32, 32, None, "static", "4")
-    assert four.overlap == 4 and four.reuse and four.auto
-    assert tree_config("16", 2048, 128, 32, 32).overlap == 0 and not tree_config("16", 2048, 128, 32, 32).reuse
-    for bad in ("-1", "lots", "65"):
-        with pytest.raises(ConfigError, match="TreeConfig.overlap"):
-            tree_config("16", 2048, 128, 32, 32, None, "ahead", bad)
-
-
 def test_stop_strings_end_the_answer(noisy_pairs):
     """engine.stream(stop=...): the text ends right before the stop string, the kept tokens end with the token
     that completed it, finish_reason is "stop"; the same answer without stops runs on (finish_reason "length")."""

@@ -113,7 +113,7 @@ def test_the_engine_accepts_on_a_planted_pair_and_stays_exact(pair):
             x = int(synthetic.bigram_logits(target.globals, torch.tensor([x])).argmax())
             walk.append(x)
         assert ar.tokens == walk
-        for tree in (TreeConfig(budget=32), TreeConfig(budget=32, grow="ahead", overlap=2, reuse=True)):
+        for tree in (TreeConfig(budget=32), TreeConfig(budget=32, grow="ahead")):
             r = eng.generate(p, 40, method="specexec", tree=tree)
             assert r.tokens == ar.tokens
             assert r.stats.tokens_per_step > 2.0, r.stats  # random weights would give ~1.0
@@ -136,8 +136,8 @@ def test_low_bit_planted_draft_builds(pair):
 
 
 def test_decode_sync_waits_for_the_current_stream_only(monkeypatch):
-    """A device-wide synchronize in the step loop would serialise the overlapped draft levels (a side stream) with
-    the target's pass and wait for the streamer's prefetch: the loop waits for its own stream only."""
+    """A device-wide synchronize in the step loop would wait for the streamer's prefetch of the next pass's first
+    layers: the loop waits for its own stream only."""
     waited = []
 
     class Stream:

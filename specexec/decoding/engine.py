@@ -266,8 +266,8 @@ class Engine:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
         extra = ngram.max_nodes if ngram is not None else 0
         room = max(tree.largest + extra, chain.gamma, extra) + 2
-        # the draft also holds every expanded node: max_beams a level, and overlapped levels beyond the tree
-        draft_room = room + tree.largest + tree.max_beams * (1 + tree.max_overlap)
+        # the draft also holds every expanded node: max_beams a level beyond the tree
+        draft_room = room + tree.largest + tree.max_beams
         if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:
             return
         if self.state is None or room > self._tree_room:

@@ -32,12 +32,6 @@ from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
 from specexec.propose.base import Proposer, StepContext
 
-# overlapped growth on a GPU: the target's pass runs on a stream of the highest priority, so the draft's levels on
-# their (default-priority) side stream only take the SMs the target's kernels leave free. Without it the two share
-# the SMs evenly and the streamed pass's compute-only stretches (its resident layers, the head) slow down
-# (H200, 70B NF4 + int8 7B, 20 levels a step: verify 0.68 -> 0.62 s with it, 0.60 without overlap)
-VERIFY_PRIORITY = True
-
 
 @dataclass
 class Stats:
@@ -49,7 +43,6 @@ class Stats:
     tokens_per_step: float = 0.0
     tokens_per_s: float = 0.0
     draft_s: float = 0.0
-    background_s: float = 0.0  # of draft_s: the host's time queuing overlapped levels (on a CPU: running them)
     target_s: float = 0.0
     wall_s: float = 0.0
     prefill_s: float = 0.0
@@ -63,9 +56,6 @@ class Stats:
     draft_passes: int = 0
     early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
     trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
-    reused_nodes: int = 0  # specexec: tree nodes carried over from the previous step's tree (subtree reuse)
-    reused_passes: int = 0  # specexec: draft passes those carried-over parts stood for
-    background_passes: int = 0  # specexec --overlap: draft levels grown beside the target's passes
     ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
@@ -169,9 +159,8 @@ class TargetState:
 
 def sync(device: torch.device) -> None:
     """Wait for the work queued on the current stream (what a step's timings attribute). Only that stream: a
-    device-wide synchronize would also wait for the overlapped draft levels on their side stream (serialising
-    them with the target's pass they are meant to hide behind) and for the streamer's prefetch of the next
-    pass's first layers (keeping the next step's draft from starting while they copy)."""
+    device-wide synchronize would also wait for the streamer's prefetch of the next pass's first layers (keeping the
+    next step's draft from starting while they copy)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -213,14 +202,6 @@ def decode(
     sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
-    background = getattr(proposer, "background", None)
-    # overlapped levels on a GPU: the proposer is told when the target's pass is queued (they stop once it ends),
-    # and that pass gets a stream of the highest priority
-    overlapping = dev.type == "cuda" and getattr(proposer, "overlapping", False)
-    queued = getattr(proposer, "target_queued", None) if overlapping else None
-    hi = None
-    if overlapping and VERIFY_PRIORITY:
-        hi = torch.cuda.Stream(dev, priority=-100)  # out of range maps to the highest priority
     chosen: Counter[int] = Counter()
     hist: Counter[int] = Counter()
     tree_total = 0
@@ -238,24 +219,9 @@ def decode(
             prop = proposer.propose(state.seq, ctx)
             if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
                 stats.trimmed += policy.trim(prop.tree)
-            if background is not None:  # overlapped growth: queued now, runs beside the target's pass on a GPU
-                tb = time.perf_counter()
-                background(prop)
-                stats.background_s += time.perf_counter() - tb
             sync(dev)
             tt = time.perf_counter()
-            if hi is not None:
-                cur = torch.cuda.current_stream(dev)
-                hi.wait_stream(cur)
-                with torch.cuda.stream(hi):
-                    logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
-                cur.wait_stream(hi)
-            else:
-                logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
-            if queued is not None:
-                ev = torch.cuda.Event()
-                ev.record()  # completes with the target's pass (the current stream waited for it)
-                queued(ev)
+            logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
             path, emitted = accept(prop, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
             for t in emitted[: max_new - produced]:
@@ -273,8 +239,6 @@ def decode(
             stats.steps += 1
             stats.draft_passes += prop.passes
             stats.early_stops += prop.stopped_early
-            stats.reused_nodes += prop.reused
-            stats.reused_passes += prop.reused_passes
             if prop.beams:
                 stats.tree_shapes.append(prop.beams)
             policy.update(
@@ -308,7 +272,6 @@ def decode(
                 break
     finally:
         stats.new_tokens = produced
-        stats.background_passes = int(getattr(proposer, "background_passes", 0))
         stats.wall_s = time.perf_counter() - t0
         stats.tokens_per_step = produced / max(stats.steps, 1)
         decode_s = stats.wall_s - stats.prefill_s

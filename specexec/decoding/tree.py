@@ -133,37 +133,6 @@ class Tree:
             t[:m] = t[idx].clone()
         self.size = m
 
-    def descendants(self, node: int, limit: int | None = None) -> Tensor:
-        """(N,) bool: ``node`` and its descendants among nodes [0, limit) (default: all live nodes)."""
-        n = self.size if limit is None else min(limit, self.size)
-        out = torch.zeros(self.size, dtype=torch.bool, device=self.device)
-        if node >= n:
-            return out
-        cur = torch.arange(n, device=self.device)
-        hit = cur == node
-        for _ in range(int(self.depth[:n].max()) - int(self.depth[node])):  # pointer chasing, one level at a time
-            cur = torch.where(cur > node, self.parents[cur], cur)  # an ancestor of node lies at an index <= node
-            hit |= cur == node
-        out[:n] = hit
-        return out
-
-    def subtree(self, node: int, limit: int | None = None) -> Tree:
-        """A new tree rooted at ``node``: it and its descendants among nodes [0, limit), re-based so the new root
-        has depth 0 and cumulative log-prob 0 (node order, tokens and draft slots kept; capacity = its size)."""
-        idx = self.descendants(node, limit).nonzero().squeeze(1)  # (M,) ascending, idx[0] == node
-        m = idx.shape[0]
-        out = Tree(int(self.tokens[node]), m, self.device)
-        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.device)
-        remap[idx] = torch.arange(m, device=self.device)
-        out.tokens[:] = self.tokens[idx]
-        out.parents[1:] = remap[self.parents[idx[1:]]]
-        out.depth[:] = self.depth[idx] - self.depth[node]
-        out.logp[:] = self.logp[idx] - self.logp[node]
-        out.logp[0] = 0.0
-        out.draft_slot[:] = self.draft_slot[idx]
-        out.size = m
-        return out
-
     def select(self, keep: Tensor, capacity: int) -> tuple[Tree, Tensor]:
         """A new tree of ``capacity`` holding the nodes where ``keep`` (N,) is True (closed under ancestry, root
         kept), and the (M,) indices of those nodes here. This tree is unchanged."""
@@ -182,23 +151,6 @@ class Tree:
         out.draft_slot[:m] = self.draft_slot[idx]
         out.size = m
         return out, idx
-
-    def resized(self, capacity: int) -> Tree:
-        """A copy of the live nodes in a tree of ``capacity`` (>= size)."""
-        if capacity < self.size:
-            raise RuntimeError(f"tree of {self.size} nodes does not fit capacity {capacity}")
-        out = Tree(int(self.tokens[0]), capacity, self.device)
-        n = self.size
-        for src, dst in (
-            (self.tokens, out.tokens),
-            (self.parents, out.parents),
-            (self.depth, out.depth),
-            (self.logp, out.logp),
-            (self.draft_slot, out.draft_slot),
-        ):
-            dst[:n] = src[:n]
-        out.size = n
-        return out
 
     def top_k_mask(self, k: int) -> Tensor:
         """(N,) bool: the root plus the ``k`` best non-root nodes by cumulative log-prob.

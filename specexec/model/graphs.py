@@ -58,11 +58,6 @@ class StaticPasses:
         self.mask = torch.zeros(big, self.C, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.captures = 0  # graphs captured so far (each waits for the whole device)
-        # False while a host thread queues overlapped levels beside the target's pass: a missing graph runs
-        # eagerly then (capturing would wait for the device, and the target's calls would break the capture) and
-        # is captured at the next pass allowed to
-        self.capture_ok = True
-        self.pending: set[tuple[int, int]] = set()
 
     @property
     def max_rows(self) -> int:
@@ -105,18 +100,10 @@ class StaticPasses:
         if L > self.scratch:
             raise ValueError(f"attention span {L} exceeds the cache's usable {self.scratch} slots")
         b, span = self._bucket(k), self._span(L)
-        if self.use_graphs and self.capture_ok and self.pending:
-            for key in sorted(self.pending - self.graphs.keys()):  # buckets the overlapped levels ran eagerly
-                self.graphs[key] = self._capture(*key)
-                self.captures += 1
-            self.pending.clear()
         self._fill(tokens, positions, slots, mask, b, span)
         if not self.use_graphs:
             return self._run(b, span)[:k]
         if (b, span) not in self.graphs:
-            if not self.capture_ok:
-                self.pending.add((b, span))
-                return self._run(b, span)[:k]
             self.graphs[(b, span)] = self._capture(b, span)
             self.captures += 1
         graph, out = self.graphs[(b, span)]

@@ -239,9 +239,8 @@ def target_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None
 
 
 def draft_cache_slots(context: int, tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
-    """Slots of the draft's KV cache: the target's room + every expanded node of a tree (with overlapped growth,
-    ``max_beams`` more per background level) + one scratch slot."""
-    return context + step_room(tree, chain, ngram_nodes) + tree.largest + tree.max_beams * (1 + tree.max_overlap) + 1
+    """Slots of the draft's KV cache: the target's room + every expanded node of a tree + one scratch slot."""
+    return context + step_room(tree, chain, ngram_nodes) + tree.largest + tree.max_beams + 1
 
 
 # ---------------------------------------------------------------------------------------------- activations

@@ -26,11 +26,6 @@ How the coming proposers plug in:
   place that would also return the last layer's hidden states and pass them to ``commit`` (an extra argument);
   such a proposer keeps the hidden state of the last accepted node and builds the next tree from it. Its own
   state (e.g. EAGLE's KV cache) is committed like a draft model's.
-- *Working while the target verifies* (overlapped growth, ``TreeConfig.overlap``): the loop calls the optional
-  ``background(proposal)`` between ``propose`` and the target's pass; :class:`TreeDraft` there queues more growth
-  levels below the verified tree (on a side CUDA stream on a GPU: they read nothing from the device, so the host
-  goes straight on to the target's pass) into its own store, never into the proposal's tree. ``commit`` waits for
-  them, then re-roots the subtree under the accepted path + bonus token so the next ``propose`` starts from it.
 
 Every proposal is verified exactly, so a proposer can only change speed, never the output.
 """

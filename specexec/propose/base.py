@@ -46,8 +46,6 @@ class Proposal:
     stopped_early: bool = False  # tree growth ended by the early-stop rule
     budget: int = 0  # the size the policy asked for
     source: str = ""  # which proposer made it (stats)
-    reused: int = 0  # tree nodes carried over from the previous step's tree (subtree reuse)
-    reused_passes: int = 0  # draft passes the carried-over part stood for (its expanded levels + the root's pass)
     merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
 
     def __post_init__(self) -> None:

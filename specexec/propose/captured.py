@@ -38,7 +38,7 @@ the budget), whether the early stop's numbers are computed, and the log-prob fun
 eagerly (it warms up every kernel); the second captures (recording only), then replays. On a CPU, and for a key
 not captured yet, the same code runs eagerly, which is how CI checks that a captured level grows exactly the tree
 a "static" / "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) grow uncaptured
-"ahead" levels in either mode, and overlapped background levels run uncaptured.
+"ahead" levels in either mode.
 """
 
 from __future__ import annotations
@@ -113,23 +113,15 @@ class LevelSpace:
             and levels <= self.levels
         )
 
-    def tree(self, root_token: int, start: Tree | None) -> Tree:
-        """Reset the arrays for a new step; a tree over them holding the root, or a copy of ``start``."""
+    def tree(self, root_token: int) -> Tree:
+        """Reset the arrays for a new step; a tree over them holding the root."""
         for a, v in ((self.tokens, 0), (self.parents, -1), (self.depth, 0), (self.draft_slot, -1), (self.row_of, -1)):
             a.fill_(v)
         self.logp.fill_(NEG)
         self.rows.fill_(-1)
         t = Tree.over(self.tokens, self.parents, self.depth, self.logp, self.draft_slot)
-        if start is None:
-            self.tokens[0] = root_token
-            self.logp[0] = 0.0
-            return t
-        n = start.size
-        for src, dst in ((start.tokens, self.tokens), (start.parents, self.parents), (start.depth, self.depth)):
-            dst[:n] = src[:n]
-        self.logp[:n] = start.logp[:n]
-        self.draft_slot[:n] = start.draft_slot[:n]
-        t.size = n
+        self.tokens[0] = root_token
+        self.logp[0] = 0.0
         return t
 
     def begin(self, next_slot: int, size: int, row0: int, prefix: int, passes: int) -> None:
@@ -178,9 +170,9 @@ class LevelSpace:
 
 
 def capturable(static: StaticPasses | None, rows: int) -> bool:
-    """Whether a level of ``rows`` rows can be captured now: the draft's passes are static and graphed (a GPU),
-    fit a bucket, and no host thread is queuing overlapped levels beside the target's pass."""
-    return static is not None and rows <= static.max_rows and static.use_graphs and static.capture_ok
+    """Whether a level of ``rows`` rows can be captured: the draft's passes are static and graphed (a GPU) and fit a
+    bucket."""
+    return static is not None and rows <= static.max_rows and static.use_graphs
 
 
 def space_for(holder: Any, capacity: int, width: int, exp_rows: int, levels: int, device: torch.device) -> LevelSpace:

@@ -4,11 +4,6 @@ Cache slots: the committed sequence occupies slots [0, n); the root (pending tok
 proposer expands get slots n+1, n+2, ... (pruned nodes leave unused slots behind, harmless: no mask row points at
 them). ``tokens`` are the committed tokens whose keys/values are in the cache (a prefix of the sequence).
 
-Subtree reuse (:class:`~specexec.propose.best_first.TreeDraft`): :meth:`commit` may also carry the entries of a grown
-subtree (its root = the next pending token, then its expanded nodes) to slots n', n'+1, ... right behind the new
-committed prefix, so the next tree starts from them without a draft pass. ``epoch`` counts every change of the
-cache by anything else, so a proposer can tell that the entries it left behind are still there.
-
 A self-derived draft (the target's own layers in low bit, all or some) may take its committed prefix's keys/values
 from the target (:class:`TargetPrefix`, :meth:`DraftModel.share_prefix`): the target computed them anyway, at
 full precision and from the full-depth residual stream, so the draft reads the context exactly as the target does
@@ -80,19 +75,14 @@ class DraftModel:
         self.cache: KVCache = model.new_cache(capacity + 1)
         self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
         self._tokens: list[int] = []
-        self.epoch = 0  # bumped by every pass and every change of the committed prefix
-        # ``--overlap auto``: the background levels learnt to fit beside the target's pass (None: not yet); kept here
-        # so that the next generation (a chat turn) starts from them
-        self.background_levels: int | None = None
         # a draft's numerics only change what it proposes: on a GPU its RMSNorm runs as one fused kernel (a 7B pass
         # had ~520 of its ~1330 kernels in the norms' separate steps, docs/BENCHMARKS.md)
         self.fused_norm = model.device.type == "cuda"
         use = model.device.type == "cuda" if static is None else static
         self.static = StaticPasses(model, self.cache, static_rows, fused_norm=self.fused_norm) if use else None
         self.prefix: TargetPrefix | None = None  # see :meth:`share_prefix`
-        # kept here so they outlive a generation (each has its own proposer): a tree proposer's remembered children
-        # by draft slot (values, tokens) and its captured growth levels (specexec.propose.captured)
-        self.remembered: tuple[Tensor, Tensor] | None = None
+        # captured growth levels (specexec.propose.captured), kept here so they and their graphs outlive a
+        # generation (each has its own proposer)
         self.level_space: Any = None
         # the tree scores' calibration (specexec.propose.calibrate), learnt across generations (chat turns)
         self.calibration: Any = None
@@ -126,7 +116,6 @@ class DraftModel:
 
     def forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
         """One draft pass (static/graphed when it fits a bucket, else eager). Returns logits (T, V) fp32."""
-        self.epoch += 1
         tokens = self._in_vocab(tokens)
         if self.static is not None and tokens.shape[0] <= self.static.max_rows:
             out = self.static.forward(tokens, pos, slots, mask)
@@ -151,14 +140,12 @@ class DraftModel:
 
     # -- the committed prefix -------------------------------------------------------------------------------------
     def reset(self) -> None:
-        self.epoch += 1
         self._tokens = []
 
     def keep_prefix(self, seq: list[int]) -> None:
         """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
         keep = _lcp(self._tokens, seq[:-1])
         if keep < len(self._tokens):
-            self.epoch += 1
             del self._tokens[keep:]
 
     def _adopt(self, seq: list[int]) -> None:
@@ -168,7 +155,6 @@ class DraftModel:
         m = self.length
         k = min(self.prefix.held(seq), len(seq) - 1)
         if k > m:
-            self.epoch += 1
             self.prefix.copy_into(self.cache, m, k)
             self._tokens = list(seq[:k])
 
@@ -180,7 +166,6 @@ class DraftModel:
         m, n = self.length, len(seq) - 1
         if m >= n:
             return
-        self.epoch += 1
         dev = self.device
         pos = torch.arange(m, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
@@ -202,7 +187,6 @@ class DraftModel:
         """
         self.keep_prefix(seq)
         self._adopt(seq)
-        self.epoch += 1
         m, n = self.length, len(seq) - 1
         dev = self.device
         toks = torch.tensor(seq[m:], dtype=torch.long, device=dev)
@@ -212,41 +196,27 @@ class DraftModel:
         self._tokens = list(seq[:n])
         return logits
 
-    def commit(self, slots: list[int], seq: list[int], carry: list[int] | None = None) -> bool:
+    def commit(self, slots: list[int], seq: list[int]) -> None:
         """After acceptance: ``slots`` are the draft slots of the accepted path's nodes, root first (-1 where a node
         was never run through the draft). The root is at slot n = len(prefix) already; the run of accepted nodes
         that were run moves to slots n+1, n+2, ...; ``seq`` is the committed sequence now.
 
-        ``carry``: slots of a subtree below the path (its root first: the new pending token seq[-1]) to move right
-        behind the new prefix, to slots n', n'+1, ... (n' = len(seq) - 1). Only done when every path node was run
-        and the path's tokens are all committed (no cut at EOS / the limit): then returns True, else False (the
-        carried entries are dropped). One gather, so overlapping sources and destinations are safe.
-
         Shared prefix (:meth:`share_prefix`): the committed tokens' entries come from the target instead (the
-        path's draft entries are not moved), so the carried subtree moves whenever the path's tokens were
-        committed whole, whether or not the draft ran every path node.
+        path's draft entries are not moved).
         """
-        self.epoch += 1
         n = self.length
         if self.prefix is not None:
             new_len = min(self.prefix.held(seq), len(seq) - 1)
-            move = carry is not None and len(carry) > 0 and n + len(slots) == len(seq) - 1 == new_len
-            if move and carry is not None:  # before the prefix copy: the sources may lie in [n, new_len)
-                self.cache.compact(torch.tensor(carry, dtype=torch.long), new_len)
             if new_len > n:
                 self.prefix.copy_into(self.cache, n, new_len)
             self._tokens = list(seq[:new_len])
-            return move
+            return
         kept: list[int] = []
         for s in slots:
             if s < 0:
                 break
             kept.append(s)
         if not kept:
-            return False
-        new_len = min(n + len(kept), len(seq) - 1)
-        move = carry is not None and len(kept) == len(slots) and n + len(kept) == len(seq) - 1 and len(carry) > 0
-        src = kept[1:] + (list(carry) if move and carry is not None else [])
-        self.cache.compact(torch.tensor(src, dtype=torch.long), n + 1)
-        self._tokens = list(seq[:new_len])
-        return move
+            return
+        self.cache.compact(torch.tensor(kept[1:], dtype=torch.long), n + 1)
+        self._tokens = list(seq[: min(n + len(kept), len(seq) - 1)])

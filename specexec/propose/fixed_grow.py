@@ -24,29 +24,10 @@ compacted once, at the end, into the same trees (node order included) as the dyn
 differ. The cost-based early stop (``TreeConfig.early_stop``, the dynamic growth's rule: one more pass only while
 its beams' mass U can pay for it, given E and the step's costs) is decided on E and U read with the level's count,
 in the same transfer; "ahead" decides it a level late (one pass more than "static" at most).
-
-Overlapped growth (``TreeConfig.overlap``): :meth:`FixedGrowth.extend` runs more levels that read nothing at all
-(each level's span is bounded by W more slots), so the host can queue them on a side CUDA stream and go straight on
-to the target's pass; :meth:`TreeDraft.commit` waits for them (:func:`regrown`) before it carries the subtree under
-the accepted path + bonus token into the next step. They only add expanded nodes to the store: the tree being
-verified is a separate copy, so it cannot change under the target.
-
-Where those levels aim (``TreeConfig.overlap_aim``). The next tree's root is a node c outside the verified tree
-whose parent a is verified: the walk ended at a and the target's bonus token is c's. With the draft as the
-target's proxy, the chance of that is exp(logp(c)). Below c, the next step grows the nodes whose log-prob
-*relative to c* is among its best, and the step's critical path is the depth of that growth, so a carried subtree
-saves passes only if it reaches down the likeliest roots' best chains. "frontier" ranks open nodes by their absolute
-log-prob (the best ``OVERLAP_BUDGET`` x budget of the store): that spends the levels on the shallow frontier, and
-a root's descendants, which rank below it, are rarely reached (measured: docs/BENCHMARKS.md). "carried" (the
-default; :meth:`FixedGrowth.aim`) ranks an open node v below root c by logp(c) + ``AIM_REL`` x (logp(v) -
-logp(c)) and opens it only while its relative log-prob beats the verified tree's budget-th best (the next tree
-would hold it): the levels go depth-first down the likeliest roots' best continuations. Unexpanded verified
-nodes (the leaves whose children, the roots, are not proposed yet) rank by their own log-prob.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -61,9 +42,6 @@ if TYPE_CHECKING:
     from specexec.propose.best_first import GrowCost, TreeDraft
 
 NEG = float("-inf")
-# "carried" aim: the weight of a node's log-prob relative to its root (1: the absolute log-prob, as "frontier"
-# ranks; 0: every node below a likelier root first)
-AIM_REL = 0.5
 
 
 class _Reader:
@@ -117,10 +95,7 @@ class _Store:
 
 class FixedGrowth:
     """One tree's growth in fixed-width levels: the store, the device-side slot counter and the host's bound on it.
-
-    :meth:`run` grows like :meth:`TreeDraft.grow`; :meth:`extend` adds levels that read
-    nothing at all (their attention span is bounded by ``max_beams`` slots a level), which is what may run on a side
-    stream while the target verifies (``TreeConfig.overlap``)."""
+    :meth:`run` grows like :meth:`TreeDraft.grow`."""
 
     def __init__(
         self,
@@ -128,9 +103,7 @@ class FixedGrowth:
         seq: list[int],
         cfg: TreeConfig,
         logprobs,
-        start: Tree | None,
         seed: int | None,
-        extra_levels: int = 0,
         stop: GrowCost | None = None,
         captured: bool = False,
     ) -> None:
@@ -142,96 +115,51 @@ class FixedGrowth:
         self.n = n = len(seq) - 1
         self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
         self.W = W = cfg.max_beams
-        # the levels a step waits for: up to ``max_depth`` deep in all (a carried start already reaches its own
-        # depth, so it needs fewer), then the background ones
-        self.critical = cfg.max_depth - 1 if start is None else max(0, cfg.max_depth - start.max_depth())
-        levels = self.critical + extra_levels
+        self.levels = self.levels_left = levels = cfg.max_depth - 1  # up to ``max_depth`` deep
         self.reader = _Reader(dev)
-        if start is None:
-            self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
-            root_lq = logprobs(d.catch_up(seq))  # (1, V)
-            if seed is not None:
-                root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
-            self.passes = 1
-            base, base_depth, n_exp = 1, 0, 1
-        else:
-            self.passes, self.beams_log = 0, []
-            base = start.size
-            expanded = (start.draft_slot[:base] >= 0).nonzero().squeeze(1)  # root first
-            n_exp = int(expanded.shape[0])
-            base_depth = start.max_depth()
-        self.width = base_depth + levels + 2
-        capacity = base + B + levels * W * B
+        self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
+        root_lq = logprobs(d.catch_up(seq))  # (1, V)
+        if seed is not None:
+            root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
+        self.passes = 1
+        self.width = levels + 2
+        capacity = 1 + B + levels * W * B
         # captured levels (greedy steps only: a sampled step's coupled noise is keyed by its seed)
         self.space = (
-            space_for(d, capacity, cfg.max_depth + levels + 2, n_exp + levels * W, levels, dev)
-            if captured and seed is None
-            else None
+            space_for(d, capacity, self.width, 1 + levels * W, levels, dev) if captured and seed is None else None
         )
         if self.space is not None:
-            tree = self.space.tree(seq[-1], start)
+            tree = self.space.tree(seq[-1])
             self.width = self.space.width
         else:
-            tree = Tree(seq[-1], capacity, dev) if start is None else start.resized(capacity)
-        store = self.store = _Store(tree, self.width, n_exp + levels * W, self.space)
+            tree = Tree(seq[-1], capacity, dev)
+        store = self.store = _Store(tree, self.width, 1 + levels * W, self.space)
         t = self.tree = store.tree
-        if start is None:
-            t.draft_slot[0] = n
-            store.rows[0, 0] = n
-            store.row_of[0] = 0
-            vals, toks = torch.topk(root_lq[0], B)
-            _remember(prop, t.draft_slot[:1], vals[None], toks[None])
-            _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, prop.scores(vals[None])[0].float(), 1 + B)
-            next_slot = n + 1
-        else:
-            r = torch.arange(n_exp, device=dev)
-            cur = expanded.clone()
-            for _ in range(base_depth + 1):  # each expanded node's ancestors (all expanded) by depth
-                ok = cur >= 0
-                at = cur.clamp(min=0)
-                store.rows[r[ok], t.depth[at][ok]] = t.draft_slot[at][ok]
-                cur = torch.where(ok, t.parents[at], cur)
-            store.row_of[expanded] = r
-            next_slot = int(t.draft_slot[:base].max()) + 1
+        t.draft_slot[0] = n
+        store.rows[0, 0] = n
+        store.row_of[0] = 0
+        vals, toks = torch.topk(root_lq[0], B)
+        _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, prop.scores(vals[None])[0].float(), 1 + B)
+        next_slot = n + 1
         # the next free draft slot (device)
         self.nxt = self.space.nxt if self.space is not None else torch.full((), next_slot, dtype=torch.long, device=dev)
         self.known = next_slot  # the host's exact copy, up to the last level whose count was read
         self.unread: list[tuple[object, int]] = []  # (count handle, rows) of levels not read yet, oldest first
         self.counts: list[Tensor] = []
-        self._held: list[Tensor] = []
-        self.row0 = n_exp
-        self.levels_left = levels
-        self._aim: tuple[Tensor, Tensor, Tensor] | None = None  # see :meth:`aim`
+        self.row0 = 1
         self.captured_levels = 0  # levels run by :meth:`_level_captured` (their counts are in the space)
         if self.space is not None:
-            self.space.begin(next_slot, t.size, n_exp, n, self.passes)
-
-    def aim(self, verified: Tensor) -> None:
-        """Aim the following levels at the subtrees the next step may start from (``TreeConfig.overlap_aim``
-        "carried"; the module docstring): ``verified`` are the store indices of the tree being verified. Reads
-        nothing from the device (safe on a side stream)."""
-        t, dev = self.tree, self.device
-        size = t.size
-        ver = torch.zeros(t.capacity, dtype=torch.bool, device=dev)
-        ver[verified] = True
-        lp = t.logp[:size]
-        par = t.parents[:size].clamp(min=0)
-        own = ver[:size] | ver[par]  # verified nodes and roots (their children outside the tree): their own log-prob
-        root = torch.full((t.capacity,), NEG, device=dev)
-        root[:size] = lp
-        for _ in range(self.width):  # below a root: the root's log-prob (one more depth right per round)
-            root[:size] = torch.where(own, lp, root[par])
-        self._aim = (ver, root, lp[verified].min())
+            self.space.begin(next_slot, t.size, 1, n, self.passes)
 
     @property
     def bound(self) -> int:
         """An upper bound on the next free slot: exact up to the last read level, plus every later level's rows."""
         return self.known + sum(k for _, k in self.unread)
 
-    def run(self, budget: int, ahead: bool, levels: int) -> None:
-        """Up to ``levels`` levels of best-first growth towards the best ``budget`` nodes; stops when no node is open
+    def run(self, budget: int, ahead: bool) -> None:
+        """Best-first growth towards the best ``budget`` nodes, up to ``max_depth`` deep; stops when no node is open
         (read at once, or with ``ahead`` one level late)."""
-        for _ in range(levels):
+        for _ in range(self.levels):
             if ahead and self.unread:
                 h, _k = self.unread.pop(0)
                 if self.stop is not None:  # (count, E, U, passes before that level): see :meth:`level`
@@ -249,50 +177,32 @@ class FixedGrowth:
             if not self.level(budget, "late" if ahead else "now"):
                 break
 
-    def extend(self, budget: int, levels: int, go_on: Callable[[], bool] | None = None) -> int:
-        """Up to ``levels`` more levels towards the best ``budget`` nodes, reading nothing (safe on a side stream);
-        ``go_on()`` is asked before each level (False: stop here). Returns the levels grown."""
-        grown = 0
-        for _ in range(levels):
-            if go_on is not None and not go_on():
-                break
-            if not self.level(budget, "none"):
-                break
-            grown += 1
-        return grown
-
     def level(self, budget: int, read: str) -> bool:
         """One level. ``read`` "now": the level's count is read before its pass (no pass over padding alone);
-        "late": it is sent to be read by the next level; "none": never read. False: growth is over."""
+        "late": it is sent to be read by the next level. False: growth is over."""
         t, store, d, dev = self.tree, self.store, self.draft, self.device
         if self.levels_left <= 0 or self.bound >= d.usable:
             return False
-        if self.space is not None and self._aim is None and read != "none":
+        if self.space is not None:
             return self._level_captured(budget, read)
         self.levels_left -= 1
         size = t.size
         k = min(self.W, size)
         lp = t.logp[:size]
         top = None  # the verified tree's log-probs (the best ``budget``), once the store holds that many
-        if self._aim is not None:  # "carried": likeliest roots first, open while the next tree would hold them
-            _, root, thr = self._aim
-            rel = lp - root[:size]  # NaN on padding (-inf - -inf): masked by the finite test
-            open_ = (t.draft_slot[:size] < 0) & (lp > NEG) & (rel > thr)
-            cand = torch.where(open_, root[:size] + AIM_REL * rel, torch.full_like(lp, NEG))
+        if size - 1 >= budget:
+            top = torch.topk(lp[1:], budget).values
+            thr = top[-1]
         else:
-            if size - 1 >= budget:
-                top = torch.topk(lp[1:], budget).values
-                thr = top[-1]
-            else:
-                thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
-            open_ = (t.draft_slot[:size] < 0) & (lp > thr)
-            cand = torch.where(open_, lp, torch.full_like(lp, NEG))
+            thr = lp.new_full((), NEG)  # made on the device (torch.tensor would copy from the host and wait)
+        open_ = (t.draft_slot[:size] < 0) & (lp > thr)
+        cand = torch.where(open_, lp, torch.full_like(lp, NEG))
         best, beams = torch.topk(cand, k)  # best first
         rank = torch.arange(k, device=dev)
         valid = (best > NEG) & (rank < d.usable - self.nxt)
         count = valid.sum()
         sent = count
-        if self.stop is not None and read != "none":  # early stop: E (1 + the tree's path mass) and U (the mass of
+        if self.stop is not None:  # early stop: E (1 + the tree's path mass) and U (the mass of
             # this level's beams, a bound on what its pass can add) travel with the count, in the same read
             nan = lp.new_full((), float("nan"))
             e = 1.0 + top.exp().sum() if top is not None else nan
@@ -313,17 +223,13 @@ class FixedGrowth:
         valid = valid[order]
         slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
         # the scratch slot (padding rows write there, no row reads it)
-        if self.space is not None:
-            self.nxt.add_(count)  # the space's counter: the next step's captured levels read it there
-        else:
-            self._held.append(self.nxt)  # a side stream may still read it: not freed (and reused) before the join
-            self.nxt = self.nxt + count
+        self.nxt = self.nxt + count
         if read == "now":
             span = self.known + c
             self.known = span
         else:
             span = min(d.usable, self.bound + k)
-            self.unread.append((self.reader.send(sent) if read == "late" else count, k))
+            self.unread.append((self.reader.send(sent), k))
         self.counts.append(count)
         t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
         # ancestor-slot rows: the parent's row plus the beam's own slot at its depth (padding: the root's row)
@@ -345,14 +251,10 @@ class FixedGrowth:
             lq = sampling.coupled_logprobs(lq, self.seed, pos + 1)
         self.passes += 1
         vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
-        _remember(self.prop, slots, vals, toks)
         vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
         _append(t, par, toks.reshape(-1), cum.reshape(-1), size + k * self.B)
-        if self._aim is not None:  # a verified parent's children are roots; below a root, its log-prob
-            ver, root, _ = self._aim
-            root[size : t.size] = torch.where(ver[par], cum.reshape(-1), root[par])
         return True
 
     def _level_captured(self, budget: int, read: str) -> bool:
@@ -370,12 +272,10 @@ class FixedGrowth:
         full = t.size - 1 >= budget
         capture = capturable(st, W)
         fn = getattr(self.logprobs, "__code__", self.logprobs)  # greedy steps: the same ops whatever the closure
-        cand = self.prop._cand_v
         # what a graph bakes in: shapes, the budget once the tree is full, and the addresses it touches outside the
-        # space (the draft's cache, its static inputs, the remembered children, the calibrated scores' exponents)
+        # space (the draft's cache, its static inputs, the calibrated scores' exponents)
         scale = self.prop.calibration.scales(B).data_ptr() if self.prop.calibrating else 0
-        cand_at = cand.data_ptr() if cand is not None else 0
-        bound = (d.cache.k.data_ptr(), id(st), cand_at, scale, W, B, self.width, d.usable)
+        bound = (d.cache.k.data_ptr(), id(st), scale, W, B, self.width, d.usable)
         select = ("select", budget if full else 0, self.stop is not None, bound)
         stats = space.stats if self.stop is not None else space.stats[0]
         if read == "now":
@@ -408,7 +308,6 @@ class FixedGrowth:
 
             space.run(key, whole, capture)
             self.unread.append((self.reader.send(stats), W))
-        d.epoch += 1
         self.captured_levels += 1
         self.row0 += rows
         t.size += rows * B
@@ -491,7 +390,6 @@ class FixedGrowth:
             logits = d.model.forward(tokens, pos, slots, mask, d.cache, fused_norm=d.fused_norm)
         lq = self.logprobs(logits)
         vals, toks = torch.topk(lq, B, dim=-1)  # (R, B)
-        _remember(self.prop, slots, vals, toks)
         vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
@@ -513,19 +411,16 @@ def grow_fixed(
     seq: list[int],
     cfg: TreeConfig,
     logprobs,
-    start: Tree | None,
     seed: int | None,
     ahead: bool,
-    extra_levels: int = 0,
     stop: GrowCost | None = None,
     captured: bool = False,
 ) -> FixedGrowth:
     """Grow like :meth:`TreeDraft.grow` in fixed-width levels. The result's store holds every node ever proposed
-    (root first, padding at -inf); the caller keeps the best ``budget`` (and, for reuse, the expanded nodes).
-    ``extra_levels``: room for :meth:`FixedGrowth.extend`. ``stop``: the cost-based early stop (as the dynamic
-    growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
-    g = FixedGrowth(prop, seq, cfg, logprobs, start, seed, extra_levels, stop, captured)
-    g.run(cfg.budget, ahead, g.critical)
+    (root first, padding at -inf); the caller keeps the best ``budget``. ``stop``: the cost-based early stop (as the
+    dynamic growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
+    g = FixedGrowth(prop, seq, cfg, logprobs, seed, stop, captured)
+    g.run(cfg.budget, ahead)
     return g
 
 
@@ -539,32 +434,7 @@ def _append(t: Tree, parents: Tensor, tokens: Tensor, logp: Tensor, end: int) ->
     t.size = end
 
 
-def _remember(prop: TreeDraft, slots: Tensor, vals: Tensor, toks: Tensor) -> None:
-    """Reuse: each expanded node's proposed children, by draft slot (padding rows write the scratch row)."""
-    if prop._cand_v is not None and prop._cand_t is not None and prop._cand_v.shape[1] == vals.shape[1]:
-        prop._cand_v[slots] = vals
-        prop._cand_t[slots] = toks
-
-
-def finish(store: Tree, budget: int, capacity: int, keep_all: bool) -> tuple[Tree, Tree | None, Tensor | None, Tensor]:
-    """The grown store → (the best ``budget`` nodes in a tree of ``capacity``; with ``keep_all`` the full tree of
-    those plus every expanded node, and the index of each kept node in it, else None, None; the kept nodes' indices
-    in the store). One host read."""
+def finish(store: Tree, budget: int, capacity: int) -> Tree:
+    """The grown store -> the best ``budget`` nodes in a tree of ``capacity`` (one host read)."""
     finite = store.logp[: store.size] > NEG
-    top = store.top_k_mask(budget) & finite
-    out, chosen = store.select(top, capacity)
-    if not keep_all:
-        return out, None, None, chosen
-    full, index = regrown(store, chosen)
-    return out, full, index, chosen
-
-
-def regrown(store: Tree, chosen: Tensor) -> tuple[Tree, Tensor]:
-    """The full tree for reuse: the store's nodes ``chosen`` (the proposal's, closed under ancestry) plus every
-    expanded node (their keys/values are in the draft cache), and the index of each chosen node in it."""
-    keep = (store.draft_slot[: store.size] >= 0) & (store.logp[: store.size] > NEG)
-    keep[chosen] = True
-    full, idx = store.select(keep, int(keep.sum()))
-    remap = torch.full((store.size,), -1, dtype=torch.long, device=store.device)
-    remap[idx] = torch.arange(idx.shape[0], device=store.device)
-    return full, remap[chosen]
+    return store.select(store.top_k_mask(budget) & finite, capacity)[0]
