@@ -1,4 +1,4 @@
-"""The small public API: ``engine = specexec.load(target, draft)``, then ``engine.generate(...)`` / ``stream(...)``.
+"""The public API: ``engine = specexec.load(target, draft)``, then ``engine.generate(...)`` / ``stream(...)``.
 
 Example::
 
@@ -6,12 +6,20 @@ Example::
     engine = specexec.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
     result = engine.generate("def quicksort(arr):", max_new_tokens=64)
     print(result.text, result.stats.tokens_per_s)
+
+:func:`load` is one pass of four steps, each a function below: find the checkpoints (:func:`_find`), plan memory
+once (:func:`_plan_memory`: where the target lives and whether everything fits, before anything is allocated), load
+the draft (:func:`_load_draft`), load the target (:func:`_load_target`). :func:`load_engine` is the command line's
+way in: the same load from :class:`ModelOptions`, with downloads shown before a spinner starts.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,7 @@ from specexec.loading import draft_choice, hub, layer_select, memory
 from specexec.loading.checkpoint import (
     DEFAULT_DRAFT_VOCAB,
     SELF_DRAFT,
+    TokenizerInfo,
     check_tokenizers_match,
     draft_format,
     draft_vocab_ids,
@@ -35,6 +44,7 @@ from specexec.loading.checkpoint import (
     resolve_dtype,
 )
 from specexec.model import sizes
+from specexec.model.transformer import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -54,43 +64,41 @@ def load(
     draft_layers: str | None = None,
     share_prefix: bool = True,
 ) -> Engine:
-    """Load a target (alias, HF id or path) and optional draft into an :class:`~specexec.decoding.engine.Engine`.
+    """Load a target and an optional draft into an :class:`~specexec.decoding.engine.Engine`.
 
-    ``offload`` is an :class:`offload.OffloadConfig` (None: the target is resident on ``device``; its
-    ``target_dtype`` may be nf4). ``dtype`` is the compute dtype (auto: bf16 on CUDA; on a CPU fp32 or bf16 by a
-    cached measurement of this machine, :mod:`specexec.loading.cpu_probe`), ``draft_dtype`` the draft's (default: same
-    as
-    ``dtype``; also the low-bit weight formats ``int8`` -- fbgemm on a CPU, bitsandbytes' int8 GEMM on CUDA -- and
-    ``nf4`` -- bitsandbytes on CUDA; on a CPU it dequantizes every pass, for tests -- and the group-wise ``q4``,
-    ``q3``, ``q2`` (:mod:`specexec.formats.groupquant`: 4/3/2-bit codes, an fp16 scale and offset per 64 input columns,
-    dequantized every pass); see :func:`specexec.loading.checkpoint.draft_format`). ``draft_dtype`` auto (or None) on
-    a GPU
-    with a streamed target: the 16-bit, int8 or NF4 draft, whichever is expected to decode fastest -- fewer streamed
-    bytes against dearer draft passes and a little acceptance (:mod:`specexec.loading.draft_choice`).
+    Before anything is allocated, the weights (counted from the safetensors headers at their loaded dtype), both
+    KV caches and every tree-sized buffer are checked against free memory; a load that does not fit raises
+    :class:`~specexec.loading.memory.NotEnoughMemory`, naming the largest tree budget that fits when the tree is
+    what is too big.
 
-    ``draft="self"``: a self-derived draft (SubSpec-style): the target's own checkpoint loaded a second time, in
-    low bit (``draft_dtype`` auto: int8 on a CPU, nf4 on CUDA; a 16-bit/fp32 name is refused), resident beside the
-    target. No second model or tokenizer (the tokenizers trivially match). It shares no weights with the target;
-    it shares the KV prefix: the committed tokens' keys/values are copied from the target's cache after each step
-    instead of computed by the draft (``share_prefix``; False: it computes its own, for comparisons). It still
-    keeps its own KV cache (sized and checked like any draft's) for its tree nodes, and its weight bytes are
-    counted in its low-bit format. ``draft_layers`` (self-derived drafts only): a *partial* self
-    draft that keeps some of the target's layers and skips the rest (``all``, a number ``40``, a fraction ``0.5``
-    -- chosen by their influence on a calibration text, measured on the target at load -- or indices
-    ``0-11,20``; :mod:`specexec.loading.layer_select`); its weights and KV cache shrink with the layers it keeps.
-    ``draft_vocab``: restrict the draft's lm_head to that many
-    frequency-ranked token ids plus special ids and the tokens it is fed (FR-Spec); None: on a CPU 32768 for a draft
-    whose vocabulary is over twice that (its lm_head is then a large share of each draft pass), else the full
-    vocabulary; 0: the full vocabulary. ``draft_dtype`` auto on a CPU: int8 weights where this machine runs them
-    clearly faster than dense ones (measured once, :func:`specexec.loading.cpu_probe.choose_draft`). ``context`` is the
-    longest prompt + answer the KV caches hold.
-    ``cache_dir``: specexec's cache root (models, offload layer caches); default
-    :func:`specexec.loading.hub.cache_home`.
-
-    Before anything is allocated, the weights (at their loaded dtype, counted from the safetensors headers), both
-    KV caches and every tree-sized buffer are checked against free memory (:mod:`specexec.loading.memory`); a load that
-    does not fit raises :class:`~specexec.loading.memory.NotEnoughMemory` (naming the largest tree budget that fits when
-    the tree is what is too big).
+    Args:
+        target: an alias, HF id, local directory or GGUF file.
+        draft: the same for the draft model; None: no draft (plain decoding). ``"self"``: the target's own
+            checkpoint loaded a second time in low bit (SubSpec-style), resident beside the target; it reads the
+            committed tokens' keys and values from the target's cache (``share_prefix``).
+        device: ``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda[:N]``.
+        dtype: the compute dtype: ``auto`` (bf16 on CUDA; on a CPU fp32 or bf16, whichever a cached measurement of
+            this machine finds faster, :mod:`specexec.loading.cpu_probe`), ``fp32``, ``bf16`` or ``fp16``.
+        draft_dtype: the draft's dtype or low-bit weight format (None: ``dtype``): ``int8``, ``nf4`` or the
+            group-wise ``q4``/``q3``/``q2`` (:func:`~specexec.loading.checkpoint.draft_format`). ``auto`` chooses:
+            on a CPU int8 where it runs clearly faster than dense; on a GPU beside a streamed target the 16-bit,
+            int8 or NF4 draft expected to decode fastest (:mod:`specexec.loading.draft_choice`); for a self draft
+            int8 on a CPU and nf4 on CUDA.
+        context: the longest prompt + answer the KV caches hold, in tokens (at most the model's maximum).
+        offload: an :class:`offload.OffloadConfig` for a streamed or NF4 target; None: the target is resident.
+        tree: the draft tree settings the caches are sized for. With ``auto`` budgets beside a streamed target,
+            ``max_budget`` may be lowered to fit the memory plan (``Engine.max_tree`` then says so).
+        progress: show download and conversion progress.
+        cache_dir: specexec's cache root (models, layer caches, step costs); None: ``$SPECEXEC_HOME``, else
+            ``~/.cache/specexec``.
+        draft_vocab: restrict the draft's lm_head to this many frequency-ranked token ids, plus the special ids and
+            the tokens it is fed (FR-Spec); 0: the full vocabulary; None: 32768 on a CPU for a draft whose
+            vocabulary is over twice that, else the full vocabulary.
+        draft_layers: the layers a self draft keeps (:mod:`specexec.loading.layer_select`): ``all``, a count
+            (``40``) or a fraction (``0.5``) of the layers with the most influence on the target, or indices
+            (``0-11,20``). The draft's weights and KV cache shrink with it.
+        share_prefix: a self draft copies the committed tokens' keys and values from the target's cache; False:
+            it computes its own (for comparisons).
     """
     if context < 8:
         raise ConfigError("context", context, "must be >= 8 tokens")
@@ -99,13 +107,62 @@ def load(
     if offload is not None and home is not None and offload.cache_dir is None:
         offload = replace(offload, cache_dir=home)
     dev = parse_device(device)
+    found = _find(target, draft, draft_layers, progress, home)
+    context = min(context, found.target_cfg.max_position_embeddings)
+    d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
+    mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
+    # the draft first: it stays resident, and the target's memory plan accounted for it; a partial self draft whose
+    # layers are chosen by their influence measures them on the target, which then loads first
+    t_model = None
+    keep = list(found.layers.indices) if found.layers.indices is not None else None
+    if found.layers.count is not None:
+        t_model = _load_target(found, dev, dtype, mem, offload)
+        keep = layer_select.choose(t_model, found.layers.count, found.tokenizer.tokenizer.encode)
+        log.info("partial self draft: %d of %d layers, %s", len(keep), found.target_cfg.num_layers, keep)
+    d_model = _load_draft(found, dev, d_dt, mem, draft_vocab, keep)
+    if t_model is None:
+        t_model = _load_target(found, dev, dtype, mem, offload)
+    engine = Engine(
+        t_model,
+        found.tokenizer,
+        d_model,
+        context=context,
+        tree=mem.tree,
+        costs_dir=hub.cache_home(cache_dir) / "costs",
+        share_prefix=share_prefix,
+        max_tree=mem.tree_cap,
+    )
+    if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
+        engine.draft_weights = mem.draft_fmt if mem.draft_fmt != "dense" else str(d_dt).removeprefix("torch.")
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------- 1. find
+
+
+@dataclass(frozen=True)
+class _Found:
+    """The checkpoints to load: located (downloaded or converted if need be) and read, nothing loaded yet."""
+
+    target: Path
+    target_cfg: ModelConfig
+    tokenizer: TokenizerInfo
+    draft: Path | None  # a self draft: the target's own directory
+    draft_cfg: ModelConfig | None  # a partial self draft's: only the layers it keeps
+    draft_tokenizer: TokenizerInfo
+    self_draft: bool
+    layers: layer_select.LayerSpec
+
+
+def _find(target: str, draft: str | None, draft_layers: str | None, progress: bool, home: Path | None) -> _Found:
+    """Resolve both models to HF-format directories, read their configs and tokenizers (which must match) and the
+    layers a partial self draft keeps."""
     t_path = model_dir(hub.resolve(target, progress=progress, home=home))
     t_tok = load_tokenizer(t_path)
     self_draft = draft == SELF_DRAFT
-    d_path = None
-    d_tok = t_tok
+    d_path, d_tok = None, t_tok
     if self_draft:
-        d_path = t_path  # the same checkpoint, loaded below in a low-bit format
+        d_path = t_path  # the same checkpoint, loaded in a low-bit format
     elif draft is not None:
         d_path = model_dir(hub.resolve(draft, progress=progress, home=home))
         d_tok = load_tokenizer(d_path)
@@ -117,111 +174,84 @@ def load(
         raise layer_select.needs_self_draft(draft_layers)
     if d_cfg is not None and not layers.everything:  # sized (weights, KV cache) with the layers it keeps
         d_cfg = replace(d_cfg, num_layers=layers.kept(d_cfg.num_layers))
-    context = min(context, t_cfg.max_position_embeddings)
-    d_dt, d_fmt = draft_format(draft_dtype, dtype, dev, d_cfg, self_draft) if d_cfg is not None else (None, "dense")
+    return _Found(t_path, t_cfg, t_tok, d_path, d_cfg, d_tok, self_draft, layers)
+
+
+def _draft_format(
+    found: _Found, draft_dtype: str | None, dtype: str, dev: torch.device
+) -> tuple[torch.dtype | None, str]:
+    """(compute dtype, weight format) of the draft, see :func:`~specexec.loading.checkpoint.draft_format`; (None,
+    "dense") without one."""
+    if found.draft_cfg is None:
+        return None, "dense"
+    return draft_format(draft_dtype, dtype, dev, found.draft_cfg, found.self_draft)
+
+
+# ---------------------------------------------------------------------------------------------- 2. plan memory
+
+
+@dataclass(frozen=True)
+class _MemoryPlan:
+    """Where everything goes, decided before anything is allocated."""
+
+    offload: Any  # the streamed (or NF4) target's offload.Plan; None: the target is resident on the device
+    tree: TreeConfig  # what the caches are sized for: the tree asked for, or an auto tree with a lower max_budget
+    tree_cap: int | None  # that lower max_budget (Engine.max_tree: the CLI prints a notice); None: not lowered
+    draft_fmt: str  # the draft's weight format (--draft-dtype auto on a GPU may choose a lighter one)
+    draft_weights: int | None  # its resident bytes in that format
+
+
+def _plan_memory(
+    found: _Found,
+    dev: torch.device,
+    dtype: str,
+    draft_dtype: str | None,
+    d_dt: torch.dtype | None,
+    d_fmt: str,
+    offload: Any,
+    context: int,
+    tree: TreeConfig,
+) -> _MemoryPlan:
+    """Plan the target's placement (a streamed target: with the draft format and tree that leave room for its ring)
+    and check that weights, KV caches and tree buffers fit (:func:`specexec.loading.memory.check_engine`)."""
+    t_cfg, d_cfg = found.target_cfg, found.draft_cfg
     d_isz = d_dt.itemsize if d_dt is not None else 4  # activations and the draft's KV cache
-    d_stored = sizes.stored_weights(d_path) if d_path is not None else None
-    d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt) if d_stored is not None else None
-    plan = None
-    tree_cap: int | None = None  # the largest --budget auto tree the memory plan left room for, when lowered
+    d_stored = sizes.stored_weights(found.draft) if found.draft is not None else None
+
+    def draft_bytes(fmt: str) -> int | None:
+        return d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
+
+    plan, tree_cap = None, None
     if _offloaded(offload, dev):
-        from specexec.loading.offloaded import plan_with_draft, target_compute_dtype
+        from specexec.loading.offloaded import plan_streamed, target_compute_dtype
 
         t_isz = target_compute_dtype(dtype, offload, dev).itemsize
-
-        # --draft-dtype auto on a GPU: the 16-bit, int8 and NF4 drafts are planned, and among those that leave room
-        # for the streamed target's ring the picker takes the one modelled fastest (specexec/draft_choice.py)
-        formats = [d_fmt]
-        pick = None
+        # --draft-dtype auto on a GPU: the 16-bit, int8 and NF4 drafts are planned; among those that leave room for
+        # the streamed target's ring, the picker takes the one modelled fastest
+        formats, pick = [d_fmt], None
         if dev.type == "cuda" and d_cfg is not None and draft_dtype in (None, "auto") and d_fmt == "dense":
             formats += draft_choice.lighter_formats(torch.cuda.get_device_capability(dev))
-            pick = draft_choice.picker(d_cfg, t_cfg, dev)  # the format expected to decode fastest among those that fit
-        # --budget auto: the plan reserves KV and workspace for --max-budget trees; where that leaves no room for the
-        # streamed target beside any draft format, smaller caps are tried (a 70B + 7B at 12 GB fits only with
-        # trees of a few hundred nodes), and the engine then never grows a tree beyond the cap that fitted
-        caps = sizes.fitting_caps(tree)
-        for k, cap in enumerate(caps):
+            pick = draft_choice.picker(d_cfg, t_cfg, dev)
 
-            def reserve(fmt: str, cap: TreeConfig = cap) -> sizes.PlanReservations:
-                weights = d_stored.resident_bytes(d_isz, d_cfg, fmt) if d_stored is not None else None
-                return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, cap, draft_weights=weights)
+        def reserve(tree: TreeConfig, fmt: str) -> sizes.PlanReservations:
+            return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=draft_bytes(fmt))
 
-            try:
-                plan, d_fmt = plan_with_draft(t_path, dev, dtype, offload, reserve, formats, pick=pick)
-            except OutOfMemory as e:
-                if e.resource != "GPU memory":
-                    raise
-                if len(caps) == 1:  # a fixed budget: the tree's reservation is one of the things to shrink
-                    smaller = setting("TreeConfig.budget")
-                    raise OutOfMemory(f"{e}, or a smaller {smaller}", e.resource, e.need, e.have) from None
-                if k == len(caps) - 1:
-                    smallest = setting("TreeConfig.max_budget", cap.max_budget)
-                    raise OutOfMemory(f"{e} (even with {smallest})", e.resource, e.need, e.have) from None
-                continue
-            if cap.max_budget < tree.max_budget:  # Engine.max_tree says so (the CLI prints a notice)
-                log.info("max_budget lowered to %d to fit the streamed target's plan", cap.max_budget)
-                tree_cap = cap.max_budget
-            tree = cap
-            break
-        assert plan is not None  # the loop either planned or raised
-        if d_stored is not None:
-            d_weights = d_stored.resident_bytes(d_isz, d_cfg, d_fmt)
+        plan, d_fmt, planned = plan_streamed(found.target, dev, dtype, offload, reserve, formats, tree, pick)
+        if planned.max_budget < tree.max_budget:
+            tree_cap = planned.max_budget
+        tree = planned
         # what the target itself keeps where the engine's buffers live: its globals, plus (on a CPU) its layers
         t_weights = sizes.globals_bytes(t_cfg, t_isz)
         if dev.type == "cpu":
             t_weights += len(plan.resident) * plan.layer_bytes + plan.ram_need
-        memory.check_engine(
-            t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
-        )
     else:
         t_isz = resolve_dtype(dtype, dev, t_cfg).itemsize
-        t_weights = sizes.stored_weights(t_path).resident_bytes(t_isz, t_cfg)
-        memory.check_engine(
-            t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
-        )
-    # the draft first: it stays resident, and the target's memory plan accounted for it (a partial self draft
-    # whose layers are chosen by their influence needs the target first)
-    t_model = None
-    keep = list(layers.indices) if layers.indices is not None else None
-    if layers.count is not None:
-        t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
-        keep = layer_select.choose(t_model, layers.count, t_tok.tokenizer.encode)
-        log.info("partial self draft: %d of %d layers, %s", len(keep), t_cfg.num_layers, keep)
-    d_model = None
-    if d_path is not None and d_cfg is not None and d_dt is not None:
-        vocab = draft_vocab
-        if vocab is None and dev.type == "cpu" and d_fmt != "nf4" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
-            vocab = DEFAULT_DRAFT_VOCAB
-        head = draft_vocab_ids(d_tok, d_cfg.vocab_size, vocab) if vocab else None
-        what = "self-derived draft (the target's weights)" if self_draft else f"draft {d_path.name}"
-        log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, d_fmt, (d_weights or 0) / 1e9, d_dt)
-        d_model = _load(d_path, dev, d_dt, fmt=d_fmt, head_ids=head, keep_layers=keep)
-        if self_draft:  # its layer i is the target's layer keep[i]: it can read the target's prefix
-            d_model.source_layers = tuple(keep) if keep is not None else tuple(range(t_cfg.num_layers))
-    if t_model is None:
-        t_model = _load_target(t_path, dev, dtype, t_cfg, plan, offload)
-    engine = Engine(
-        t_model,
-        t_tok,
-        d_model,
-        context=context,
-        tree=tree,
-        calibration_dir=hub.cache_home(cache_dir) / "calibration",
-        share_prefix=share_prefix,
-        max_tree=tree_cap,
+        t_weights = sizes.stored_weights(found.target).resident_bytes(t_isz, t_cfg)
+    d_weights = draft_bytes(d_fmt)
+    memory.check_engine(
+        t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
     )
-    if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
-        engine.draft_weights = d_fmt if d_fmt != "dense" else str(d_dt).removeprefix("torch.")
-    return engine
-
-
-def _load_target(path: Path, dev: torch.device, dtype: str, cfg: Any, plan: Any, offload: Any):
-    """The target: through the offload manager when it has a plan, else resident."""
-    if plan is not None:
-        from specexec.loading.offloaded import load_offloaded
-
-        return load_offloaded(path, dev, dtype, offload, plan=plan)
-    return _load(path, dev, resolve_dtype(dtype, dev, cfg))
+    return _MemoryPlan(plan, tree, tree_cap, d_fmt, d_weights)
 
 
 def _offloaded(offload: Any, dev: torch.device) -> bool:
@@ -233,7 +263,44 @@ def _offloaded(offload: Any, dev: torch.device) -> bool:
     return True
 
 
-def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
+# ---------------------------------------------------------------------------------------------- 3, 4. load
+
+
+def _load_draft(
+    found: _Found,
+    dev: torch.device,
+    d_dt: torch.dtype | None,
+    mem: _MemoryPlan,
+    draft_vocab: int | None,
+    keep: list[int] | None,
+) -> Transformer | None:
+    """The draft in its planned format, with a frequency-ranked head where asked (or by default on a CPU); a self
+    draft's layers are the target's layers ``keep`` (None: all)."""
+    if found.draft is None or found.draft_cfg is None or d_dt is None:
+        return None
+    d_cfg, fmt = found.draft_cfg, mem.draft_fmt
+    vocab = draft_vocab
+    if vocab is None and dev.type == "cpu" and fmt != "nf4" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
+        vocab = DEFAULT_DRAFT_VOCAB
+    head = draft_vocab_ids(found.draft_tokenizer, d_cfg.vocab_size, vocab) if vocab else None
+    what = "self-derived draft (the target's weights)" if found.self_draft else f"draft {found.draft.name}"
+    log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, fmt, (mem.draft_weights or 0) / 1e9, d_dt)
+    model = _load(found.draft, dev, d_dt, fmt=fmt, head_ids=head, keep_layers=keep)
+    if found.self_draft:  # its layer i is the target's layer keep[i]: it can read the target's prefix
+        model.source_layers = tuple(keep) if keep is not None else tuple(range(found.target_cfg.num_layers))
+    return model
+
+
+def _load_target(found: _Found, dev: torch.device, dtype: str, mem: _MemoryPlan, offload: Any) -> Transformer:
+    """The target: through the offload manager when it has a plan, else resident."""
+    if mem.offload is not None:
+        from specexec.loading.offloaded import load_offloaded
+
+        return load_offloaded(found.target, dev, dtype, offload, plan=mem.offload)
+    return _load(found.target, dev, resolve_dtype(dtype, dev, found.target_cfg))
+
+
+def _load(path: Path, dev: torch.device, dt: torch.dtype, **kw: Any) -> Transformer:
     try:
         return load_model(path, dev, dt, **kw)
     except torch.cuda.OutOfMemoryError:
@@ -242,3 +309,53 @@ def _load(path: Any, dev: torch.device, dt: torch.dtype, **kw: Any):
             f"smaller {setting('dtype')}",
             "GPU memory",
         ) from None
+
+
+# ---------------------------------------------------------------------------------------------- the CLI's way in
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which models to load and how: :func:`load`'s model arguments, as the command line collects them."""
+
+    target: str
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    draft_dtype: str | None = None
+    context: int = 4096
+    offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
+    cache_dir: Path | None = None  # specexec's cache root; None: $SPECEXEC_HOME, else ~/.cache/specexec
+    draft_vocab: int | None = None  # the draft's head: N frequent ids, 0: all; None: load's default
+    draft_layers: str | None = None  # the layers a self draft keeps; None: all
+
+
+def load_engine(
+    opts: ModelOptions,
+    tree: TreeConfig,
+    progress: bool = True,
+    status: Callable[[str], ContextManager[Any]] | None = None,
+) -> Engine:
+    """Resolve the models (downloads show their own progress bars), then :func:`load` them inside
+    ``status(message)``: the command line passes a spinner there, and two live displays cannot nest."""
+    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
+    d_path: Path | str | None = None
+    if opts.draft == SELF_DRAFT:
+        d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
+    elif opts.draft:
+        d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir)
+    with (status or (lambda _msg: nullcontext()))("loading models"):
+        return load(
+            str(t_path),
+            str(d_path) if d_path else None,
+            device=opts.device,
+            dtype=opts.dtype,
+            draft_dtype=opts.draft_dtype,
+            context=opts.context,
+            offload=opts.offload,
+            tree=tree,
+            progress=progress,
+            cache_dir=opts.cache_dir,
+            draft_vocab=opts.draft_vocab,
+            draft_layers=opts.draft_layers,
+        )

@@ -72,16 +72,8 @@ class TreeConfig:
     # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's
     # auto-budget trees, none in a CPU's fixed-budget ones). Never changes the output
     ngram: int | None = None
-    # score greedy steps' trees by the chance the target takes each child, fitted online from what verification
-    # shows (specexec/propose/calibrate.py), instead of the draft's raw probability. Never changes the output. Off by
-    # default: on the real pair it took 4-7% more tokens a step at budgets 32-128 but 22-26% more draft passes, and
-    # no more tokens at 256 with fixed-width levels (early stop off, docs/BENCHMARKS.md); the CPU's auto policy
-    # runs chains, which it does not rescale; not measured on a GPU
-    calibrate: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.calibrate, bool):
-            raise ConfigError("TreeConfig.calibrate", self.calibrate, "must be True or False")
         if self.grow not in GROW_MODES:
             raise ConfigError("TreeConfig.grow", self.grow, f"must be one of {', '.join(GROW_MODES)}")
         for name in ("budget", "max_beams", "max_branch", "max_depth", "verify_chunk", "max_budget"):

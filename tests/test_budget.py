@@ -47,7 +47,7 @@ def _policy(target_s: dict[int, float], pass_s: float, **kw) -> AutoBudget:  # n
 
 def _streamed() -> AutoBudget:
     # a streamed 70B on an H200 (docs/BENCHMARKS.md): verification ~flat in the tree size, and a draft pass
-    # calibrated eagerly at ~3x what its graphed passes then take
+    # measured eagerly at ~3x what its graphed passes then take
     return _policy({1: 0.62, 64: 0.625, 256: 0.64, 1024: 0.66, 2048: 0.68}, 0.028)
 
 

@@ -177,7 +177,7 @@ def test_cuda_trees_merge_ngram_branches_by_default(tiny_models, tmp_path):
 
 def test_engine_allocates_the_default_ngram_room_up_front(tiny_models):
     """The caches an engine allocates at construction already hold the n-gram branches its generations merge by
-    default (the CPU's auto trees here), so the first generation does not reallocate them (and recalibrate)."""
+    default (the CPU's auto trees here), so the first generation does not reallocate them (and measure costs again)."""
     t = tiny_models["llama"]
     tree = TreeConfig(auto=True, max_budget=16)
     eng = Engine(load_model(t, CPU, torch.float32), load_tokenizer(t), load_model(t, CPU, torch.float32), tree=tree)
@@ -240,9 +240,9 @@ def test_adaptive_policy_prior_orders_untried_arms():
     assert p.choose() == 4
 
 
-def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_path, monkeypatch):
-    """The cost-model auto budget (a GPU's) calibrates once per machine and model pair: a second engine reuses the
-    cached file; measured costs far from it make the engine calibrate again before the next generation."""
+def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, tmp_path, monkeypatch):
+    """The cost-model auto budget (a GPU's) measures pass costs once per machine and model pair: a second engine
+    reuses the cached file; step costs far from it make the engine measure again before the next generation."""
     from specexec.decoding.budget import drifted
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
@@ -251,21 +251,21 @@ def test_auto_budget_calibration_is_cached_and_redone_on_drift(noisy_pairs, tmp_
 
     def make():
         t, d = load_model(target, CPU, torch.float32), load_model(draft, CPU, torch.float32)
-        return Engine(t, load_tokenizer(target), d, context=256, tree=tree, calibration_dir=tmp_path)
+        return Engine(t, load_tokenizer(target), d, context=256, tree=tree, costs_dir=tmp_path)
 
     e1 = make()
     r1 = e1.generate([5, 6, 7], 20, method="specexec", tree=tree)
-    assert r1.stats.calibration_s > 0 and len(list(tmp_path.glob("*.json"))) == 1, "calibrated and cached"
+    assert r1.stats.calibration_s > 0 and len(list(tmp_path.glob("*.json"))) == 1, "measured and cached"
     e2 = make()
     r2 = e2.generate([5, 6, 7], 20, method="specexec", tree=tree)
     assert r2.tokens == r1.tokens
-    assert e2._auto is not None and e2._auto.target_s == e1._auto.target_s, "the cached calibration was reused"
-    e2._auto._target_scale = 3.0  # as if the steps measured 3x slower than the calibration said
+    assert e2._auto is not None and e2._auto.target_s == e1._auto.target_s, "the cached costs were reused"
+    e2._auto._target_scale = 3.0  # as if the steps measured 3x slower than the start-up measurement said
     e2._auto.history.extend([64] * 10)
     assert drifted(e2._auto)
     before = dict(e2._auto.target_s)
     r3 = e2.generate([5, 6, 7], 10, method="specexec", tree=tree)
-    assert r3.stats.calibration_s > 0, "calibrated again"
+    assert r3.stats.calibration_s > 0, "measured again"
     assert not drifted(e2._auto) and e2._auto.target_s != before
 
 
@@ -322,7 +322,7 @@ def test_verify_costs_learn_and_never_decrease_with_size():
 
     v = VerifyCosts({1: 1.0, 16: 2.0})
     assert v.at(8) == pytest.approx(1.0 + 7 / 15)
-    v.update(1, 3.0)  # the calibration ran on an idle machine; steps now take 3x: the whole prior curve scales
+    v.update(1, 3.0)  # the prior was measured on an idle machine; steps now take 3x: the whole curve scales
     assert v.scale() == pytest.approx(3.0) and v.at(16) == pytest.approx(6.0)
     v.update(16, 4.0)  # a size measured online uses its own measurement
     assert v.at(16) == pytest.approx(4.0) and v.at(1) == pytest.approx(3.0)
@@ -498,7 +498,7 @@ def test_coupling_raises_acceptance_over_the_argmax():
 def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_path, monkeypatch):
     """The cost-model auto budget times the draft through DraftModel.forward (its graphed passes on a GPU, what
     its steps run), not its model's eager forward: on an H200 the eager timing was ~3x the steps' passes, so the
-    drift check recalibrated before every generation."""
+    drift check measured the costs again before every generation."""
     from specexec.propose.draft_model import DraftModel
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
@@ -518,8 +518,8 @@ def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_pat
         load_model(draft, CPU, torch.float32),
         context=256,
         tree=tree,
-        calibration_dir=tmp_path,
+        costs_dir=tmp_path,
     )
     e.generate([5, 6, 7], 4, method="specexec", tree=tree)
-    assert {1, 16} <= set(calls), "the calibration's beam counts ran through DraftModel.forward"
+    assert {1, 16} <= set(calls), "the measured beam counts ran through DraftModel.forward"
     assert e._auto is not None and set(e._auto.draft_pass_s) == {1, 16}

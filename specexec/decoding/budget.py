@@ -6,8 +6,9 @@ its costs; :class:`AutoBudget` picks the size with the best expected tokens/s:
 
     tokens/s(b) = E[emitted | b] / (draft_s(b) + target_s(b))
 
-Costs come from a quick start-up calibration (a few target passes at a few tree sizes, a few draft passes at a
-few beam counts), corrected online by the times each step actually took. Acceptance comes from the trees
+Costs come from a quick start-up measurement (:func:`measure_costs`: a few target passes at a few tree sizes, a few
+draft passes at a few beam counts; cached per machine and model pair), corrected online by the times each step
+actually took. Acceptance comes from the trees
 themselves: for a best-first tree, the chance that the target's path runs through node i is estimated by the
 draft's probability of that path, exp(logp_i) (SpecExec, §3), so E[emitted | b] ≈ 1 + sum of the b largest
 exp(logp_i). The tree of the current budget B gives that curve for every b ≤ B; beyond B it is extrapolated
@@ -117,7 +118,7 @@ class AutoBudget:
     explore_every: int = 8
     _curve: list[float] = field(default_factory=list)  # E[emitted | b] for b = 1..B of the last tree
     _passes: dict[int, float] = field(default_factory=dict)  # EMA of draft passes per tree, by budget
-    _target_scale: float = 1.0  # EMA of actual / calibrated target time
+    _target_scale: float = 1.0  # EMA of actual / measured (at start-up) target time
     _draft_scale: float = 1.0
     _acc_scale: float = 1.0  # EMA of actual / predicted emitted tokens
     history: list[int] = field(default_factory=list)
@@ -156,7 +157,7 @@ class AutoBudget:
         return draft + target
 
     def grow_cost(self, b: int) -> GrowCost:
-        """Costs of a budget-b step for the draft's early stop (calibrated, corrected online)."""
+        """Costs of a budget-b step for the draft's early stop (measured at start-up, corrected online)."""
         return GrowCost(
             pass_s=interp(self.draft_pass_s, min(b, self.max_beams)) * self._draft_scale,
             target_s=interp(self.target_s, b + 1) * self._target_scale,
@@ -204,11 +205,11 @@ class AutoBudget:
             # keep the correction within reason: one lucky step should not explode the budget
             self._acc_scale = min(max(self._acc_scale, 0.2), 5.0)
         self._passes[budget] = _ema(self._passes.get(budget, passes), passes, 0.3)
-        cal_t = interp(self.target_s, budget + 1)
-        self._target_scale = _ema(self._target_scale, target_s / cal_t, 0.3)
-        cal_d = self._passes[budget] * interp(self.draft_pass_s, min(budget, self.max_beams))
-        if cal_d > 0 and draft_s > 0:
-            self._draft_scale = _ema(self._draft_scale, draft_s / cal_d, 0.3)
+        prior_t = interp(self.target_s, budget + 1)
+        self._target_scale = _ema(self._target_scale, target_s / prior_t, 0.3)
+        prior_d = self._passes[budget] * interp(self.draft_pass_s, min(budget, self.max_beams))
+        if prior_d > 0 and draft_s > 0:
+            self._draft_scale = _ema(self._draft_scale, draft_s / prior_d, 0.3)
 
 
 @dataclass
@@ -240,13 +241,13 @@ def _ema(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new
 
 
-def calibrate(
+def measure_costs(
     time_target: Callable[[int], float], time_draft: Callable[[int], float], max_budget: int, max_beams: int
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Measure target pass seconds at a few sizes and draft pass seconds at a few beam counts.
 
     Sizes grow geometrically; once a pass costs more than 3x the smallest (compute-bound, e.g. on a CPU) the
-    rest is extrapolated linearly instead of measured, so calibration stays short on slow machines.
+    rest is extrapolated linearly instead of measured, so the measurement stays short on slow machines.
     """
     target: dict[int, float] = {}
     for size in (1, 64, 256, 1024, 2048):
@@ -260,7 +261,7 @@ def calibrate(
         if beams > max_beams and beams != 1:
             break
         draft[beams] = time_draft(beams)
-    log.info("auto budget calibration: target %s, draft %s", target, draft)
+    log.info("auto budget pass costs: target %s, draft %s", target, draft)
     return _monotone(target), _monotone(draft)
 
 
@@ -276,9 +277,9 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
 @dataclass
 class VerifyCosts:
     """The target's verification seconds by tree size (tokens in the pass, root included), for a compute-bound
-    verifier. ``prior``: a short calibration (cached per machine); ``seconds``: EMAs of what steps measured at
-    each size. A size measured online uses its EMA; any other size uses the prior's curve scaled by the median
-    measured/prior ratio, so a calibration taken while the machine was busy (or idle) is corrected everywhere by
+    verifier. ``prior``: a short measurement at start (cached per machine); ``seconds``: EMAs of what steps measured
+    at each size. A size measured online uses its EMA; any other size uses the prior's curve scaled by the median
+    measured/prior ratio, so a prior taken while the machine was busy (or idle) is corrected everywhere by
     the steps, not only at the sizes the policy happens to verify. ``at(size)`` never decreases with size."""
 
     prior: dict[int, float] = field(default_factory=dict)
@@ -336,7 +337,7 @@ class AdaptiveBudget:
     AR when nothing matches), a small tree, a bigger one -- depends on the machine and on the text being written.
     Each arm keeps EMAs of its step seconds and emitted tokens; the best rate wins; an arm not tried for
     ``explore_every`` steps next to the current best is tried once (so a change of text -- a repeated passage, a
-    switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the calibrated cost model,
+    switch from code to prose -- is noticed). Arms never tried are rated by ``prior`` (the measured cost model,
     when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
     speed depends on it. An arm is a proposal size: 0 no draft, b > 0 a tree of budget b, -g a chain of g draft
     tokens (with a proposer that offers chains, :class:`~specexec.propose.best_first.TreeDraft` with a ChainDraft).
@@ -443,7 +444,7 @@ class AdaptiveBudget:
             s.seconds = _ema(s.seconds, sec, self.alpha)
             s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
         s.n += 1
-        if step.budget != 0 and step.passes > 0:  # trees and chains: the draft's pass cost and calibration
+        if step.budget != 0 and step.passes > 0:  # trees and chains: the draft's pass cost and confidence
             predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
             self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 
@@ -452,13 +453,13 @@ class AdaptiveBudget:
         return {a: {"steps": s.n, "tokens": s.tokens, "seconds": s.seconds} for a, s in self._stats.items() if s.n}
 
 
-# ---------------------------------------------------------------------------------------------- calibration cache
+# ---------------------------------------------------------------------------------------------- the costs cache
 
-DRIFT = 1.5  # measured / calibrated step costs beyond this factor (either way) trigger a new calibration
+DRIFT = 1.5  # step costs beyond this factor of the start-up measurement (either way) trigger a new measurement
 
 
-def calibration_key(*parts: object) -> str:
-    """A stable key for a calibration: machine, versions, model shapes and dtypes, tree limits."""
+def costs_key(*parts: object) -> str:
+    """A stable key for measured pass costs: machine, versions, model shapes and dtypes, tree limits."""
     import hashlib
     import json
     import platform
@@ -478,7 +479,7 @@ def calibration_key(*parts: object) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def load_calibration(path) -> tuple[dict[int, float], dict[int, float]] | None:
+def load_costs(path) -> tuple[dict[int, float], dict[int, float]] | None:
     """A cached (target seconds by size, draft seconds by beams), or None when absent or unreadable."""
     import json
 
@@ -492,20 +493,20 @@ def load_calibration(path) -> tuple[dict[int, float], dict[int, float]] | None:
         return None
 
 
-def save_calibration(path, target_s: dict[int, float], draft_pass_s: dict[int, float]) -> None:
-    """Write the calibration (best effort: an unwritable cache only costs a calibration next time)."""
+def save_costs(path, target_s: dict[int, float], draft_pass_s: dict[int, float]) -> None:
+    """Write measured pass costs (best effort: an unwritable cache only costs a measurement next time)."""
     import json
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"target_s": target_s, "draft_pass_s": draft_pass_s}))
     except OSError as e:
-        log.info("calibration not cached (%s)", e)
+        log.info("pass costs not cached (%s)", e)
 
 
 def drifted(policy: AutoBudget, min_steps: int = 8) -> bool:
-    """Whether the steps measured since calibration disagree with it by more than :data:`DRIFT` (e.g. the machine
-    was busy while calibrating): then the calibration is redone before the next generation."""
+    """Whether the steps measured since the start-up measurement disagree with it by more than :data:`DRIFT` (e.g.
+    the machine was busy while measuring): then the costs are measured again before the next generation."""
     if len(policy.history) < min_steps:
         return False
     lim = math.log(DRIFT)

@@ -30,11 +30,11 @@ from specexec.decoding.budget import (
     FixedBudget,
     StepCosts,
     VerifyCosts,
-    calibrate,
-    calibration_key,
+    costs_key,
     drifted,
-    load_calibration,
-    save_calibration,
+    load_costs,
+    measure_costs,
+    save_costs,
 )
 from specexec.decoding.loop import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
 from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
@@ -205,8 +205,8 @@ class Engine:
 
     ``context`` is the longest committed sequence (prompt + answer) the caches hold. ``static_draft``: run draft
     passes of up to ``static_rows`` tokens padded to static shapes (CUDA graphs on a GPU); None = on CUDA only.
-    ``calibration_dir``: where the auto budget's cost calibration is cached per machine and model pair (None:
-    not cached); a cached calibration is reused at the next start and redone when measured costs drift from it.
+    ``costs_dir``: where the auto budget's measured pass costs are cached per machine and model pair (None: not
+    cached); cached costs are reused at the next start and measured again when the steps' costs drift from them.
     ``share_prefix``: a self-derived draft (``draft.source_layers`` set) takes its committed prefix's keys/values
     from the target's cache instead of computing its own (:class:`~specexec.propose.draft_model.TargetPrefix`);
     False: it computes them (for comparisons). Other drafts always compute their own.
@@ -221,7 +221,7 @@ class Engine:
         tree: TreeConfig | None = None,
         static_draft: bool | None = None,
         static_rows: int = 128,
-        calibration_dir: Path | None = None,
+        costs_dir: Path | None = None,
         share_prefix: bool = True,
         max_tree: int | None = None,
     ) -> None:
@@ -245,7 +245,7 @@ class Engine:
         self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
         self._verify: VerifyCosts | None = None
         self._static = (static_draft, static_rows)
-        self.calibration_dir = calibration_dir
+        self.costs_dir = costs_dir
         self.share_prefix = share_prefix and shared_layers(target, draft) is not None
         tree = tree or TreeConfig()
         # with the n-gram branches a generation merges by default, so its first step does not reallocate the caches
@@ -440,13 +440,13 @@ class Engine:
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
-            log.info("measured step costs drifted from the calibration: calibrating again")
+            log.info("step costs drifted from the start-up measurement: measuring again")
             self._auto = None
-            if self.calibration_dir:
-                self._calibration_file(tree).unlink(missing_ok=True)
+            if self.costs_dir:
+                self._costs_file(tree).unlink(missing_ok=True)
         if self._auto is None:  # once per engine (and cache size), before the caches hold anything
             tc = time.perf_counter()
-            self._auto = self._calibrate(tree)
+            self._auto = self._measure_costs(tree)
             stats.calibration_s = time.perf_counter() - tc
         return proposer, self._auto
 
@@ -467,13 +467,13 @@ class Engine:
 
     def _verify_prior(self) -> dict[int, float]:
         """Target pass seconds at a few small sizes (what trimming a proposal weighs), measured once per machine
-        and model (cached under the calibration dir). Uses the target cache as scratch: drops the prefix cache."""
+        and model (cached under ``costs_dir``). Uses the target cache as scratch: drops the prefix cache."""
         assert self.state is not None
         path = None
-        if self.calibration_dir:
-            key = calibration_key(self.target.device, self.target.cfg, self.target.dtype, "verify", VERIFY_SIZES)
-            path = self.calibration_dir / f"verify-{key}.json"
-            cached = load_calibration(path)
+        if self.costs_dir:
+            key = costs_key(self.target.device, self.target.cfg, self.target.dtype, "verify", VERIFY_SIZES)
+            path = self.costs_dir / f"verify-{key}.json"
+            cached = load_costs(path)
             if cached is not None:
                 return cached[0]
         t_time = pass_timer(self.target, self.state.cache)
@@ -482,7 +482,7 @@ class Engine:
         points = {n: t_time(n, 2) for n in sizes}
         self.reset()
         if path is not None:
-            save_calibration(path, points, {})
+            save_costs(path, points, {})
         log.info("verification cost by size: %s", {k: round(v, 4) for k, v in points.items()})
         return points
 
@@ -490,9 +490,9 @@ class Engine:
         """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""
         return self.target.device.type == "cpu"
 
-    def _calibration_file(self, tree: TreeConfig) -> Path:
-        assert self.calibration_dir is not None and self.draft is not None
-        key = calibration_key(
+    def _costs_file(self, tree: TreeConfig) -> Path:
+        assert self.costs_dir is not None and self.draft is not None
+        key = costs_key(
             self.target.device,
             self.target.cfg,
             self.draft.cfg,
@@ -501,17 +501,17 @@ class Engine:
             tree.max_budget,
             tree.max_beams,
             self.context + self._tree_room,
-            "draft passes as run",  # calibrations before the draft was timed through its graphed passes differ
+            "draft passes as run",  # costs measured before the draft was timed through its graphed passes differ
         )
-        return self.calibration_dir / f"{key}.json"
+        return self.costs_dir / f"{key}.json"
 
-    def _calibrate(self, tree: TreeConfig) -> AutoBudget:
+    def _measure_costs(self, tree: TreeConfig) -> AutoBudget:
         """Time a few target passes (tree sizes) and draft passes (beam counts) for the auto budget.
 
         Uses the caches as scratch, so the prefix cache is dropped.
         """
         assert self.draft_model is not None and self.state is not None
-        cached = load_calibration(self._calibration_file(tree)) if self.calibration_dir else None
+        cached = load_costs(self._costs_file(tree)) if self.costs_dir else None
         if cached is not None:
             return AutoBudget(
                 target_s=cached[0],
@@ -523,14 +523,14 @@ class Engine:
             )
         t_time = pass_timer(self.target, self.state.cache)
         # the draft's own passes (graphed on a GPU): timing its model eagerly measured ~3x what its steps then took
-        # on an H200, and the drift check recalibrated every generation
+        # on an H200, and the drift check measured again every generation
         d_time = pass_timer(self.draft_model.model, self.draft_model.cache, self.draft_model.forward)
         t_time(1, 1)  # warm-up
         d_time(1, 1)
-        t_s, d_s = calibrate(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
+        t_s, d_s = measure_costs(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
         self.reset()
-        if self.calibration_dir:
-            save_calibration(self._calibration_file(tree), t_s, d_s)
+        if self.costs_dir:
+            save_costs(self._costs_file(tree), t_s, d_s)
         return AutoBudget(
             target_s=t_s,
             draft_pass_s=d_s,

@@ -59,10 +59,6 @@ class Proposal:
         """Proposed (non-root) tokens."""
         return self.tree.size - 1
 
-    def predicted(self) -> float:
-        """Expected tokens emitted if the proposal's own scores were calibrated: 1 + sum of path probabilities."""
-        return 1.0 + float(self.tree.n_logp[1:].exp().sum()) if self.tree.size > 1 else 1.0
-
 
 class Proposer(Protocol):
     """A source of proposals. It owns its state (draft KV cache, n-gram index) and commits it itself."""

@@ -30,7 +30,6 @@ from specexec.config import CAPTURED, SamplingConfig, TreeConfig
 from specexec.decoding import sampling
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
-from specexec.propose.calibrate import ScoreCalibration, Snapshot
 from specexec.propose.captured import capturable
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
@@ -73,10 +72,6 @@ class TreeDraft:
         self, draft: DraftModel, cfg: TreeConfig, ngram: NGramDraft | None = None, chain: ChainDraft | None = None
     ) -> None:
         self.draft, self.cfg, self.ngram, self.chain = draft, cfg, ngram, chain
-        # calibrated scores (specexec.propose.calibrate): on for this step's growth (a greedy step with
-        # ``cfg.calibrate``), and the last proposal's draft-grown nodes with the root's position, observed at commit
-        self.calibrating = False
-        self._snap: tuple[Snapshot, int] | None = None
 
     def max_nodes(self) -> int:
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
@@ -116,9 +111,6 @@ class TreeDraft:
             cost,
             seed=None if ctx.samp.greedy else ctx.seed,
         )
-        self._snap = None
-        if self.calibrating:  # what verification will show is observed at commit (before n-grams merge in)
-            self._snap = (self.calibration.snapshot(tree.parents, tree.tokens, tree.logp, tree.size), len(seq) - 1)
         merged_at = tree.size
         if self.ngram is None or not self.ngram.merge_into(tree, seq):
             merged_at = 0
@@ -133,9 +125,6 @@ class TreeDraft:
         )
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
-        snap, self._snap = self._snap, None
-        if snap is not None and proposal.source == self.name:  # the target's tokens after the root: its path
-            self.calibration.observe(snap[0], seq[snap[1] + 1 :])
         if proposal.source == "chain" and self.chain is not None:
             self.chain.commit(proposal, path, seq)
         elif int(proposal.tree.draft_slot[0]) >= 0:  # else no draft pass ran: the cache catches up next proposal
@@ -143,20 +132,6 @@ class TreeDraft:
             self.draft.commit(tree.draft_slot[torch.tensor(path, device=tree.device)].tolist(), seq)
         if self.ngram is not None:
             self.ngram.commit(proposal, path, seq)
-
-    @property
-    def calibration(self) -> ScoreCalibration:
-        """The draft's score calibration (kept on the draft: it learns across generations, and captured levels'
-        graphs read its exponents)."""
-        if self.draft.calibration is None:
-            self.draft.calibration = ScoreCalibration(self.draft.device)
-        cal: ScoreCalibration = self.draft.calibration
-        return cal
-
-    def scores(self, vals: Tensor) -> Tensor:
-        """(k, B) the draft's top-B log-probs per expanded node (best first) -> the children's tree scores: calibrated
-        in a greedy step with ``cfg.calibrate``, else the log-probs themselves."""
-        return self.calibration.apply(vals) if self.calibrating else vals
 
     # -- growth -----------------------------------------------------------------------------------------------------
     def grow(
@@ -177,7 +152,6 @@ class TreeDraft:
         """
         d = self.draft
         dev = d.device
-        self.calibrating = cfg.calibrate and seed is None
         stop = cost if cfg.stops_early(dev) else None
         if cfg.grow_mode(dev) != "dynamic":
             return self._grow_fixed(seq, cfg, logprobs, seed, stop)
@@ -252,12 +226,12 @@ class TreeDraft:
         ``max_branch`` children."""
         branch = min(cfg.max_branch, lq.shape[-1])
         vals, toks = torch.topk(lq, branch, dim=-1)  # (k, B)
-        self._add_children(tree, parents, self.scores(vals), toks, budget)
+        self._add_children(tree, parents, vals, toks, budget)
 
     @staticmethod
     def _add_children(tree: Tree, parents: Tensor, vals: Tensor, toks: Tensor, budget: int) -> None:
-        """Add the proposed children (k, B) of ``parents`` (their scores ``vals``, tokens ``toks``) that can enter
-        the top ``budget``; drop the other nodes outside the top ``budget``."""
+        """Add the proposed children (k, B) of ``parents`` (their draft log-probs ``vals``, tokens ``toks``) that
+        can enter the top ``budget``; drop the other nodes outside the top ``budget``."""
         cum = tree.logp[parents][:, None] + vals  # (k, B)
         par = parents[:, None].expand_as(toks)
         cum, toks, par = cum.reshape(-1), toks.reshape(-1), par.reshape(-1)

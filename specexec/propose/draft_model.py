@@ -84,8 +84,6 @@ class DraftModel:
         # captured growth levels (specexec.propose.captured), kept here so they and their graphs outlive a
         # generation (each has its own proposer)
         self.level_space: Any = None
-        # the tree scores' calibration (specexec.propose.calibrate), learnt across generations (chat turns)
-        self.calibration: Any = None
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
         """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).

@@ -139,7 +139,7 @@ class FixedGrowth:
         store.rows[0, 0] = n
         store.row_of[0] = 0
         vals, toks = torch.topk(root_lq[0], B)
-        _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, prop.scores(vals[None])[0].float(), 1 + B)
+        _append(t, torch.zeros(B, dtype=torch.long, device=dev), toks, vals.float(), 1 + B)
         next_slot = n + 1
         # the next free draft slot (device)
         self.nxt = self.space.nxt if self.space is not None else torch.full((), next_slot, dtype=torch.long, device=dev)
@@ -251,7 +251,6 @@ class FixedGrowth:
             lq = sampling.coupled_logprobs(lq, self.seed, pos + 1)
         self.passes += 1
         vals, toks = torch.topk(lq, self.B, dim=-1)  # (k, B)
-        vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
         _append(t, par, toks.reshape(-1), cum.reshape(-1), size + k * self.B)
@@ -273,9 +272,8 @@ class FixedGrowth:
         capture = capturable(st, W)
         fn = getattr(self.logprobs, "__code__", self.logprobs)  # greedy steps: the same ops whatever the closure
         # what a graph bakes in: shapes, the budget once the tree is full, and the addresses it touches outside the
-        # space (the draft's cache, its static inputs, the calibrated scores' exponents)
-        scale = self.prop.calibration.scales(B).data_ptr() if self.prop.calibrating else 0
-        bound = (d.cache.k.data_ptr(), id(st), scale, W, B, self.width, d.usable)
+        # space (the draft's cache, its static inputs)
+        bound = (d.cache.k.data_ptr(), id(st), W, B, self.width, d.usable)
         select = ("select", budget if full else 0, self.stop is not None, bound)
         stats = space.stats if self.stop is not None else space.stats[0]
         if read == "now":
@@ -390,7 +388,6 @@ class FixedGrowth:
             logits = d.model.forward(tokens, pos, slots, mask, d.cache, fused_norm=d.fused_norm)
         lq = self.logprobs(logits)
         vals, toks = torch.topk(lq, B, dim=-1)  # (R, B)
-        vals = self.prop.scores(vals)
         cum = torch.where(valid[:, None], t.logp[beams][:, None] + vals, torch.full_like(vals, NEG))
         par = beams[:, None].expand_as(toks).reshape(-1)
         at = space.size + torch.arange(R * B, device=dev)

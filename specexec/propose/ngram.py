@@ -11,7 +11,7 @@ proportional to the new tokens, not the sequence length.
 
 Scores: node logp = depth * log(a) + log(share), with ``share`` the fraction of the matches' weight that passes
 through the node and ``a`` the measured per-token acceptance of earlier n-gram proposals (an EMA), so
-1 + sum(exp(logp)) is a calibrated guess of the tokens a step emits (the budget policy and the stats use it).
+1 + sum(exp(logp)) estimates the tokens a step emits from what was measured (the budget policy uses it).
 """
 
 from __future__ import annotations
