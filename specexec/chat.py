@@ -1,6 +1,5 @@
 """Multi-turn chat over an :class:`~specexec.decoding.engine.Engine`: history, chat-template rendering, the context
-window,
-interruption, transcripts; plus the pure input helpers the ``specexec chat`` REPL uses.
+window, interruption, transcripts; plus the pure input helpers the ``specexec chat`` REPL uses.
 
 Every turn renders the WHOLE conversation (system prompt, earlier turns, the new user message) with the
 tokenizer's chat template (``add_generation_prompt=True``) and hands the ids to ``engine.stream``. The engine keeps
@@ -17,8 +16,8 @@ Interruption (Ctrl-C while an answer streams): the REPL sets a flag that :meth:`
 handing out each piece, so nothing of the step in flight is shown once it is set (a second Ctrl-C raises
 ``KeyboardInterrupt`` at once). The text yielded so far is kept as the assistant message, marked ``interrupted``
 in the transcript (so the model sees what the user saw); an answer interrupted before any text appeared drops the
-whole turn. The engine stays usable: its state only
-advances after a completed step, and the next request re-syncs through the prefix cache.
+whole turn. The engine stays usable: its state only advances after a completed step, and the next request
+re-syncs through the prefix cache.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager as ContextManager
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,66 +38,6 @@ log = logging.getLogger(__name__)
 
 MIN_ANSWER_TOKENS = 16  # a message must leave at least this much room (or max_new_tokens, if smaller)
 TRIPLE_QUOTE = '"""'
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """Which models to load and how (the model half of the CLI's options; see :func:`specexec.api.load`)."""
-
-    target: str
-    draft: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    draft_dtype: str | None = None
-    context: int = 4096
-    offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
-    cache_dir: Path | None = None  # specexec's cache root (models, layer caches); None: hub.cache_home()
-    draft_vocab: int | None = None  # the draft's head: N frequent ids, 0 = all; None: api.load's default
-    draft_layers: str | None = None  # a partial self draft's layers (api.load's draft_layers); None: all
-
-
-def load_engine(
-    opts: ModelOptions,
-    tree: TreeConfig,
-    progress: bool = True,
-    status: Callable[[str], ContextManager[Any]] | None = None,
-) -> Engine:
-    """Resolve the models (downloads show their own progress bars), then load them inside ``status(message)``.
-
-    The CLI passes a spinner as ``status``; the two steps are separate because two live displays cannot nest.
-    Memory is checked by :func:`specexec.api.load` before anything large is allocated.
-    """
-    from specexec import api
-    from specexec.loading import hub
-
-    vocab: dict[str, Any] = {} if opts.draft_vocab is None else {"draft_vocab": opts.draft_vocab}  # None: default
-    if opts.draft_layers is not None:
-        vocab["draft_layers"] = opts.draft_layers
-    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
-    from specexec.loading.checkpoint import SELF_DRAFT
-
-    d_path: Any = None
-    if opts.draft == SELF_DRAFT:
-        d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
-    elif opts.draft:
-        d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir)
-    with (status or (lambda _msg: nullcontext()))("loading models"):
-        return api.load(
-            str(t_path),
-            str(d_path) if d_path else None,
-            device=opts.device,
-            dtype=opts.dtype,
-            draft_dtype=opts.draft_dtype,
-            context=opts.context,
-            offload=opts.offload,
-            tree=tree,
-            progress=progress,
-            cache_dir=opts.cache_dir,
-            **vocab,
-        )
 
 
 # ---------------------------------------------------------------------------------------------- the session

@@ -211,9 +211,11 @@ def test_nf4_forward_equals_dequantized_resident(tiny3, tmp_path):
 
 
 def test_nf4_cache_second_start_does_not_quantize(tiny3, tmp_path, monkeypatch):
+    from offload import packing
+
     calls = []
-    real = nf4.quantize_nf4
-    monkeypatch.setattr(nf4, "quantize_nf4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = packing.quantize_nf4
+    monkeypatch.setattr(packing, "quantize_nf4", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = _passes(_load(tiny3, tmp_path, mode="ram", target_dtype="nf4", resident_layers=0))
     assert len(calls) == 3 * 4  # 3 layers x 4 linears, once
     calls.clear()

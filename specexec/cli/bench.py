@@ -13,9 +13,9 @@ from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
 
 
+@o.shared_options(omit=("method", "budget", "max_budget", "gamma"), defaults={"context": 2048, "max_new_tokens": 64})
 def bench(
-    target: str = o.target(),
-    draft: str | None = o.draft(),
+    shared: o.Shared,
     methods: str = typer.Option(
         "ar,chain,specexec",
         "--methods",
@@ -23,46 +23,27 @@ def bench(
         "tuning flags); ar always runs.",
     ),
     budgets: str = typer.Option("16,64,256", "--budgets", help="SpecExec tree budgets to try."),
-    gammas: str = typer.Option("2,4", "--gammas", help="Chain lengths to try."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
     prompts_file: Path | None = typer.Option(
         None, "--prompts", help='JSONL prompt set: {"prompt": str, "chat": bool?} per line (default: built-in).'
     ),
-    num_prompts: int = typer.Option(8, "--num-prompts", help="How many built-in prompts (code and prose) to use."),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
-    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
-    temperature: float = o.temperature(),
-    top_p: float = o.top_p(),
-    top_k: int = o.top_k(),
-    min_p: float = o.min_p(),
-    seed: int | None = o.seed(),
-    max_beams: int = o.max_beams(),
-    max_branch: int = o.max_branch(),
-    max_depth: int = o.max_depth(),
-    early_stop: bool | None = o.early_stop(),
-    ngram_nodes: str = o.ngram_nodes(),
-    context: int = o.context(2048),
-    device: str = o.device(),
-    dtype: str = o.dtype(),
-    offload: str = o.offload(),
-    gpu_memory: float | None = o.gpu_memory(),
-    target_dtype: str = o.target_dtype(),
-    cache_dir: Path | None = o.cache_dir(),
-    draft_dtype: str | None = o.draft_dtype(),
-    draft_vocab: str | None = o.draft_vocab(),
-    draft_layers: str | None = o.draft_layers(),
-    quiet: bool = o.quiet("No spinner or progress bar."),
-    verbose: bool = o.verbose(),
+    gammas: str = typer.Option("2,4", "--gammas", help="Chain lengths to try.", rich_help_panel=o.ADVANCED),
+    num_prompts: int = typer.Option(
+        8, "--num-prompts", help="How many built-in prompts (code and prose) to use.", rich_help_panel=o.ADVANCED
+    ),
+    plot_path: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG plot (needs matplotlib).", rich_help_panel=o.ADVANCED
+    ),
 ) -> None:
     """Benchmark ar / chain / specexec over a prompt set (tokens/s, tokens per step, speedup, exactness).
 
     With the default target and no --draft, the demo draft is used; --draft none benchmarks ar alone.
     """
-    setup_logging(verbose, quiet)
+    s = shared
+    setup_logging(s.verbose, s.quiet)
 
     def run() -> None:
         from specexec.bench import BenchConfig, builtin_prompts, load_prompts, parse_ints, plot, run_bench, save_json
-        from specexec.chat import load_engine
         from specexec.config import TreeConfig
 
         # everything that needs no model is checked first: a bad option never costs a model load
@@ -70,39 +51,24 @@ def bench(
             methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
             budgets=parse_ints(budgets, "--budgets"),
             gammas=parse_ints(gammas, "--gammas"),
-            max_new_tokens=max_new_tokens,
-            sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
+            max_new_tokens=s.max_new_tokens,
+            sampling=s.sampling_config(),
             tree=TreeConfig(
-                max_beams=max_beams,
-                max_branch=max_branch,
-                max_depth=max_depth,
-                early_stop=early_stop,
-                ngram=o.ngram_limit(ngram_nodes),
+                max_beams=s.max_beams,
+                max_branch=s.max_branch,
+                max_depth=s.max_depth,
+                early_stop=s.early_stop,
+                ngram=o.ngram_limit(s.ngram_nodes),
             ),
         )
-        o.check_max_new_tokens(max_new_tokens, context)
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(num_prompts)
-        model = o.model_options(
-            target,
-            draft,
-            device,
-            dtype,
-            draft_dtype,
-            context,
-            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
-            cache_dir_=cache_dir,
-            draft_vocab_=draft_vocab,
-            draft_layers_=draft_layers,
-        )
-        o.notices_before_load(model)
-        engine = load_engine(
-            model, TreeConfig(budget=max(cfg.budgets), max_beams=max_beams), progress=not quiet, status=o.spinner(quiet)
-        )
-        o.notices_after_load(model, engine)
+        model = s.model_options()
+        sizing = TreeConfig(budget=max(cfg.budgets), auto=False, max_beams=s.max_beams)  # caches for the largest
+        engine = s.load(model, sizing, show=not s.quiet)
         report = _with_progress(
-            quiet,
+            s.quiet,
             len(cfg.runs()) * len(prompts),
-            lambda step: run_bench(engine, prompts, cfg, target, model.draft, on_run=step),
+            lambda step: run_bench(engine, prompts, cfg, s.target, model.draft, on_run=step),
         )
         _table(report)
         if out:
@@ -112,7 +78,7 @@ def bench(
             plot(report, plot_path)
             typer.echo(f"plot: {plot_path}", err=True)
 
-    guarded(run, verbose)
+    guarded(run, s.verbose)
 
 
 def _with_progress(quiet: bool, total: int, work):

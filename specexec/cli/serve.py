@@ -10,6 +10,7 @@ import logging
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -20,9 +21,9 @@ from specexec.errors import ConfigError, SpecexecError
 log = logging.getLogger(__name__)
 
 
+@o.shared_options(defaults={"max_new_tokens": 512})
 def serve(
-    target: str = o.target(),
-    draft: str | None = o.draft(),
+    shared: o.Shared,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: str | None = typer.Option(
@@ -31,78 +32,40 @@ def serve(
         envvar="SPECEXEC_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1/* (also from $SPECEXEC_API_KEY).",
     ),
-    queue: int = typer.Option(8, "--queue", help="Requests that may wait while one generates; more get HTTP 429."),
+    queue: int = typer.Option(
+        8, "--queue", help="Requests that may wait while one generates; more get HTTP 429.", rich_help_panel=o.ADVANCED
+    ),
     served_model_name: str | None = typer.Option(
-        None, "--served-model-name", help="The model id in /v1/models and responses (default: --target)."
+        None,
+        "--served-model-name",
+        help="The model id in /v1/models and responses (default: --target).",
+        rich_help_panel=o.ADVANCED,
     ),
-    max_body_kb: int = typer.Option(4096, "--max-body-kb", help="Largest request body accepted (KiB); more: 413."),
-    max_new_tokens: int = typer.Option(
-        512,
-        "--max-new-tokens",
-        "-n",
-        help="Answer length when a request gives no max_tokens (capped by the room left in the context).",
+    max_body_kb: int = typer.Option(
+        4096, "--max-body-kb", help="Largest request body accepted (KiB); more: 413.", rich_help_panel=o.ADVANCED
     ),
-    method: str | None = o.method(),
-    temperature: float = typer.Option(
-        0.0, "--temperature", help="Default when a request gives none; 0 = greedy (exactly the target's output)."
-    ),
-    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass when a request gives none (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Default top-k when a request gives none (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p when a request gives none (0 = off)."),
-    seed: int | None = typer.Option(None, "--seed", help="Default sampling seed when a request gives none."),
-    budget: str = o.budget(),
-    max_budget: int = o.max_budget(),
-    max_beams: int = o.max_beams(),
-    max_branch: int = o.max_branch(),
-    max_depth: int = o.max_depth(),
-    early_stop: bool | None = o.early_stop(),
-    ngram_nodes: str = o.ngram_nodes(),
-    gamma: int = o.gamma(),
-    context: int = o.context(),
-    device: str = o.device(),
-    dtype: str = o.dtype(),
-    draft_dtype: str | None = o.draft_dtype(),
-    draft_vocab: str | None = o.draft_vocab(),
-    draft_layers: str | None = o.draft_layers(),
-    offload: str = o.offload(),
-    gpu_memory: float | None = o.gpu_memory(),
-    target_dtype: str = o.target_dtype(),
-    cache_dir: Path | None = o.cache_dir(),
-    quiet: bool = o.quiet("Only warnings and errors in the log (no loading progress, no access log)."),
-    verbose: bool = o.verbose(),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) and a web chat
-    page at /."""
-    setup_logging(verbose, quiet)
-    level = logging.DEBUG if verbose else (logging.WARNING if quiet else logging.INFO)
+    page at /.
+
+    The sampling options and --max-new-tokens are the defaults for requests that give none.
+    """
+    s = shared
+    setup_logging(s.verbose, s.quiet)
+    level = logging.DEBUG if s.verbose else (logging.WARNING if s.quiet else logging.INFO)
     for name in ("specexec.server", "specexec.cli.serve", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(level)
 
     def run() -> None:
         import uvicorn
 
-        from specexec.chat import load_engine
+        from specexec import api
         from specexec.server import Defaults, ServerConfig, create_app
 
-        tree = o.tree_config(
-            budget, max_budget, max_beams, max_branch, max_depth, early_stop, ngram_nodes
-        )
-        chain = o.chain_config(gamma)
-        samp = o.sampling_config(temperature, top_p, top_k, min_p, seed)
-        model = o.model_options(
-            target,
-            draft,
-            device,
-            dtype,
-            draft_dtype,
-            context,
-            o.offload_config(offload, gpu_memory, target_dtype, cache_dir),
-            cache_dir_=cache_dir,
-            draft_vocab_=draft_vocab,
-            draft_layers_=draft_layers,
-        )
-        o.check_method(method, model.draft)
-        o.check_max_new_tokens(max_new_tokens, context)
+        tree = s.tree_config()
+        chain = s.chain_config()
+        samp = s.sampling_config()
+        model = s.model_options()
         if not 0 <= port <= 65535:
             raise ConfigError("port", port, "must be in 0..65535", f"--port must be in 0..65535, got {port}")
         if queue < 0:
@@ -111,14 +74,14 @@ def serve(
             raise ConfigError(
                 "max_body_kb", max_body_kb, "must be >= 1", f"--max-body-kb must be >= 1, got {max_body_kb}"
             )
-        name = served_model_name or default_model_name(target)
+        name = served_model_name or default_model_name(s.target)
         config = ServerConfig(
             model_name=name,
             api_key=api_key or None,
             queue=queue,
             max_body_bytes=max(max_body_kb * 1024, 1024),
-            defaults=Defaults(max_new_tokens=max_new_tokens, sampling=samp),
-            method=method,
+            defaults=Defaults(max_new_tokens=s.max_new_tokens, sampling=samp),
+            method=s.method,
             tree=tree,
             chain=chain,
         )
@@ -126,9 +89,9 @@ def serve(
         sock = listen(host, port)
         failures: list[BaseException] = []
 
-        def loader():
+        def loader() -> Any:
             log.info("loading target %s%s", model.target, f", draft {model.draft}" if model.draft else " (no draft)")
-            eng = load_engine(model, tree, progress=not quiet)
+            eng = api.load_engine(model, tree, progress=not s.quiet)
             o.notices_after_load(model, eng)
             return eng
 
@@ -138,7 +101,7 @@ def serve(
 
         app = create_app(config, loader=loader, on_load_error=load_failed)
         server = uvicorn.Server(
-            uvicorn.Config(app, log_config=None, access_log=not quiet, timeout_graceful_shutdown=3, log_level=None)
+            uvicorn.Config(app, log_config=None, access_log=not s.quiet, timeout_graceful_shutdown=3, log_level=None)
         )
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -159,7 +122,7 @@ def serve(
             raise SpecexecError(f"loading the model failed: {type(e).__name__}: {e}") from e
         log.info("server stopped after %.0f s", time.perf_counter() - t0)
 
-    guarded(run, verbose)
+    guarded(run, s.verbose)
 
 
 def default_model_name(target: str) -> str:

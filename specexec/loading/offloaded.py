@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from offload.packing import quantize_layer
 from offload.plan import OffloadConfig, Plan, PlanModel, Resources, make_plan
 from offload.store import CHUNK_BYTES, CacheWriter, HostBuffer, RamStore, SsdStore, writable_dir
 from offload.streamer import StreamedLayers
+from specexec.config import TreeConfig
 from specexec.errors import ConfigError, OutOfMemory, SpecexecError, setting
 from specexec.loading.checkpoint import iter_layers, load_model, model_dir, parse_dtype, read_config
+from specexec.model import sizes
 from specexec.model.transformer import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -159,6 +162,45 @@ def plan_with_draft(
             reserve(fmt).draft_bytes / 1e9,
         )
     return plan, fmt
+
+
+def plan_streamed(
+    path: Path,
+    device: torch.device,
+    dtype_str: str,
+    offload: OffloadConfig,
+    reserve: Callable[[TreeConfig, str], Any],
+    formats: Sequence[str],
+    tree: TreeConfig,
+    pick: Callable[[list[tuple[str, Plan]]], str] | None = None,
+) -> tuple[Plan, str, TreeConfig]:
+    """The streamed target's plan beside the draft and the largest tree that leaves room for both.
+
+    ``reserve(tree, fmt)`` gives the :class:`~specexec.model.sizes.PlanReservations` of a draft in ``fmt`` and
+    ``tree``'s KV cache and workspace. A fixed budget is planned as given; ``--budget auto`` tries its
+    ``max_budget`` and then smaller caps (:func:`~specexec.model.sizes.fitting_caps`: a 70B + 7B at 12 GB fits only
+    with trees of a few hundred nodes). Each cap is planned with :func:`plan_with_draft` over ``formats`` (``pick``:
+    see there). Returns (plan, draft format, the tree the caches are sized for); an error that no cap fits names the
+    budget setting to shrink.
+    """
+    caps = sizes.fitting_caps(tree)
+    for k, cap in enumerate(caps):
+        try:
+            plan, fmt = plan_with_draft(path, device, dtype_str, offload, partial(reserve, cap), formats, pick=pick)
+        except OutOfMemory as e:
+            if e.resource != "GPU memory":
+                raise
+            if len(caps) == 1:  # a fixed budget: the tree's reservation is one of the things to shrink
+                smaller = setting("TreeConfig.budget")
+                raise OutOfMemory(f"{e}, or a smaller {smaller}", e.resource, e.need, e.have) from None
+            if k == len(caps) - 1:
+                smallest = setting("TreeConfig.max_budget", cap.max_budget)
+                raise OutOfMemory(f"{e} (even with {smallest})", e.resource, e.need, e.have) from None
+            continue
+        if cap.max_budget < tree.max_budget:
+            log.info("max_budget lowered to %d to fit the streamed target's plan", cap.max_budget)
+        return plan, fmt, cap
+    raise ValueError("fitting_caps gave no tree to plan")
 
 
 def build_layers(
