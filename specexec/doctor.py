@@ -504,7 +504,7 @@ def _recommend_gpu(
             break
     if d_cfg is None:
         rec.draft_options = []
-    elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/draft_choice.py)
+    elif not self_draft and len(plans) > 1:  # what --draft-dtype auto weighs (specexec/loading/draft_choice.py)
         dev_gbps = gpu.device_gbps or draft_choice.ASSUMED_DEVICE_GBPS
         opts = draft_choice.plan_options(d_cfg, cfg, plans, h2d, dev_gbps)
         best = draft_choice.choose(opts)

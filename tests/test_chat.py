@@ -246,7 +246,7 @@ def test_read_message_and_commands():
         decode_line(b"\xff\xfe\n")
 
 
-# ---------------------------------------------------------------------------------------------- issue 15: clean stop
+# ---------------------------------------------------------------------------------------------- a clean stop
 
 
 def _flag_on_step(monkeypatch, step: int, action):

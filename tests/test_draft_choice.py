@@ -1,5 +1,5 @@
-"""--draft-dtype auto on a GPU beside a streamed target (specexec/draft_choice.py): the cost model's data, the
-choice it makes, and plan_with_draft's ``pick``. No GPU: the bandwidths are given, not measured."""
+"""--draft-dtype auto on a GPU beside a streamed target (specexec/loading/draft_choice.py): the cost model's data,
+the choice it makes, and plan_with_draft's ``pick``. No GPU: the bandwidths are given, not measured."""
 
 from __future__ import annotations
 

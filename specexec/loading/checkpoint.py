@@ -21,9 +21,9 @@ from torch import Tensor
 
 from specexec.errors import ConfigError, SpecexecError, setting
 from specexec.formats import nf4
+from specexec.formats.groupquant import GROUP_BITS
 from specexec.formats.int8 import Int8Linear
 from specexec.formats.subset import SubsetHead
-from specexec.model.sizes import GROUP_BITS
 from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
 
 log = logging.getLogger(__name__)
@@ -264,8 +264,8 @@ class _Shards:
 
     Each tensor is read with plain file reads into a fresh buffer of its own, never through a memory map: pages of
     a mapped file that a load touches count in the process's RSS while the map lives, which put ~2.5 GB on top of
-    the loaded weights of the demo pair (issue 15: the test suite must peak below 8 GB). The page cache still
-    holds the file, but that is not this process's memory.
+    the loaded weights of the demo pair (the test suite must peak below 8 GB). The page cache still holds the file,
+    but that is not this process's memory.
     """
 
     def __init__(self, path: Path) -> None:
@@ -372,12 +372,11 @@ INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model
 
 
 def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, refine: bool = False) -> Any:
-    """A linear weight (out, in) as an int8 (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from
-    fp32),
-    NF4 (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
-    q4/q3/q2 (:class:`~specexec.formats.groupquant.GroupQuantLinear`, quantized on the CPU from fp32) weight on
-    ``device``
-    computing in ``dtype``. ``refine``: the group-wise formats' clip-range / offset search
+    """A linear weight (out, in) as a low-bit weight on ``device`` computing in ``dtype``: int8
+    (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from fp32), NF4
+    (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
+    q4/q3/q2 (:class:`~specexec.formats.groupquant.GroupQuantLinear`, quantized on the CPU from fp32). ``refine``:
+    the group-wise formats' clip-range / offset search
     (:meth:`~specexec.formats.groupquant.GroupQuantLinear.quantize`)."""
     if fmt == "int8":
         return Int8Linear(w.float()).to(device)

@@ -1,7 +1,7 @@
 """Pick the CPU compute dtype (fp32 or bf16) for a model by measuring this machine, once.
 
 Whether bf16 pays on a CPU depends on the CPU: with AMX-BF16 / AVX512-BF16 a 32-row bf16 pass over the demo
-target's weights cost about half the fp32 one (issue 13's quiet-machine probe: 29 vs 63 ms per layer), while on an
+target's weights cost about half the fp32 one (a probe on a quiet machine: 29 vs 63 ms per layer), while on an
 AVX2-only CPU bf16 matmuls are emulated and slower than fp32 at every row count. So ``--dtype auto`` on a CPU times
 one decoder layer's four weight matrices, in the model's own shapes (from its config), at 1 and 32 rows, in fp32
 and bf16 (bf16 in both matmul orientations, see :func:`specexec.formats.dense.linear`), taking the minimum of a few

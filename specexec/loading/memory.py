@@ -171,9 +171,9 @@ def check_load(
     """Check, from config.json and the safetensors headers only, that loading these models with these settings
     fits (see :func:`check_engine`).
 
-    ``target``/``draft`` are model locations (validated with :func:`specexec.loading.checkpoint.model_dir`); ``dtype``
-    and
-    ``draft_dtype`` are the CLI names (``auto``, ``bf16``...; ``nf4`` counts as offloaded). Returns the estimate.
+    ``target``/``draft`` are model locations (validated with :func:`specexec.loading.checkpoint.model_dir`);
+    ``dtype`` and ``draft_dtype`` are the CLI names (``auto``, ``bf16``...; ``nf4`` counts as offloaded). Returns the
+    estimate.
     """
     t_dir = model_dir(target)
     d_dir = model_dir(draft) if draft is not None else None
