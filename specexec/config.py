@@ -25,8 +25,7 @@ def check_method(method: str) -> None:
         )
 
 
-GROW_MODES = ("auto", "dynamic", "static", "ahead", "captured", "captured-ahead")
-CAPTURED = ("captured", "captured-ahead")  # the grow modes whose levels run as CUDA graphs (greedy steps)
+GROW_MODES = ("auto", "dynamic", "ahead", "captured")
 # prompt-lookup nodes merged into each draft tree by default (TreeConfig.ngram None): on a GPU, whatever the budget
 # (a streamed verifier checks a few dozen more tokens at almost no cost, a resident one at little, and they cost no
 # draft pass; nothing is merged where the lookup finds no earlier occurrence); on a CPU, where every verified token
@@ -56,17 +55,17 @@ class TreeConfig:
     # costs it cut the dynamic growth's code acceptance; on an H200 with "ahead" levels it took the draft's time a
     # step from 0.147 to 0.106 s at the same tokens per step, docs/BENCHMARKS.md)
     early_stop: bool | None = None
-    # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py): "dynamic" sizes
-    # each draft pass by the open nodes and compacts the tree every level (several host reads a level; the CPU's
-    # choice); "static" runs fixed-width levels with one host read a level; "ahead" also reads that number a level
-    # late, so the host never waits for the pass it just launched (one pass over padding rows at the end);
-    # "captured" runs each "static" level as two CUDA graphs (choose the beams; read their count; expand them and run
-    # the draft pass), "captured-ahead" each "ahead" level as one, greedy steps only (specexec/propose/captured.py).
-    # "auto": for a CUDA draft "captured" at a fixed budget where a level can replay as a graph, and "ahead" with
-    # the automatic budget or with levels wider than the draft's graphed passes; else "dynamic". Measured on an H100
-    # with a 70B-shaped streamed target and an int8 7B draft (docs/BENCHMARKS.md): "captured" took the draft's time
-    # a step from 0.125 to 0.114-0.118 s on code at 1024 and from 0.106 to 0.094 s on prose at 256, the same trees.
-    # "ahead" took it from 0.202 to 0.147 s against "dynamic" on an H200 at 256.
+    # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py), a research setting:
+    # "dynamic" sizes each draft pass by the open nodes and compacts the tree every level (several host reads a
+    # level; the CPU's choice); "ahead" runs fixed-width levels and reads each level's count a level late, so the
+    # host never waits for the pass it just launched (one pass over padding rows at the end); "captured" runs each
+    # level as two CUDA graphs (choose the beams; read their count; expand them and run the draft pass), greedy steps
+    # only (specexec/propose/captured.py). "auto": for a CUDA draft "captured" at a fixed budget where a level can
+    # replay as a graph, "ahead" with the automatic budget or with levels wider than the draft's graphed passes;
+    # else "dynamic". Measured on an H100 with a 70B-shaped streamed target and an int8 7B draft
+    # (docs/BENCHMARKS.md): "captured" took the draft's time a step from 0.125 to 0.114-0.118 s on code at 1024 and
+    # from 0.106 to 0.094 s on prose at 256, the same trees; "ahead" took it from 0.202 to 0.147 s against "dynamic"
+    # on an H200 at 256.
     grow: str = "auto"
     # prompt-lookup continuations (specexec/propose/ngram.py) merged into every draft tree as extra branches: at most
     # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's

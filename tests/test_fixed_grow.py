@@ -1,5 +1,5 @@
-"""Tree growth in fixed-width levels (TreeConfig.grow "static" / "ahead" / "captured", specexec/propose/fixed_grow.py
-and captured.py).
+"""Tree growth in fixed-width levels (TreeConfig.grow "ahead" / "captured", specexec/propose/fixed_grow.py and
+captured.py).
 
 The fixed-width growth must grow the same tree as the dynamic one (node for node; only draft slots may differ),
 read the device once per level however deep the tree grows (the dynamic growth reads it several times a level),
@@ -25,7 +25,7 @@ from tests.test_specexec import _engine
 
 CPU = torch.device("cpu")
 PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
-MODES = ("static", "ahead", "captured", "captured-ahead")
+MODES = ("ahead", "captured")
 
 
 def test_config_validates_grow():
@@ -39,19 +39,18 @@ def test_config_validates_grow():
     # levels that cannot replay as graphs (wider than the draft's graphed passes): "ahead", whose host never waits
     assert TreeConfig().grow_mode(gpu, graphs=False) == "ahead"
     assert TreeConfig(grow="captured").grow_mode(gpu, graphs=False) == "captured"  # an explicit choice stands
-    assert TreeConfig(grow="ahead").grow_mode(gpu) == "ahead"
-    assert (
-        TreeConfig(grow="static").grow_mode(gpu) == "static" and TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"
-    )
+    assert TreeConfig(grow="ahead").grow_mode(gpu) == "ahead" and TreeConfig(grow="ahead").grow_mode(CPU) == "ahead"
+    assert TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"
     assert TreeConfig().stops_early(CPU) and TreeConfig().stops_early(gpu)
-    assert not TreeConfig(grow="dynamic").stops_early(gpu) and TreeConfig(grow="static").stops_early(gpu)
+    assert not TreeConfig(grow="dynamic").stops_early(gpu) and TreeConfig(grow="ahead").stops_early(gpu)
     assert not TreeConfig(early_stop=False).stops_early(CPU) and TreeConfig(
         grow="dynamic", early_stop=True
     ).stops_early(gpu)
     for mode in MODES:
         assert TreeConfig(grow=mode).grow == mode
-    with pytest.raises(ConfigError, match="TreeConfig.grow"):
-        TreeConfig(grow="fast")
+    for gone in ("fast", "static", "captured-ahead"):
+        with pytest.raises(ConfigError, match="TreeConfig.grow"):
+            TreeConfig(grow=gone)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,7 @@ def test_fixed_levels_grow_the_same_tree(drafts, family):
                         where = (family, seq, budget, beams, seed, capacity, mode)
                         tree, passes, log = _grow(model, seq, replace(base, grow=mode), capacity, seed, lp)
                         _same_tree(ref, tree, where)
-                        if mode == "static" or (mode == "captured" and seed is None):  # counts read before passes
+                        if mode == "captured" and seed is None:  # counts read before passes
                             assert (passes, log) == (ref_passes, ref_beams), where
                         else:  # one pass over padding rows when growth ran out of open nodes or room
                             assert passes in (ref_passes, ref_passes + 1), where
@@ -142,8 +141,8 @@ def _count_device_reads():
 
 def test_fixed_levels_read_the_device_once_per_level(drafts):
     """A budget no growth can fill, so every level runs: the extra levels of a deeper tree cost exactly one device
-    read each in both fixed modes, and several in the dynamic growth (which the counter must see, or it would prove
-    nothing)."""
+    read each in both fixed-width modes, and several in the dynamic growth (which the counter must see, or it would
+    prove nothing)."""
     model = drafts["llama"]
     seq = PROMPTS[0]
     per_level = {}
@@ -165,7 +164,7 @@ def test_fixed_levels_read_the_device_once_per_level(drafts):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
-    """The cost-based early stop: "static" stops at the same level as the dynamic growth with the same costs (the
+    """The cost-based early stop: "captured" stops at the same level as the dynamic growth with the same costs (the
     same tree, passes and flag) with still one device read a level; "ahead" decides a level late, so it runs at
     most one pass more. Costs from cheap to dear passes, so some growths stop early and some do not."""
     from specexec.propose import GrowCost
@@ -189,7 +188,7 @@ def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
                     td.grow(seq, cfg, cost=cost)  # warm (the counted run's cache state is the same)
                     with _count_device_reads() as n:
                         tree, passes, log, stop = td.grow(seq, cfg, cost=cost)
-                    if mode in ("static", "captured"):
+                    if mode == "captured":
                         _same_tree(ref, tree, where)
                         assert (passes, log, stop) == (ref_passes, ref_log, ref_stop), where
                         # E and U ride with each level's count: as many reads as the same levels without the

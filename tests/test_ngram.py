@@ -130,7 +130,7 @@ def test_tree_config_ngram_nodes_by_device():
     assert default_ngram(TreeConfig(budget=8), CPU) is None and default_ngram(TreeConfig(ngram=0), gpu) is None
 
 
-@pytest.mark.parametrize("grow", ["dynamic", "static", "ahead"])
+@pytest.mark.parametrize("grow", ["dynamic", "ahead", "captured"])
 @pytest.mark.parametrize("samp", [SamplingConfig(), SamplingConfig(temperature=0.9, seed=4)])
 def test_ngram_nodes_of_the_tree_config_are_merged_exactly(engine, grow, samp):
     """``TreeConfig.ngram`` merges the lookup's branches into trees of every growth (the GPU's default, run here on

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from specexec.config import CAPTURED, SamplingConfig, TreeConfig
+from specexec.config import SamplingConfig, TreeConfig
 from specexec.decoding import sampling
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
@@ -203,15 +203,12 @@ class TreeDraft:
     def _grow_fixed(
         self, seq: list[int], cfg: TreeConfig, logprobs, seed: int | None, stop: GrowCost | None
     ) -> tuple[Tree, int, list[int], bool]:
-        """:meth:`grow` in fixed-width levels (``cfg.grow`` "static" / "ahead" / "captured" / "captured-ahead";
-        :mod:`.fixed_grow`, :mod:`.captured`); ``stop``: the early stop's costs (None: off)."""
+        """:meth:`grow` in fixed-width levels (``cfg.grow`` "ahead" / "captured"; :mod:`.fixed_grow`,
+        :mod:`.captured`); ``stop``: the early stop's costs (None: off)."""
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         mode = cfg.grow_mode(self.draft.device, graphs=capturable(self.draft.static, cfg.max_beams))
-        # a sampled step grows uncaptured (the coupled noise's seed would be baked into a graph): "ahead" levels, whose
-        # host never waits, for either captured mode
-        ahead = mode in ("ahead", "captured-ahead") or (mode == "captured" and seed is not None)
-        g = grow_fixed(self, seq, cfg, logprobs, seed, ahead, stop, mode in CAPTURED)
+        g = grow_fixed(self, seq, cfg, logprobs, seed, stop, captured=mode == "captured")
         return finish(g.tree, budget, budget + 1 + extra), g.passes, g.tokens_per_pass(), g.stopped
 
     @staticmethod

@@ -1,22 +1,16 @@
 """Captured levels: a fixed-width level of tree growth (its bookkeeping AND its draft pass) replayed as CUDA graphs
-(``TreeConfig.grow`` "captured" / "captured-ahead"; issue 16 item 4, "per-level top-k and merge without host syncs,
-captured with the draft pass").
+(``TreeConfig.grow`` "captured", the GPU's choice at a fixed budget).
 
 "ahead" growth (:mod:`specexec.propose.fixed_grow`) reads one number a level, a level late, so the GPU never waits
 for the host; but the host still launches each level's ~60 small bookkeeping kernels (the open set, the top-k of
 the beams, slots, the ancestor rows, the mask, the children's top-k, the append) and then the pass's graph. On an
 H200 with a 7B-shaped draft that was 3.6-5.7 ms of host time a level and 1.5 ms of GPU time in tiny kernels
 (docs/BENCHMARKS.md, "Where the draft's time goes"): harmless while a pass took ~10 ms, a floor once a pass is
-faster (a fused low-bit kernel, fewer rows). Here a level is one or two graph launches:
-
-* "captured-ahead": the level is one graph; its count is read a level late, as "ahead" reads it. The host never
-  waits, but when growth ends (nothing open, or the early stop) one more level has already run, ~1 pass a step
-  (bench_level_width: 10.5 against 9.5 passes a step on code at budget 256, 12.7 against 11.7 at 1024);
-* "captured": two graphs, the beams' choice (with the count and the early stop's numbers) and then the level's
-  expansion and pass; the host reads the count between them, as "static" growth does, so no pass is wasted and the
-  GPU waits only for that read and one graph launch a level. Knowing the count, the pass runs the smallest static
-  bucket that holds the open rows (at least :data:`MIN_ROWS`), not the level's full width (the second graph is
-  keyed by it).
+faster (a fused low-bit kernel, fewer rows). Here a level is two graph launches: the beams' choice (with the count
+and the early stop's numbers) and then the level's expansion and pass. The host reads the count between them, so
+no pass is wasted and the GPU waits only for that read and one graph launch a level. Knowing the count, the pass
+runs the smallest static bucket that holds the open rows (at least :data:`MIN_ROWS`), not the level's full width
+(the second graph is keyed by it).
 
 What makes a level capturable: every shape and every address is fixed.
 
@@ -26,9 +20,9 @@ What makes a level capturable: every shape and every address is fixed.
   slot -1, so they are never open and never in the top ``budget``. The open set, the threshold (the
   ``budget``-th best log-prob, once the tree holds that many) and the beams come from the same top-k as in
   "ahead" growth, over more -inf entries.
-* Every level chooses ``max_beams`` beams (beyond the open ones they are padding, as "ahead" pads) and expands them
-  all ("captured-ahead") or the static bucket holding the open ones ("captured"), so a graph's row count is fixed;
-  the attention span is the static passes' bucket of the host's bound on the used slots.
+* Every level chooses ``max_beams`` beams (beyond the open ones they are padding, as "ahead" pads) and expands the
+  static bucket holding the open ones, so a graph's row count is fixed; the attention span is the static passes'
+  bucket of the host's bound on the used slots.
 * What moves from level to level lives on the device and is advanced by the graph itself: the next free draft
   slot, the write offset of the children, the row offset of the ancestor rows, the level counter.
 * The draft pass fills the static passes' input buffers and runs the model inside the same capture.
@@ -37,8 +31,8 @@ A graph is keyed by what its kernels bake in: the row count, the span bucket, wh
 the budget), whether the early stop's numbers are computed, and the log-prob function. A key's first level runs
 eagerly (it warms up every kernel); the second captures (recording only), then replays. On a CPU, and for a key
 not captured yet, the same code runs eagerly, which is how CI checks that a captured level grows exactly the tree
-a "static" / "ahead" level grows. Sampled steps (coupled draft noise keyed by the step's seed) grow uncaptured
-"ahead" levels in either mode.
+the dynamic growth grows. Sampled steps (coupled draft noise keyed by the step's seed) grow uncaptured "ahead"
+levels.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Best-first tree growth in fixed-width levels: no host read inside a level (``TreeConfig.grow`` "static" /
-"ahead"; the default "dynamic" growth is :meth:`specexec.propose.best_first.TreeDraft.grow`).
+"""Best-first tree growth in fixed-width levels: no host read inside a level (``TreeConfig.grow`` "ahead" and
+"captured"; the CPU's "dynamic" growth is :meth:`specexec.propose.best_first.TreeDraft.grow`).
 
 The dynamic growth compacts the tree after every level and sizes each draft pass by the number of open nodes, so
 the host reads the device about six times a level (the budget-th log-prob, the open count, boolean selections, the
@@ -17,13 +17,14 @@ next level's small kernels while the GPU idles. Here every shape is known on the
   not a pointer chase whose length the host must know.
 
 The host reads one number per level, the number of beams a level expanded, to stop when none is left and to bound
-the attention span. "static" reads it before the level's pass (the host waits for the previous pass; no pass is
-wasted). "ahead" reads the previous level's count through a pinned buffer and an event, so the host queues level
-l+1 while the GPU runs pass l; when growth ends, one pass over padding rows has run for nothing. The result is
-compacted once, at the end, into the same trees (node order included) as the dynamic growth; draft slots may
-differ. The cost-based early stop (``TreeConfig.early_stop``, the dynamic growth's rule: one more pass only while
-its beams' mass U can pay for it, given E and the step's costs) is decided on E and U read with the level's count,
-in the same transfer; "ahead" decides it a level late (one pass more than "static" at most).
+the attention span. "ahead" reads the previous level's count through a pinned buffer and an event, so the host
+queues level l+1 while the GPU runs pass l; when growth ends, one pass over padding rows has run for nothing.
+"captured" (:mod:`.captured`) runs a level as two CUDA graphs and reads its count between them, before the level's
+pass (no pass is wasted). The result is compacted once, at the end, into the same trees (node order included) as
+the dynamic growth; draft slots may differ. The cost-based early stop (``TreeConfig.early_stop``, the dynamic
+growth's rule: one more pass only while its beams' mass U can pay for it, given E and the step's costs) is decided
+on E and U read with the level's count, in the same transfer; "ahead" decides it a level late (one pass more than
+the dynamic growth at most).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class FixedGrowth:
         self.n = n = len(seq) - 1
         self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
         self.W = W = cfg.max_beams
-        self.levels = self.levels_left = levels = cfg.max_depth - 1  # up to ``max_depth`` deep
+        self.levels = levels = cfg.max_depth - 1  # up to ``max_depth`` deep
         self.reader = _Reader(dev)
         self.beams_log = [len(seq) - d.length]  # the catch-up pass's rows
         root_lq = logprobs(d.catch_up(seq))  # (1, V)
@@ -156,36 +157,38 @@ class FixedGrowth:
         """An upper bound on the next free slot: exact up to the last read level, plus every later level's rows."""
         return self.known + sum(k for _, k in self.unread)
 
-    def run(self, budget: int, ahead: bool) -> None:
+    def run(self, budget: int) -> None:
         """Best-first growth towards the best ``budget`` nodes, up to ``max_depth`` deep; stops when no node is open
-        (read at once, or with ``ahead`` one level late)."""
+        or when the early stop says so (captured levels read a level's count before its pass, "ahead" ones a level
+        late)."""
         for _ in range(self.levels):
-            if ahead and self.unread:
-                h, _k = self.unread.pop(0)
-                if self.stop is not None:  # (count, E, U, passes before that level): see :meth:`level`
-                    c_f, e, u, done = self.reader.read_all(h)
-                    c = int(c_f)
-                    if c and e == e and not self.stop.more(e, u, int(done)):  # e is NaN when the tree was not full
-                        self.known += c
-                        self.stopped = True
-                        break
-                else:
-                    c = self.reader.read(h)
-                self.known += c
-                if c == 0:  # the last pass expanded nothing, so nothing changed: nothing is open now either
-                    break
-            if not self.level(budget, "late" if ahead else "now"):
+            if self.space is None and not self._read_late():
+                break
+            if self.bound >= self.draft.usable:
+                break
+            if not (self._level_captured(budget) if self.space is not None else self._level_ahead(budget)):
                 break
 
-    def level(self, budget: int, read: str) -> bool:
-        """One level. ``read`` "now": the level's count is read before its pass (no pass over padding alone);
-        "late": it is sent to be read by the next level. False: growth is over."""
+    def _read_late(self) -> bool:
+        """The previous level's count (and early-stop numbers), read a level late ("ahead"). False: growth is over."""
+        if not self.unread:
+            return True
+        h, _k = self.unread.pop(0)
+        if self.stop is not None:  # (count, E, U, passes before that level): see :meth:`_level_ahead`
+            c_f, e, u, done = self.reader.read_all(h)
+            c = int(c_f)
+            if c and e == e and not self.stop.more(e, u, int(done)):  # e is NaN when the tree was not full
+                self.known += c
+                self.stopped = True
+                return False
+        else:
+            c = self.reader.read(h)
+        self.known += c
+        return c > 0  # the last pass expanded nothing, so nothing changed: nothing is open now either
+
+    def _level_ahead(self, budget: int) -> bool:
+        """One uncaptured level; its count is sent to be read by the next level. False: growth is over."""
         t, store, d, dev = self.tree, self.store, self.draft, self.device
-        if self.levels_left <= 0 or self.bound >= d.usable:
-            return False
-        if self.space is not None:
-            return self._level_captured(budget, read)
-        self.levels_left -= 1
         size = t.size
         k = min(self.W, size)
         lp = t.logp[:size]
@@ -202,34 +205,19 @@ class FixedGrowth:
         valid = (best > NEG) & (rank < d.usable - self.nxt)
         count = valid.sum()
         sent = count
-        if self.stop is not None:  # early stop: E (1 + the tree's path mass) and U (the mass of
-            # this level's beams, a bound on what its pass can add) travel with the count, in the same read
+        if self.stop is not None:  # early stop: E (1 + the tree's path mass) and U (the mass of this level's beams,
+            # a bound on what its pass can add) travel with the count, in the same read
             nan = lp.new_full((), float("nan"))
             e = 1.0 + top.exp().sum() if top is not None else nan
             u = torch.where(valid, best, torch.full_like(best, NEG)).exp().sum()
             sent = torch.stack([count.float(), e.float(), u.float(), lp.new_full((), float(self.passes))])
-        if read == "now":
-            if self.stop is not None:
-                c_f, e_h, u_h, _ = self.reader.read_all(self.reader.send(sent))
-                c = int(c_f)
-                if c and e_h == e_h and not self.stop.more(e_h, u_h, self.passes):  # only a full tree, as dynamic
-                    self.stopped = True
-                    return False
-            else:
-                c = self.reader.read(self.reader.send(count))
-            if c == 0:
-                return False
         beams, order = beams.sort()  # ascending node index, as the dynamic growth assigns slots
         valid = valid[order]
         slots = torch.where(valid, self.nxt + valid.cumsum(0) - 1, torch.full_like(beams, d.usable))  # d.usable:
         # the scratch slot (padding rows write there, no row reads it)
         self.nxt = self.nxt + count
-        if read == "now":
-            span = self.known + c
-            self.known = span
-        else:
-            span = min(d.usable, self.bound + k)
-            self.unread.append((self.reader.send(sent), k))
+        span = min(d.usable, self.bound + k)
+        self.unread.append((self.reader.send(sent), k))
         self.counts.append(count)
         t.draft_slot[beams] = torch.where(valid, slots, t.draft_slot[beams])
         # ancestor-slot rows: the parent's row plus the beam's own slot at its depth (padding: the root's row)
@@ -256,16 +244,14 @@ class FixedGrowth:
         _append(t, par, toks.reshape(-1), cum.reshape(-1), size + k * self.B)
         return True
 
-    def _level_captured(self, budget: int, read: str) -> bool:
-        """One level as :meth:`level` grows it, on the device (:mod:`.captured`): graph replays on a GPU once its
-        keys have been seen, else the same code eagerly. ``read`` "now" (grow "captured"): the beams are chosen
-        (one graph), their count and early-stop numbers read, then the level is expanded (a second graph): the
-        passes of "static" growth, one short host wait a level. "late" (grow "captured-ahead"): one graph a level,
-        its count read a level late as "ahead" reads it: no wait, one pass more when growth ends or stops early.
-        The host advances its own copies of the sizes (known without a read). False: growth is over."""
+    def _level_captured(self, budget: int) -> bool:
+        """One level as :meth:`_level_ahead` grows it, on the device (:mod:`.captured`): graph replays on a GPU once
+        its keys have been seen, else the same code eagerly. The beams are chosen (one graph), their count and
+        early-stop numbers read, then the level is expanded (a second graph): the dynamic growth's passes, one short
+        host wait a level. The host advances its own copies of the sizes (known without a read). False: growth is
+        over."""
         space, d, t = self.space, self.draft, self.tree
         assert space is not None
-        self.levels_left -= 1
         W, B = self.W, self.B
         st = d.static
         full = t.size - 1 >= budget
@@ -276,36 +262,24 @@ class FixedGrowth:
         bound = (d.cache.k.data_ptr(), id(st), W, B, self.width, d.usable)
         select = ("select", budget if full else 0, self.stop is not None, bound)
         stats = space.stats if self.stop is not None else space.stats[0]
-        if read == "now":
-            space.run(select, lambda: self._select(budget, full), capture)
-            h = self.reader.send(stats)
-            if self.stop is not None:
-                c_f, e_h, u_h, _ = self.reader.read_all(h)
-                c = int(c_f)
-                if c and e_h == e_h and not self.stop.more(e_h, u_h, self.passes):  # only a full tree
-                    self.stopped = True
-                    return False
-            else:
-                c = self.reader.read(h)
-            if c == 0:
+        space.run(select, lambda: self._select(budget, full), capture)
+        h = self.reader.send(stats)
+        if self.stop is not None:
+            c_f, e_h, u_h, _ = self.reader.read_all(h)
+            c = int(c_f)
+            if c and e_h == e_h and not self.stop.more(e_h, u_h, self.passes):  # only a full tree
+                self.stopped = True
                 return False
-            self.known += c
-            span = self._span(self.known)
-            # the count is known: the pass runs the smallest static bucket that holds the open rows (at least
-            # MIN_ROWS; all of them without static passes), not the level's full width
-            rows = st._bucket(max(c, min(W, MIN_ROWS))) if st is not None and W <= st.max_rows else c
-            space.run(("expand", span, rows, fn, bound), lambda: self._expand(span, rows), capture)
         else:
-            span = self._span(min(d.usable, self.bound + W))
-            key = ("level", span, fn, *select)
-            rows = W
-
-            def whole() -> None:
-                self._select(budget, full)
-                self._expand(span, W)
-
-            space.run(key, whole, capture)
-            self.unread.append((self.reader.send(stats), W))
+            c = self.reader.read(h)
+        if c == 0:
+            return False
+        self.known += c
+        span = self._span(self.known)
+        # the count is known: the pass runs the smallest static bucket that holds the open rows (at least MIN_ROWS;
+        # all of them without static passes), not the level's full width
+        rows = st._bucket(max(c, min(W, MIN_ROWS))) if st is not None and W <= st.max_rows else c
+        space.run(("expand", span, rows, fn, bound), lambda: self._expand(span, rows), capture)
         self.captured_levels += 1
         self.row0 += rows
         t.size += rows * B
@@ -409,15 +383,15 @@ def grow_fixed(
     cfg: TreeConfig,
     logprobs,
     seed: int | None,
-    ahead: bool,
     stop: GrowCost | None = None,
     captured: bool = False,
 ) -> FixedGrowth:
     """Grow like :meth:`TreeDraft.grow` in fixed-width levels. The result's store holds every node ever proposed
     (root first, padding at -inf); the caller keeps the best ``budget``. ``stop``: the cost-based early stop (as the
-    dynamic growth's, decided on the values read with each level's count; "ahead" decides a level late)."""
+    dynamic growth's, decided on the values read with each level's count; "ahead" decides a level late).
+    ``captured``: levels as CUDA graphs (greedy steps; a sampled step grows "ahead" levels)."""
     g = FixedGrowth(prop, seq, cfg, logprobs, seed, stop, captured)
-    g.run(cfg.budget, ahead)
+    g.run(cfg.budget)
     return g
 
 
