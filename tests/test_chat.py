@@ -328,8 +328,11 @@ def test_cli_speed_summary_after_each_answer(session, capsys):
 
 def test_stats_histogram_counts_only_emitted_tokens(engine):
     """A 2-token answer cannot have a step that emitted 5 tokens: the histogram adds up to the answer."""
+    from specexec.config import TreeConfig
+
     engine.reset()
-    s = ChatSession(engine, options=GenOptions(max_new_tokens=2))
+    fixed = TreeConfig(budget=64, auto=False)  # one tree size: no measured (timing-dependent) choice of chains
+    s = ChatSession(engine, options=GenOptions(max_new_tokens=2, tree=fixed))
     reply, _ = _answer(s, "t10 t11 t12")
     st = reply.result.stats
     assert st.new_tokens == 2

@@ -32,9 +32,9 @@ def doctor(
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
     cache_dir: Path | None = o.option("cache_dir"),
-    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
+    as_json: bool = o.as_json(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    verbose: bool = o.option("verbose"),
 ) -> None:
     """Check this machine (GPU, memory, bandwidths, versions) and recommend how to run a target on it."""
     setup_logging(verbose, quiet)
