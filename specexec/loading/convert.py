@@ -1,42 +1,127 @@
 """Convert a GGUF checkpoint into a Hugging Face model directory (config.json + safetensors + tokenizer).
 
-transformers can read GGUF files (dequantizing every tensor to float), but it refuses to ``save_pretrained`` a
-model loaded that way ("quantized with gguf and is not serializable"). So we load the GGUF once in fp32, copy its
-state dict (cast to the storage dtype, fp16 by default), free the GGUF model, then build a fresh model from the
-same config with ``quantization_config`` removed, fill it with ``load_state_dict(assign=True)`` and save it.
-Reloading from the saved directory takes seconds instead of the ~1 minute GGUF dequantization.
+The conversion streams: the GGUF's tensor table (names, ggml types, shapes, offsets) is read first, which fixes
+every output tensor's name, shape and byte range, so each safetensors shard's header is written before any
+weight is read. Then tensor after tensor, a chunk of rows at a time, the bytes are
+read from the GGUF, dequantized to fp32 with ``gguf.quants.dequantize``, un-permuted where llama.cpp permuted
+them, cast to the storage dtype (fp16 by default) and appended to the shard. The weights never sit in memory
+together: the tensor step holds one chunk (:data:`CHUNK_ELEMENTS` fp32 values) whatever the model's size, and
+the peak is set by the tokenizer and config steps, which parse the GGUF's vocabulary (~0.8 GB RSS for the demo
+pair's 151,936 tokens, where loading the 1.5B target through transformers in fp32 took ~9 GB).
+
+The output is exactly what transformers' own GGUF loader gives (``AutoModelForCausalLM.from_pretrained(dir,
+gguf_file=...)`` in fp32, each tensor then cast to the storage dtype), which transformers itself then refuses to
+``save_pretrained``: the same dequantization function, the same Q/K row un-permutation for llama-architecture
+files, the same fp32 -> dtype cast (torch's), the same names, and the config and tokenizer built by
+transformers from the GGUF metadata. Only the weights bypass transformers.
+
+Layout: ``config.json``, ``generation_config.json``, tokenizer files, and ``model.safetensors`` when the weights
+fit in one shard of :data:`SHARD_BYTES`, else ``model-0000i-of-0000n.safetensors`` shards (a new one starts
+before the tensor that would overflow the current one) with ``model.safetensors.index.json``, as transformers
+names them.
 
 Crash safety: everything is written into a hidden temporary sibling directory; the marker file
 :data:`COMPLETE_MARKER` is written last and the directory is renamed into place atomically, so a directory at
 ``out_dir`` is always complete.
-
-Memory: peak RSS is about what transformers needs to dequantize the GGUF in fp32 (~3.9 GB for a 0.5B model,
-~9 GB for a 1.5B model); the fp16 copy is made while the fp32 model is alive, then the fp32 model is freed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
+import dataclasses
 import json
 import logging
+import math
 import os
+import re
 import shutil
+import struct
 import time
 from collections.abc import Callable, Iterator
+from io import BufferedReader, BufferedWriter
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from specexec.errors import SpecexecError
+from specexec.errors import ModelFormatError, SpecexecError
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".specexec-complete"
 """Name of the file written last into a converted directory; its presence means the directory is complete."""
 
+SHARD_BYTES = 2 * 10**9
+"""Largest safetensors shard written, in bytes (a single larger tensor gets a shard of its own)."""
+
+CHUNK_ELEMENTS = 1 << 24
+"""Values dequantized at once (64 MB of fp32): rows of a tensor are converted in chunks of about this size."""
+
+ARCHITECTURES = ("llama", "qwen2")
+"""GGUF ``general.architecture`` values converted here (Mistral files are ``llama``)."""
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+# GGUF tensor name -> HF name (llama.cpp's names for the llama / mistral / qwen2 decoder).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# safetensors' names of the storage dtypes
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+OnTensor = Callable[[str, int, int], None]
+"""``on_tensor(hf_name, index, count)``: called once each tensor is in its file (index 0 .. count - 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One GGUF tensor and where it goes: ``shape`` in torch order (GGUF lists dimensions fastest first);
+    ``offset``: where its data starts in the GGUF file; ``heads``: llama.cpp permuted its rows within each of
+    ``heads`` head blocks (llama-architecture q/k), which the conversion undoes; None when it did not."""
+
+    gguf_name: str
+    hf_name: str
+    qtype: int
+    shape: tuple[int, ...]
+    offset: int
+    heads: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelSpec:
+    """The weights the model class expects: ``shapes`` {hf name: shape} of the stored (untied) ones, and the
+    attention's query and key/value head counts.
+
+    A llama GGUF without ``head_count_kv`` has as many key/value heads as query heads (llama.cpp reads it so);
+    transformers' own loader then leaves q/k permuted, a bug not copied here.
+    """
+
+    shapes: dict[str, tuple[int, ...]]
+    heads: int
+    kv_heads: int
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -49,17 +134,24 @@ def gguf_to_hf_dir(
     out_dir: Path,
     dtype: torch.dtype = torch.float16,
     progress: bool = True,
+    on_tensor: OnTensor | None = None,
 ) -> Path:
     """Convert ``gguf_path`` into a Hugging Face directory at ``out_dir`` and return ``out_dir``.
 
-    The weights are dequantized by transformers in fp32 and stored as ``dtype`` (config.json records it as
-    ``dtype``/``torch_dtype``). The tokenizer (incl. chat template) and generation config come from the GGUF
-    metadata. An existing ``out_dir`` is replaced only after the new directory is complete.
+    The weights are dequantized tensor by tensor and stored as ``dtype`` (config.json records it as
+    ``dtype``/``torch_dtype``). The tokenizer (incl. chat template), config and generation config come from the
+    GGUF metadata, through transformers. An existing ``out_dir`` is replaced only after the new directory is
+    complete. ``progress``: a rich progress display on stderr. A GGUF this cannot convert (another
+    architecture, a ggml type ``gguf`` cannot dequantize, missing tensors) raises :class:`ModelFormatError`
+    before anything is written.
     """
+    if dtype not in _ST_DTYPE:
+        raise ValueError(f"dtype must be one of {list(_ST_DTYPE)}, got {dtype}")
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir).expanduser().resolve()
     if not gguf_path.is_file():
         raise SpecexecError(f"GGUF file not found: {gguf_path}")
+    architecture, tensors = _read_tensor_table(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp_dir.exists():
@@ -67,15 +159,14 @@ def gguf_to_hf_dir(
     tmp_dir.mkdir()
     start = time.perf_counter()
     try:
-        with _stage_display(progress) as stage:
-            stage(f"reading the tokenizer from {gguf_path.name}")
+        with _display(progress) as show:
+            show.stage(f"reading the tokenizer from {gguf_path.name}")
             _save_tokenizer(gguf_path, tmp_dir)
-            stage(f"dequantizing {gguf_path.name} to fp32 (about a minute per GB of GGUF)")
-            config, generation_config, state = _load_gguf_state(gguf_path, dtype)
-            stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
-            _save_model(config, generation_config, state, dtype, tmp_dir)
-            del state
-            gc.collect()
+            show.stage(f"reading the config from {gguf_path.name}")
+            model = _save_config(gguf_path, dtype, tmp_dir)
+            plan = _plan(gguf_path, architecture, tensors, model)
+            show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
+            _write_weights(gguf_path, plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
         _check_layout(tmp_dir)
         _make_readable(tmp_dir)
         _write_marker(tmp_dir, gguf_path, dtype)
@@ -87,53 +178,170 @@ def gguf_to_hf_dir(
     return out_dir
 
 
-@contextlib.contextmanager
-def _stage_display(progress: bool) -> Iterator[Callable[[str], None]]:
-    """Yield ``stage(text)``, which logs a stage and, with ``progress``, shows it on stderr as a rich spinner with
-    its elapsed time (the steps have no meaningful length, so no bar and no time estimate; a finished stage stays
-    as a line with the time it took).
+# ---------------------------------------------------------------------------------------------- the GGUF
 
-    transformers' own tqdm bars are always silenced for the duration and restored after (one progress library,
-    and their per-tensor estimates were wildly off): the load/save bars through transformers' progress-bar
-    switch; the GGUF reader's bar by swapping its module-level ``tqdm`` for a disabled one (that reader calls
-    ``tqdm`` directly and ignores the switch).
+
+def _read_tensor_table(gguf_path: Path) -> tuple[str, list[_Tensor]]:
+    """(``general.architecture``, the tensors in file order, named in GGUF terms: ``hf_name`` still empty).
+
+    Refuses, before any work, files this module cannot convert. Only the header is read, and of the metadata only
+    the architecture and the alignment: every other value (the vocabulary, the merges) is skipped unparsed, where
+    ``gguf.GGUFReader`` would build an object per value (tens of seconds and ~0.5 GB for a 150k-token vocabulary).
     """
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    bars = Progress(
-        SpinnerColumn(finished_text="[green]done[/]"),
-        TextColumn("converting: {task.description}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not progress,
-        transient=False,
-    )
-    current: list[int] = []  # rich task ids, one per stage
-
-    def stage(text: str) -> None:
-        logger.info("convert: %s", text)
-        if current:
-            bars.update(current[-1], total=1, completed=1)  # type: ignore[arg-type]
-        current.append(bars.add_task(text, total=None))
-
-    bars_were_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is not None:
-        gguf_utils.tqdm = functools.partial(original, disable=True)
     try:
-        with bars:
-            yield stage
-            if current:
-                bars.update(current[-1], total=1, completed=1)  # type: ignore[arg-type]
-    finally:
-        if original is not None:
-            gguf_utils.tqdm = original
-        if bars_were_enabled:
-            hf_logging.enable_progress_bar()
+        with open(gguf_path, "rb") as f:
+            architecture, alignment, entries, table_end = _parse_header(f, gguf_path.name)
+    except (struct.error, UnicodeDecodeError, OSError) as err:
+        raise ModelFormatError(f"{gguf_path.name} is not a readable GGUF file: {err}") from None
+    if architecture not in ARCHITECTURES:
+        raise ModelFormatError(
+            f"{gguf_path.name}: GGUF architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)}; Mistral files are llama)"
+        )
+    data_start = -(-table_end // alignment) * alignment  # the tensor data begins at the next aligned offset
+    size = gguf_path.stat().st_size
+    tensors = []
+    for name, dims, qtype, offset in entries:
+        # GGUF lists dimensions fastest-varying first, torch the other way round
+        t = _Tensor(gguf_name=name, hf_name="", qtype=qtype, shape=tuple(reversed(dims)), offset=data_start + offset)
+        end = t.offset + t.rows * _check_dequantizable(gguf_path, t)
+        if end > size:
+            raise ModelFormatError(f"truncated GGUF file {gguf_path}: tensor {name} ends at byte {end} of {size}")
+        tensors.append(t)
+    return architecture, tensors
+
+
+# fixed-size GGUF metadata value types -> bytes (uint8, int8, uint16, int16, uint32, int32, float32, bool, uint64,
+# int64, float64); 8 is a string, 9 an array
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _parse_header(f: BufferedReader, name: str) -> tuple[str, int, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(architecture, alignment, [(tensor name, GGUF dims, ggml type, data offset)], end of the tensor table)
+    from an open GGUF file (versions 2 and 3, little-endian)."""
+
+    def unpack(fmt: str) -> tuple:
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+
+    def string() -> str:
+        (length,) = unpack("<Q")
+        return f.read(length).decode()
+
+    def skip(value_type: int) -> None:
+        if value_type in _VALUE_BYTES:
+            f.seek(_VALUE_BYTES[value_type], os.SEEK_CUR)
+        elif value_type == 8:
+            (length,) = unpack("<Q")
+            f.seek(length, os.SEEK_CUR)
+        elif value_type == 9:
+            item_type, count = unpack("<IQ")
+            if item_type in _VALUE_BYTES:
+                f.seek(count * _VALUE_BYTES[item_type], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip(item_type)
+        else:
+            raise ModelFormatError(f"{name}: GGUF metadata value of unknown type {value_type}")
+
+    magic, version, tensor_count, kv_count = unpack("<4sIQQ")
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{name} is not a GGUF file (it does not start with GGUF)")
+    if version & 0xFFFF == 0:
+        raise ModelFormatError(f"{name} is a big-endian GGUF; only little-endian files are converted")
+    if version not in (2, 3):
+        raise ModelFormatError(f"{name} is GGUF version {version}; versions 2 and 3 are read")
+    architecture, alignment = "?", 32  # llama.cpp's default alignment
+    for _ in range(kv_count):
+        key = string()
+        (value_type,) = unpack("<I")
+        if key == "general.architecture" and value_type == 8:
+            architecture = string()
+        elif key == "general.alignment" and value_type == 4:
+            (alignment,) = unpack("<I")
+        else:
+            skip(value_type)
+    entries = []
+    for _ in range(tensor_count):
+        tensor = string()
+        (ndim,) = unpack("<I")
+        dims = unpack(f"<{ndim}Q")
+        qtype, offset = unpack("<IQ")
+        entries.append((tensor, tuple(dims), qtype, offset))
+    return architecture, alignment, entries, f.tell()
+
+
+def _check_dequantizable(gguf_path: Path, tensor: _Tensor) -> int:
+    """Bytes per row of ``tensor``; ModelFormatError unless ``gguf.quants`` can dequantize its ggml type (probed
+    on one zero block, so a gguf release that adds a type is picked up as it is)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(tensor.qtype)
+    except ValueError:
+        raise ModelFormatError(
+            f"{gguf_path.name}: tensor {tensor.gguf_name} has the unknown ggml type {tensor.qtype} "
+            f"(a GGUF newer than the installed gguf package?)"
+        ) from None
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        raise ModelFormatError(
+            f"{gguf_path.name}: tensor {tensor.gguf_name} is stored as ggml type {qtype.name}, which the "
+            f"installed gguf package cannot dequantize; use a GGUF quantized differently (e.g. Q4_K_M, Q8_0, F16)"
+        ) from None
+    if tensor.cols % block:
+        raise ModelFormatError(
+            f"{gguf_path.name}: tensor {tensor.gguf_name} has rows of {tensor.cols} values, not a multiple of "
+            f"its {qtype.name} block of {block}"
+        )
+    return tensor.cols // block * block_bytes
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a llama / mistral / qwen2 GGUF tensor, or None for names without one."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _plan(gguf_path: Path, architecture: str, tensors: list[_Tensor], model: _ModelSpec) -> list[_Tensor]:
+    """The tensors to write, in file order, each with its HF name (and, for llama q/k, its head count).
+
+    Like transformers' loader, GGUF tensors the model has no parameter for are skipped (llama 3's
+    ``rope_freqs``, a bias the config does not use). Every parameter of
+    the model must come from the file with its shape, else ModelFormatError.
+    """
+    expected = model.shapes
+    heads = {"attn_q": model.heads, "attn_k": model.kv_heads}
+    plan, skipped = [], []
+    for t in tensors:
+        name = _hf_name(t.gguf_name)
+        if name is None or name not in expected:
+            skipped.append(t.gguf_name)
+            continue
+        if t.shape != expected[name]:
+            raise ModelFormatError(
+                f"{gguf_path.name}: tensor {t.gguf_name} has shape {list(t.shape)}, the config gives "
+                f"{name} the shape {list(expected[name])}"
+            )
+        kind = t.gguf_name.split(".")[2] if t.gguf_name.startswith("blk.") else ""
+        permuted = architecture == "llama" and kind in heads
+        plan.append(dataclasses.replace(t, hf_name=name, heads=heads[kind] if permuted else None))
+    missing = sorted(set(expected) - {t.hf_name for t in plan})
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelFormatError(f"{gguf_path.name} lacks weights its config needs: {shown}")
+    if skipped:
+        logger.info("convert: %d GGUF tensors have no model parameter and are skipped: %s", len(skipped), skipped)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer, config
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -144,53 +352,28 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _load_gguf_state(gguf_path: Path, dtype: torch.dtype) -> tuple:
-    """Load the GGUF in fp32 and return (config without quantization_config, generation config, state dict).
-
-    The state dict holds ``dtype`` copies; the fp32 model is freed before returning.
+def _save_config(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> _ModelSpec:
+    """Write config.json and generation_config.json as transformers builds them from the GGUF metadata, and
+    return what the weights must be. Their names and shapes come from the model class built on the meta device
+    (no memory).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    config = model.config
-    generation_config = model.generation_config
-    fp32_state = model.state_dict()
-    del model
-    gc.collect()
-    # Cast tensor by tensor, dropping each fp32 tensor as soon as its copy exists: the peak stays at the fp32 size.
-    state = {}
-    for name in list(fp32_state):
-        tensor = fp32_state.pop(name)
-        state[name] = tensor.detach().to(dtype=dtype, copy=True)
-        del tensor
-    _check_finite(state, dtype)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.dtype = dtype
-    return config, generation_config, state
-
-
-def _check_finite(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Refuse weights that overflow ``dtype`` (e.g. fp16 max 65504): the saved model would produce NaNs."""
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise SpecexecError(
-                f"weight {name} overflows {_dtype_name(dtype)}; convert with dtype=torch.bfloat16 or float32 instead"
-            )
-
-
-def _save_model(config, generation_config, state: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: Path) -> None:
-    """Build a plain (non-GGUF) model on the meta device, fill it with ``state`` and save it as safetensors."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    model.generation_config = generation_config
-    model.save_pretrained(out_dir)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
     _record_dtype(out_dir / "config.json", dtype)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the embedding itself; save_pretrained does not store it either
+    heads = config.num_attention_heads
+    return _ModelSpec(shapes, heads, getattr(config, "num_key_value_heads", None) or heads)
 
 
 def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:
@@ -200,6 +383,214 @@ def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:
     data.pop("quantization_config", None)
     data.pop("_model_name_or_path", None)  # the GGUF's general.name, e.g. "... AWQ": misleading here
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def _shards(plan: list[_Tensor], itemsize: int) -> list[list[_Tensor]]:
+    """``plan`` cut into consecutive shards of at most :data:`SHARD_BYTES` (an oversized tensor alone)."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in plan:
+        nbytes = t.rows * t.cols * itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _write_weights(
+    gguf_path: Path,
+    plan: list[_Tensor],
+    dtype: torch.dtype,
+    out_dir: Path,
+    advance: Callable[[str], None],
+    on_tensor: OnTensor | None,
+) -> None:
+    """Write ``plan`` as safetensors shards (+ index when more than one), one tensor at a time."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = _shards(plan, itemsize)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    done = 0
+    with open(gguf_path, "rb") as src:
+        for name, shard in zip(names, shards):
+            with open(out_dir / name, "wb") as dst:
+                dst.write(_safetensors_header(shard, dtype, itemsize))
+                for t in shard:
+                    _write_tensor(src, dst, t, dtype)
+                    dst.flush()  # a reported tensor is in the file
+                    advance(t.hf_name)
+                    if on_tensor is not None:
+                        on_tensor(t.hf_name, done, len(plan))
+                    done += 1
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.rows * t.cols for t in plan) * itemsize},
+            "weight_map": {t.hf_name: name for name, shard in zip(names, shards) for t in shard},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _safetensors_header(shard: list[_Tensor], dtype: torch.dtype, itemsize: int) -> bytes:
+    """The length-prefixed JSON header of a safetensors file holding ``shard``'s tensors back to back, in order
+    (padded with spaces to a multiple of 8 bytes, as the safetensors library writes it)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+        nbytes = t.rows * t.cols * itemsize
+        header[t.hf_name] = {
+            "dtype": _ST_DTYPE[dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: torch.dtype) -> None:
+    """Dequantize ``t`` from ``src`` a chunk of rows at a time and append it to ``dst`` as ``dtype``.
+
+    A chunk holds whole head blocks of a permuted q/k weight, so its un-permutation never crosses chunks; a 1-d
+    tensor (a norm, a bias) is one chunk.
+    """
+    if len(t.shape) == 1:
+        values = _read_rows(src, t, 0, 1).reshape(-1)
+        _append(dst, t, _unpermute(values, t.heads) if t.heads is not None else values, dtype)
+        return
+    group = t.rows // t.heads if t.heads is not None else 1  # rows per head block
+    step = max(group, CHUNK_ELEMENTS // t.cols // group * group)
+    for first in range(0, t.rows, step):
+        count = min(step, t.rows - first)
+        values = _read_rows(src, t, first, count)
+        _append(dst, t, _unpermute(values, count // group) if t.heads is not None else values, dtype)
+
+
+def _read_rows(src: BufferedReader, t: _Tensor, first: int, count: int) -> np.ndarray:
+    """Rows ``first .. first + count`` of ``t`` (rows: all dimensions but the last), dequantized to float32
+    (``count``, ``cols``), exactly as ``gguf.quants.dequantize`` gives the whole tensor.
+
+    The bytes are read with plain file reads, never through a memory map: pages of a mapped file that the
+    conversion touches count in the process's RSS while the map lives (the whole GGUF, by the end).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(t.qtype)
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    row_bytes = t.cols // block * block_bytes
+    raw = np.empty(count * row_bytes, dtype=np.uint8)
+    src.seek(t.offset + first * row_bytes)
+    if src.readinto(raw.data) != raw.nbytes:
+        raise ModelFormatError(f"truncated GGUF file {src.name}: tensor {t.gguf_name} ends past the end of the file")
+    if qtype == GGMLQuantizationType.F32:  # gguf.quants takes F32 and F16 typed (as GGUFReader hands them over)
+        return dequantize(raw.view(np.float32).reshape(count, t.cols), qtype)
+    if qtype == GGMLQuantizationType.F16:
+        return dequantize(raw.view(np.float16).reshape(count, t.cols), qtype)
+    return dequantize(raw.reshape(count, row_bytes), qtype)
+
+
+def _append(dst: BufferedWriter, t: _Tensor, values: np.ndarray, dtype: torch.dtype) -> None:
+    """Cast float32 ``values`` to ``dtype`` (torch's cast, as the transformers path does) and append them."""
+    chunk = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if not bool(torch.isfinite(chunk).all()):
+        raise SpecexecError(
+            f"weight {t.hf_name} overflows {_dtype_name(dtype)}; convert with dtype=torch.bfloat16 or float32 instead"
+        )
+    dst.write(chunk.view(torch.uint8).reshape(-1).numpy().data)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation on ``w`` (rows, ...), which holds ``n_head`` whole heads.
+
+    llama.cpp's converter reorders each head's rows from HF's rotate-half layout to interleaved pairs
+    (``reshape(n_head, 2, d, ...).swapaxes(1, 2)``); this is its inverse, written as transformers' GGUF loader
+    writes it (``reshape(n_head, d, 2, ...).swapaxes(2, 1)``), so values land on the same rows.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------- display
+
+
+class _Display:
+    """The conversion's steps on stderr: a spinner line per stage with its elapsed time, then a bar over the
+    tensors written (count and time left). Every stage is logged as well."""
+
+    def __init__(self, bars) -> None:
+        self.bars = bars
+        self.task: int | None = None  # the rich task of the current stage
+        self.total = 1  # its length: 1 for a stage, the tensor count for the bar
+
+    def stage(self, text: str) -> None:
+        logger.info("convert: %s", text)
+        self.finish()
+        self.task, self.total = self.bars.add_task(text, total=None, bar=False), 1
+
+    def tensors(self, count: int) -> Callable[[str], None]:
+        """Turn the current stage into a bar over ``count`` tensors; return ``advance(hf_name)``."""
+        task, self.total = self.task, count
+        self.bars.update(task, total=count, completed=0, bar=True)
+        return lambda name: self.bars.update(task, advance=1)
+
+    def finish(self) -> None:
+        if self.task is not None:
+            self.bars.update(self.task, total=self.total, completed=self.total)
+
+
+@contextlib.contextmanager
+def _display(progress: bool) -> Iterator[_Display]:
+    """A :class:`_Display`; with ``progress`` false nothing is shown (the stages are still logged)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class BarOnly(ProgressColumn):
+        """``column``, shown only for the task with the field ``bar`` set (the tensors), blank for the stages."""
+
+        def __init__(self, column: ProgressColumn) -> None:
+            super().__init__()
+            self.column = column
+
+        def render(self, task):
+            return self.column.render(task) if task.fields.get("bar") else Text("")
+
+    bars = Progress(
+        SpinnerColumn(finished_text="[green]done[/]"),
+        TextColumn("converting: {task.description}"),
+        BarOnly(BarColumn()),
+        BarOnly(MofNCompleteColumn()),
+        TimeElapsedColumn(),
+        BarOnly(TimeRemainingColumn()),
+        console=Console(stderr=True),
+        disable=not progress,
+        transient=False,
+    )
+    with bars:
+        show = _Display(bars)
+        yield show
+        show.finish()
+
+
+# ---------------------------------------------------------------------------------------------- directory
 
 
 def _check_layout(model_dir: Path) -> None:
@@ -216,7 +607,7 @@ def _check_layout(model_dir: Path) -> None:
 
 
 def _make_readable(model_dir: Path) -> None:
-    """Give every file the usual umask permissions (safetensors writes its files 0600)."""
+    """Give every file the usual umask permissions."""
     umask = os.umask(0)
     os.umask(umask)
     for path in model_dir.iterdir():

@@ -15,8 +15,9 @@ Cache layout under ``cache_home()`` (``--cache-dir``, else ``$SPECEXEC_HOME``, d
     gguf/<alias>.gguf                             assembled GGUF, deleted after conversion unless keep_gguf
     offload/<model>-<format>-<key>/               packed target layers (SSD tier, NF4 cache; see offload.store)
     converted/<name>-<key>/                       GGUF files given by path, converted once (specexec.loading.checkpoint)
-    models/<alias>/                               converted model: config.json, model.safetensors, tokenizer
-                                                  files, generation_config.json, .specexec-complete (written last)
+    models/<alias>/                               converted model: config.json, model.safetensors (or 2 GB shards
+                                                  + index), tokenizer files, generation_config.json,
+                                                  .specexec-complete (written last)
 
 Nothing here touches the network at import time.
 """
