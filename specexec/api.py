@@ -28,7 +28,7 @@ import torch
 from specexec.config import TreeConfig
 from specexec.decoding.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
-from specexec.loading import draft_choice, hub, layer_select, memory
+from specexec.loading import draft_choice, hub, memory
 from specexec.loading.checkpoint import (
     DEFAULT_DRAFT_VOCAB,
     SELF_DRAFT,
@@ -61,7 +61,6 @@ def load(
     progress: bool = True,
     cache_dir: str | Path | None = None,
     draft_vocab: int | None = None,
-    draft_layers: str | None = None,
     share_prefix: bool = True,
 ) -> Engine:
     """Load a target and an optional draft into an :class:`~specexec.decoding.engine.Engine`.
@@ -79,8 +78,8 @@ def load(
         device: ``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda[:N]``.
         dtype: the compute dtype: ``auto`` (bf16 on CUDA; on a CPU fp32 or bf16, whichever a cached measurement of
             this machine finds faster, :mod:`specexec.loading.cpu_probe`), ``fp32``, ``bf16`` or ``fp16``.
-        draft_dtype: the draft's dtype or low-bit weight format (None: ``dtype``): ``int8``, ``nf4`` or the
-            group-wise ``q4``/``q3``/``q2`` (:func:`~specexec.loading.checkpoint.draft_format`). ``auto`` chooses:
+        draft_dtype: the draft's dtype or low-bit weight format (None: ``dtype``): ``int8`` or ``nf4``
+            (:func:`~specexec.loading.checkpoint.draft_format`). ``auto`` chooses:
             on a CPU int8 where it runs clearly faster than dense; on a GPU beside a streamed target the 16-bit,
             int8 or NF4 draft expected to decode fastest (:mod:`specexec.loading.draft_choice`); for a self draft
             int8 on a CPU and nf4 on CUDA.
@@ -94,9 +93,6 @@ def load(
         draft_vocab: restrict the draft's lm_head to this many frequency-ranked token ids, plus the special ids and
             the tokens it is fed (FR-Spec); 0: the full vocabulary; None: 32768 on a CPU for a draft whose
             vocabulary is over twice that, else the full vocabulary.
-        draft_layers: the layers a self draft keeps (:mod:`specexec.loading.layer_select`): ``all``, a count
-            (``40``) or a fraction (``0.5``) of the layers with the most influence on the target, or indices
-            (``0-11,20``). The draft's weights and KV cache shrink with it.
         share_prefix: a self draft copies the committed tokens' keys and values from the target's cache; False:
             it computes its own (for comparisons).
     """
@@ -107,21 +103,13 @@ def load(
     if offload is not None and home is not None and offload.cache_dir is None:
         offload = replace(offload, cache_dir=home)
     dev = parse_device(device)
-    found = _find(target, draft, draft_layers, progress, home)
+    found = _find(target, draft, progress, home)
     context = min(context, found.target_cfg.max_position_embeddings)
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
     mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
-    # the draft first: it stays resident, and the target's memory plan accounted for it; a partial self draft whose
-    # layers are chosen by their influence measures them on the target, which then loads first
-    t_model = None
-    keep = list(found.layers.indices) if found.layers.indices is not None else None
-    if found.layers.count is not None:
-        t_model = _load_target(found, dev, dtype, mem, offload)
-        keep = layer_select.choose(t_model, found.layers.count, found.tokenizer.tokenizer.encode)
-        log.info("partial self draft: %d of %d layers, %s", len(keep), found.target_cfg.num_layers, keep)
-    d_model = _load_draft(found, dev, d_dt, mem, draft_vocab, keep)
-    if t_model is None:
-        t_model = _load_target(found, dev, dtype, mem, offload)
+    # the draft first: it stays resident, and the target's memory plan accounted for it
+    d_model = _load_draft(found, dev, d_dt, mem, draft_vocab)
+    t_model = _load_target(found, dev, dtype, mem, offload)
     engine = Engine(
         t_model,
         found.tokenizer,
@@ -148,15 +136,13 @@ class _Found:
     target_cfg: ModelConfig
     tokenizer: TokenizerInfo
     draft: Path | None  # a self draft: the target's own directory
-    draft_cfg: ModelConfig | None  # a partial self draft's: only the layers it keeps
+    draft_cfg: ModelConfig | None
     draft_tokenizer: TokenizerInfo
     self_draft: bool
-    layers: layer_select.LayerSpec
 
 
-def _find(target: str, draft: str | None, draft_layers: str | None, progress: bool, home: Path | None) -> _Found:
-    """Resolve both models to HF-format directories, read their configs and tokenizers (which must match) and the
-    layers a partial self draft keeps."""
+def _find(target: str, draft: str | None, progress: bool, home: Path | None) -> _Found:
+    """Resolve both models to HF-format directories and read their configs and tokenizers (which must match)."""
     t_path = model_dir(hub.resolve(target, progress=progress, home=home))
     t_tok = load_tokenizer(t_path)
     self_draft = draft == SELF_DRAFT
@@ -169,12 +155,7 @@ def _find(target: str, draft: str | None, draft_layers: str | None, progress: bo
         check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
     t_cfg = read_config(t_path)
     d_cfg = read_config(d_path) if d_path is not None else None
-    layers = layer_select.parse(draft_layers, t_cfg.num_layers)
-    if draft_layers is not None and not self_draft:
-        raise layer_select.needs_self_draft(draft_layers)
-    if d_cfg is not None and not layers.everything:  # sized (weights, KV cache) with the layers it keeps
-        d_cfg = replace(d_cfg, num_layers=layers.kept(d_cfg.num_layers))
-    return _Found(t_path, t_cfg, t_tok, d_path, d_cfg, d_tok, self_draft, layers)
+    return _Found(t_path, t_cfg, t_tok, d_path, d_cfg, d_tok, self_draft)
 
 
 def _draft_format(
@@ -272,10 +253,8 @@ def _load_draft(
     d_dt: torch.dtype | None,
     mem: _MemoryPlan,
     draft_vocab: int | None,
-    keep: list[int] | None,
 ) -> Transformer | None:
-    """The draft in its planned format, with a frequency-ranked head where asked (or by default on a CPU); a self
-    draft's layers are the target's layers ``keep`` (None: all)."""
+    """The draft in its planned format, with a frequency-ranked head where asked (or by default on a CPU)."""
     if found.draft is None or found.draft_cfg is None or d_dt is None:
         return None
     d_cfg, fmt = found.draft_cfg, mem.draft_fmt
@@ -285,9 +264,9 @@ def _load_draft(
     head = draft_vocab_ids(found.draft_tokenizer, d_cfg.vocab_size, vocab) if vocab else None
     what = "self-derived draft (the target's weights)" if found.self_draft else f"draft {found.draft.name}"
     log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, fmt, (mem.draft_weights or 0) / 1e9, d_dt)
-    model = _load(found.draft, dev, d_dt, fmt=fmt, head_ids=head, keep_layers=keep)
-    if found.self_draft:  # its layer i is the target's layer keep[i]: it can read the target's prefix
-        model.source_layers = tuple(keep) if keep is not None else tuple(range(found.target_cfg.num_layers))
+    model = _load(found.draft, dev, d_dt, fmt=fmt, head_ids=head)
+    if found.self_draft:  # its layer i is the target's layer i: it can read the target's prefix
+        model.source_layers = tuple(range(found.target_cfg.num_layers))
     return model
 
 
@@ -327,7 +306,6 @@ class ModelOptions:
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
     cache_dir: Path | None = None  # specexec's cache root; None: $SPECEXEC_HOME, else ~/.cache/specexec
     draft_vocab: int | None = None  # the draft's head: N frequent ids, 0: all; None: load's default
-    draft_layers: str | None = None  # the layers a self draft keeps; None: all
 
 
 def load_engine(
@@ -357,5 +335,4 @@ def load_engine(
             progress=progress,
             cache_dir=opts.cache_dir,
             draft_vocab=opts.draft_vocab,
-            draft_layers=opts.draft_layers,
         )

@@ -20,7 +20,7 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -356,26 +356,21 @@ def recommend(
     context: int = 4096,
     home: Path | None = None,
     draft: str | None = None,
-    draft_layers: str | None = None,
 ) -> Recommendation:
     """Dtype, tier, resident layers and the per-pass floor for target ``spec`` on this machine (config only:
     nothing is downloaded). Unknown specs raise :class:`SpecexecError`. ``draft``: a draft model (alias, id or
     path) charged to the plan: on a GPU each of its precisions (16-bit, int8, nf4) is planned, and the one
     ``--draft-dtype auto`` would load (the first that fits, as :func:`specexec.loading.offloaded.plan_with_draft`)
-    sets the
-    recommendation. ``draft`` "self": a self-derived draft (the target's own layers, all or ``draft_layers`` of
-    them), planned in nf4, q4, q3 and q2 (it is never 16-bit); the first that fits sets the recommendation."""
-    from specexec.loading import layer_select
+    sets the recommendation. ``draft`` "self": a self-derived draft (the target's own weights), planned in nf4,
+    what ``--draft self`` loads on a GPU."""
     from specexec.loading.checkpoint import SELF_DRAFT
 
-    if draft_layers is not None and draft != SELF_DRAFT:
-        raise layer_select.needs_self_draft(draft_layers)
     cfg, source, why = model_config(spec, home)
     if cfg is None:
         return Recommendation(target=spec, present=False, note=why)
     d_cfg = None
     if draft == SELF_DRAFT:
-        d_cfg = replace(cfg, num_layers=layer_select.parse(draft_layers, cfg.num_layers).kept(cfg.num_layers))
+        d_cfg = cfg
     elif draft is not None:
         d_cfg, _, d_why = model_config(draft, home)
         if d_cfg is None:
@@ -462,7 +457,7 @@ def _recommend_gpu(
     self_draft = rec.draft == SELF_DRAFT
     # the formats load's --draft-dtype auto weighs on this GPU (int8 needs compute capability 7.5+)
     lighter = draft_choice.lighter_formats(gpu.capability) if gpu.capability is not None else ["int8", "nf4"]
-    formats = ("nf4", "q4", "q3", "q2") if self_draft else ("dense", *lighter) if d_cfg is not None else ("dense",)
+    formats = ("nf4",) if self_draft else ("dense", *lighter) if d_cfg is not None else ("dense",)
     # as load does: where the default trees' reservation leaves no room for the streamed target beside any draft
     # format, smaller --max-budget caps are tried (sizes.fitting_caps)
     for cap in sizes.fitting_caps(tree):
@@ -527,8 +522,8 @@ def _recommend_gpu(
             for o in rec.draft_options
         )
         if self_draft:
-            what = f"self-derived draft ({d_cfg.num_layers} of {cfg.num_layers} layers) in {rec.draft_dtype}"
-            auto = "the first that fits; --draft-dtype auto loads nf4 on a GPU"
+            what = f"self-derived draft (the target's own weights) in {rec.draft_dtype}"
+            auto = "what --draft self loads on a GPU"
         else:
             what = f"draft {rec.draft} in {rec.draft_dtype}"
             auto = (
@@ -569,7 +564,6 @@ def run_doctor(
     measure: bool = True,
     disk_dir: Path | None = None,
     home: Path | None = None,
-    draft_layers: str | None = None,
 ) -> DoctorReport:
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
     root (``--cache-dir``; default :func:`specexec.loading.hub.cache_home`), where models are looked up and whose disk
@@ -578,5 +572,5 @@ def run_doctor(
     from specexec.loading import hub
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
-    rec = recommend(target, system, context, home, draft, draft_layers) if target else None
+    rec = recommend(target, system, context, home, draft) if target else None
     return DoctorReport(system=system, recommendation=rec)

@@ -10,12 +10,6 @@ import torch
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "llama_tied")
 
-if not torch.cuda.is_available():
-    # Triton kernels (specexec.formats.lowbit_mm) run under Triton's CPU interpreter here; the mode is fixed when
-    # Triton is
-    # first imported (its own helpers are built then), so it is set before any test imports it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 def make_tiny(
     path: Path,

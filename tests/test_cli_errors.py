@@ -498,6 +498,39 @@ def test_bad_dtype_names_refused_before_loading(option, value, message):
     assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (("--draft-dtype", "q4"), "--draft-dtype must be one of auto, fp32, bf16, fp16, int8, nf4, got 'q4'"),
+        (("--draft-dtype", "q2", "--draft", "self"), "--draft-dtype must be one of auto, fp32, bf16, fp16, int8, nf4"),
+        (("--draft", "self", "--draft-layers", "0.5"), "no such option: --draft-layers"),
+    ],
+)
+def test_removed_draft_formats_and_partial_drafts_are_refused(no_load, command, args, pattern):
+    """The group-wise q4/q3/q2 draft formats and partial self drafts (--draft-layers) no longer exist: one error
+    line, exit 2, before any model is looked at."""
+    result = _run(command, *args)
+    _one_error_line(result, pattern)
+    assert result.exit_code == 2
+
+
+def test_unknown_options_and_commands_are_one_line():
+    """Usage errors Typer finds itself (an unknown option or command, a value of the wrong type) are one line that
+    points to the command's --help, exit 2; a bare command group still prints its help."""
+    for args, pattern in (
+        (["doctor", "--draft", "self", "--draft-layers", "20"], "no such option: --draft-layers"),
+        (["generate", "--max-beams", "x", "-p", "hi"], "invalid value for '--max-beams'"),
+        (["frobnicate"], "no such command 'frobnicate'; see 'specexec --help'"),
+        (["cache", "--bogus"], "no such option: --bogus; see 'specexec cache --help'"),
+    ):
+        result = runner.invoke(app, args, prog_name="specexec")
+        _one_error_line(result, pattern)
+        assert result.exit_code == 2
+    result = runner.invoke(app, ["models"], prog_name="specexec")
+    assert "Usage" in result.output and "error:" not in result.output
+
+
 def test_notice_when_load_lowered_the_max_budget(capsys):
     """The CLI says when the memory plan lowered --max-budget (Engine.max_tree), and nothing when it did not."""
     from types import SimpleNamespace

@@ -47,7 +47,6 @@ SHARED_ADVANCED = {
     "--ngram-nodes",
     "--gamma",
     "--draft-vocab",
-    "--draft-layers",
     "--gpu-memory",
 }
 # the commands' own tuning knobs

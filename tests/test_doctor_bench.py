@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specexec.cli import app
 from specexec.doctor import GpuInfo, SystemInfo, recommend
-from specexec.model.sizes import layer_bytes, param_count
+from specexec.model.sizes import layer_bytes, model_weight_bytes, param_count
 from specexec.model.transformer import ModelConfig
 from tests.test_chat import make_chat_pair
 
@@ -330,32 +330,20 @@ def test_doctor_draft_needs_a_target():
 
 
 def test_doctor_plans_a_self_derived_draft(tmp_path):
-    """doctor --draft self [--draft-layers]: the target's own layers planned in nf4, q4, q3, q2 (never 16-bit);
-    a whole 70B self draft does not fit at 24 GB (docs/BENCHMARKS.md), a quarter of its layers in q3 does, and
-    fewer layers leave more target layers resident."""
+    """doctor --draft self: the target's own weights planned in nf4, what --draft self loads on a GPU (never
+    16-bit); a 70B self draft does not fit at 24 GB (docs/BENCHMARKS.md), and on an 80 GB GPU it leaves fewer of
+    the target's layers resident than no draft does."""
     t = tmp_path / "t"
     t.mkdir()
     (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    whole = recommend(str(t), _system(24, 256), context=4096, draft="self")
-    assert [o["draft_dtype"] for o in whole.draft_options] == ["nf4", "q4", "q3", "q2"]
-    assert whole.tier == "does-not-fit" and not any(o["fits"] for o in whole.draft_options)
-    part = recommend(str(t), _system(24, 256), context=4096, draft="self", draft_layers="20")
-    opts = {o["draft_dtype"]: o for o in part.draft_options}
-    assert all(o["fits"] for o in opts.values()) and part.draft_dtype == "nf4"
-    assert opts["q3"]["draft_gb"] == pytest.approx(8.13, abs=0.05)  # plan_partial_self_draft.json, 20 of 80 q3
-    assert opts["nf4"]["resident_layers"] < opts["q3"]["resident_layers"] < opts["q2"]["resident_layers"]
-    assert any("self-derived draft (20 of 80 layers) in nf4" in n for n in part.notes)
-    fewer = recommend(str(t), _system(24, 256), context=4096, draft="self", draft_layers="0.125")
-    assert fewer.resident_layers > part.resident_layers
-
-
-def test_doctor_draft_layers_need_a_self_draft(tmp_path):
-    t = tmp_path / "t"
-    t.mkdir()
-    (t / "config.json").write_text(json.dumps(LLAMA2_70B))
-    for args, message in (
-        (["--draft", str(t), "--draft-layers", "0.5"], "--draft-layers 0.5: only a self-derived draft"),
-        (["--draft", "self", "--draft-layers", "many"], "--draft-layers many: not a number"),
-    ):
-        result = CliRunner().invoke(app, ["doctor", "--target", str(t), "--disk-mb", "0", "-q", *args])
-        assert result.exit_code == 2 and message in result.output, result.output
+    small = recommend(str(t), _system(24, 256), context=4096, draft="self")
+    assert [o["draft_dtype"] for o in small.draft_options] == ["nf4"]
+    assert small.tier == "does-not-fit" and not small.draft_options[0]["fits"]
+    big = recommend(str(t), _system(80, 256), context=4096, draft="self")
+    assert big.draft_options[0]["fits"] and big.draft_dtype == "nf4"
+    assert big.draft_options[0]["draft_gb"] == pytest.approx(
+        model_weight_bytes(ModelConfig.from_hf(LLAMA2_70B), "nf4", 2) / 1e9
+    )
+    assert any("self-derived draft (the target's own weights) in nf4" in n for n in big.notes), big.notes
+    alone = recommend(str(t), _system(80, 256), context=4096)
+    assert 0 < big.resident_layers < alone.resident_layers

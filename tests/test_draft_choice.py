@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from specexec.formats import nf4
 from specexec.loading import draft_choice as dc
 from specexec.model.transformer import ModelConfig
 
@@ -35,28 +34,6 @@ def test_cost_model_reproduces_its_h200_calibration():
     assert dc.pass_bytes(LLAMA2_7B, "dense") == pytest.approx(13.2e9, rel=0.01)
     assert dc.pass_bytes(LLAMA2_7B, "int8") < dc.pass_bytes(LLAMA2_7B, "dense") / 1.9
     assert dc.pass_bytes(LLAMA2_7B, "nf4") > 2 * dc.pass_bytes(LLAMA2_7B, "dense")
-
-
-def test_the_opt_in_fused_kernels_drop_what_they_do_not_do(monkeypatch):
-    """With the fused kernels (specexec.formats.lowbit_mm) an NF4 draft's pass writes and reads no 16-bit copy of its
-    weights and an int8 one quantizes no activations: the model drops those terms and takes the fused kernels'
-    own per-layer cost (measured on an H100: the NF4 kernel's decoding is slow); with bitsandbytes' kernels (the
-    defaults) it is unchanged."""
-    from specexec.formats import int8 as model
-
-    before = {f: (dc.pass_bytes(LLAMA2_7B, f), dc.pass_seconds(LLAMA2_7B, f, 4190)) for f in ("int8", "nf4")}
-    assert not dc.fused_kernel("int8") and not dc.fused_kernel("nf4") and not dc.fused_kernel("dense")
-    monkeypatch.setattr(model, "CUDA_INT8_KERNEL", "triton")
-    monkeypatch.setattr(nf4, "DRAFT_NF4_KERNEL", "triton")
-    assert dc.fused_kernel("int8") and dc.fused_kernel("nf4")
-    assert dc.pass_bytes(LLAMA2_7B, "int8") == before["int8"][0]  # int8 rewrote nothing to begin with
-    assert dc.pass_seconds(LLAMA2_7B, "int8", 4190) == pytest.approx(before["int8"][1] - 32 * 0.18e-3)
-    assert dc.pass_bytes(LLAMA2_7B, "nf4") < before["nf4"][0] / 5  # the two 16-bit copies' bytes are gone
-    # 16.8 ms modelled with bitsandbytes' kernel; the fused kernel writes no copy but decodes slowly: 26.2 ms a
-    # pass measured on an H100 (2.9 TB/s), modelled from its fitted per-layer cost
-    nf4_fused = dc.pass_seconds(LLAMA2_7B, "nf4", 2900)
-    assert nf4_fused == pytest.approx(26.2e-3, rel=0.05)
-    assert dc.pass_seconds(LLAMA2_7B, "nf4", 4190) > before["nf4"][1] > before["int8"][1]
 
 
 def test_cost_model_rejects_malformed_data(tmp_path):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import typer
 
 from specexec.cli import generate as _generate
-from specexec.cli.common import run_cli
+from specexec.cli.common import OneLineUsageErrors, run_cli
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     name="specexec",
     help="Exact speculative decoding (SpecExec draft trees) for big models on one GPU.",
     no_args_is_help=True,

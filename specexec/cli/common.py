@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
 import typer
+from typer.core import TyperGroup
 
 from specexec.errors import SpecexecError
 
@@ -20,6 +22,40 @@ def run_cli(app: Any) -> None:
     except SpecexecError as e:  # raised outside a command body (rare)
         print(f"error: {user_message(e)}", file=sys.stderr)
         sys.exit(e.exit_code)
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The command group whose usage errors (an unknown option or command, a value of the wrong type) print one
+    ``error:`` line on stderr and exit 2, as every other error a user can cause does, instead of Typer's usage
+    box. A bare command group still prints its help."""
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+# Typer's command classes derive from click's, or (newer Typer) from its own copy of click: the usage errors
+# they raise are that module's
+_CLICK = sys.modules[TyperGroup.__mro__[1].__module__]
+_NO_ARGS_IS_HELP: Any = getattr(_CLICK, "NoArgsIsHelpError", ())  # a bare group's help (click >= 8.2)
+
+
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except _NO_ARGS_IS_HELP:
+        raise
+    except _CLICK.UsageError as e:
+        message = " ".join(e.format_message().split())
+        if e.ctx is not None:
+            message = f"{message.rstrip('.')}; see '{e.ctx.command_path} --help'"
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(e.exit_code) from None
 
 
 def setup_logging(verbose: bool, quiet: bool = False) -> None:

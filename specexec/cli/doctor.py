@@ -26,9 +26,8 @@ def doctor(
         "--draft",
         "-d",
         help="Charge this draft to the plan: on a GPU, resident target layers for it in 16-bit, int8 and nf4, and "
-        "which --draft-dtype auto loads. 'self': a self-derived draft (the target's own layers) in nf4, q4, q3, q2.",
+        "which --draft-dtype auto loads. 'self': the target's own weights in nf4 (what --draft self loads on a GPU).",
     ),
-    draft_layers: str | None = o.option("draft_layers"),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
     cache_dir: Path | None = o.option("cache_dir"),
@@ -46,17 +45,8 @@ def doctor(
             raise ConfigError("disk_mb", disk_mb, "must be >= 0")
         if draft is not None and target is None:
             raise ConfigError("draft", draft, "needs --target (the draft is planned beside a target)")
-        if draft_layers is not None:
-            from specexec.loading import layer_select
-            from specexec.loading.checkpoint import SELF_DRAFT
-
-            if draft != SELF_DRAFT:
-                raise layer_select.needs_self_draft(draft_layers)
-            layer_select.parse(draft_layers, layer_select.MAX_LAYERS)
         with o.spinner(quiet or as_json)("measuring this machine"):
-            report = run_doctor(
-                target, draft, context=context, disk_mb=disk_mb, home=cache_dir, draft_layers=draft_layers
-            )
+            report = run_doctor(target, draft, context=context, disk_mb=disk_mb, home=cache_dir)
         if as_json:
             typer.echo(json.dumps(report.to_json()))
         else:

@@ -64,7 +64,6 @@ FLAGS: dict[str, str] = {
     "dtype": "--dtype",
     "draft_dtype": "--draft-dtype",
     "draft_vocab": "--draft-vocab",
-    "draft_layers": "--draft-layers",
     "context": "--context",
     "max_new_tokens": "--max-new-tokens",
     "method": "--method",
@@ -116,8 +115,8 @@ class Shared:
         "--draft",
         "-d",
         help=f"Draft model (alias, HF id or path); 'none' for no draft (plain decoding); 'self' for the target's "
-        f"own weights in low bit (int8 on a CPU, nf4 on a GPU). Default: {DEMO_DRAFT} with the default target, "
-        "else none.",
+        "own weights loaded a second time in low bit (--draft-dtype), reading the target's KV prefix: the draft for "
+        f"a target that has no compatible small model. Default: {DEMO_DRAFT} with the default target, else none.",
     )
     budget: str = _option(
         "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
@@ -148,10 +147,11 @@ class Shared:
     draft_dtype: str | None = _option(
         None,
         "--draft-dtype",
-        help="Draft dtype (default: --dtype; with --draft self: int8 on a CPU, nf4 on a GPU; auto on a GPU beside a "
-        "streamed target: 16-bit, int8 or nf4, whichever is expected to decode fastest): auto, fp32, bf16, "
-        "fp16, or the low-bit weights int8 (CPU and GPU), nf4 (GPU; bitsandbytes) and the group-wise q4, q3, q2 "
-        "(4/3/2-bit codes with an fp16 scale and offset per 64 columns; dequantized each pass, no fused kernel).",
+        help="Draft dtype: auto, fp32, bf16, fp16, or the low-bit weights int8 (CPU and GPU) and nf4 (GPU; "
+        "bitsandbytes). Default: --dtype; with --draft self auto, and only auto, int8 or nf4. auto: int8 on a CPU "
+        "where this machine runs it clearly faster (measured), else --dtype's choice; on a GPU beside a streamed "
+        "target 16-bit, int8 or nf4, whichever is expected to decode fastest; for --draft self int8 on a CPU, nf4 on "
+        "a GPU.",
     )
     cache_dir: Path | None = _option(
         None,
@@ -203,15 +203,6 @@ class Shared:
         "whose vocabulary is over twice that (e.g. Qwen2.5's), else the whole vocabulary.",
         advanced=True,
     )
-    draft_layers: str | None = _option(
-        None,
-        "--draft-layers",
-        help="With --draft self: a partial self-derived draft that keeps only some of the target's layers and skips "
-        "the rest (less memory, a cheaper draft pass, lower acceptance): a number of layers (40), a fraction (0.5 or "
-        "50%; both keep the layers with the most influence on a calibration text, measured on the target at load), "
-        "or indices (0-11,20,24-27). Default: all.",
-        advanced=True,
-    )
     gpu_memory: float | None = _option(
         None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).", advanced=True
     )
@@ -250,9 +241,8 @@ class Shared:
 
     def model_options(self) -> ModelOptions:
         """The models to load, after every check that needs no model: context, dtype names, ``--draft-vocab``,
-        ``--draft self`` with its dtype and ``--draft-layers`` syntax (their range is checked at load, against the
-        target's layer count), the offload options, ``--method`` against the draft and ``--max-new-tokens`` against
-        the context."""
+        ``--draft self`` with its dtype, the offload options, ``--method`` against the draft and ``--max-new-tokens``
+        against the context."""
         from specexec.api import ModelOptions
 
         if self.context < 8:
@@ -261,7 +251,6 @@ class Shared:
         vocab = draft_vocab_size(self.draft_vocab)
         draft = resolve_draft(self.target, self.draft, self.method)
         _check_self_draft(draft, self.draft_dtype)
-        _check_draft_layers(draft, self.draft_layers)
         model = ModelOptions(
             target=self.target,
             draft=draft,
@@ -272,7 +261,6 @@ class Shared:
             offload=self.offload_config(),
             cache_dir=self.cache_dir,
             draft_vocab=vocab,
-            draft_layers=self.draft_layers,
         )
         check_method(self.method, model.draft)
         check_max_new_tokens(self.max_new_tokens, self.context)
@@ -420,7 +408,7 @@ def draft_vocab_size(value: str | None) -> int | None:
 
 
 TARGET_DTYPES = ("auto", "fp32", "bf16", "fp16")
-DRAFT_DTYPES = (*TARGET_DTYPES, "int8", "nf4", "q4", "q3", "q2")
+DRAFT_DTYPES = (*TARGET_DTYPES, "int8", "nf4")
 
 
 def _check_dtype_names(dtype_: str, draft_dtype_: str | None) -> None:
@@ -437,18 +425,6 @@ def _check_self_draft(draft_: str | None, draft_dtype_: str | None) -> None:
 
     if draft_ == SELF_DRAFT:
         check_self_draft_dtype(draft_dtype_)
-
-
-def _check_draft_layers(draft_: str | None, spec: str | None) -> None:
-    """``--draft-layers`` needs ``--draft self`` and a well-formed spec."""
-    from specexec.loading import layer_select
-    from specexec.loading.checkpoint import SELF_DRAFT
-
-    if spec is None:
-        return
-    if draft_ != SELF_DRAFT:
-        raise layer_select.needs_self_draft(spec)
-    layer_select.parse(spec, layer_select.MAX_LAYERS)
 
 
 def check_method(method_: str | None, draft_: str | None) -> None:

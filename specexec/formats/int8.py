@@ -7,20 +7,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.formats import lowbit_mm
 from specexec.formats.dense import linear
-
-# int8 weights on CUDA: "bnb" (bitsandbytes' W8A8) or "triton" (specexec.formats.lowbit_mm, a fused weight-only GEMM,
-# up to
-# lowbit_mm.MAX_ROWS rows a call, bitsandbytes' beyond). Its first version lost to bitsandbytes' end to end on an H200
-# (docs/BENCHMARKS.md, fifth H200 session); the current one is not GPU-measured yet, so bitsandbytes' stays the default
-CUDA_INT8_KERNEL = "bnb"
 
 
 def _int8_kernel(device: torch.device | None = None) -> str:
-    """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`)."""
+    """The best int8 linear for weights on ``device`` (default CPU) in this build (see :class:`Int8Linear`): on
+    CUDA bitsandbytes' W8A8."""
     if device is not None and device.type == "cuda":
-        return CUDA_INT8_KERNEL
+        return "bnb"
     ops = getattr(torch.ops, "quantized", None)
     engines = torch.backends.quantized.supported_engines
     if ops is not None and hasattr(ops, "linear_dynamic") and ("fbgemm" in engines or "x86" in engines):
@@ -30,14 +24,14 @@ def _int8_kernel(device: torch.device | None = None) -> str:
     return "dequant"
 
 
-INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb", "triton")
+INT8_KERNELS = ("dynamic", "int8pack", "dequant", "bnb")
 
 
 class Int8Linear:
     """A linear weight (out, in) as int8 with one fp32 scale per output channel (symmetric, round to nearest).
 
-    ``linear(x)`` runs one of five kernels (``kernel``; default: :data:`CUDA_INT8_KERNEL` (``bnb``) for weights
-    on CUDA, else the first available CPU one):
+    ``linear(x)`` runs one of four kernels (``kernel``; default: ``bnb`` for weights on CUDA, else the first
+    available CPU one):
 
     - ``dynamic``: fbgemm's ``quantized::linear_dynamic`` (activations quantized per pass to 8 bits as well, int8
       GEMM with fp32 accumulation; the fast AVX2/AVX512 path);
@@ -46,10 +40,7 @@ class Int8Linear:
     - ``bnb``: bitsandbytes' LLM.int8() matmul without outlier decomposition (threshold 0): activations quantized
       row-wise to int8, an int8 GEMM (cuBLASLt on CUDA), rescaled by both absmax vectors. The weight's int8 codes
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
-      through fp16 (bitsandbytes' CUDA quantizer takes fp16 only);
-    - ``triton``: :mod:`specexec.formats.lowbit_mm`, one fused weight-only kernel (codes widened in registers, fp32
-      accumulation, the scale in the epilogue; no casts, no activation quantization) up to
-      ``lowbit_mm.MAX_ROWS`` rows, ``bnb`` beyond (see :data:`CUDA_INT8_KERNEL`).
+      through fp16 (bitsandbytes' CUDA quantizer takes fp16 only).
 
     Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
     slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
@@ -97,7 +88,7 @@ class Int8Linear:
         return out
 
     def to(self, device: torch.device) -> Int8Linear:
-        """The same int8 weight on ``device`` (the kernel re-chosen for it: :data:`CUDA_INT8_KERNEL` on CUDA)."""
+        """The same int8 weight on ``device`` (the kernel re-chosen for it: ``bnb`` on CUDA)."""
         out = Int8Linear.__new__(Int8Linear)
         out.shape, out.qweight, out.scale = self.shape, self.qweight.to(device), self.scale.to(device)
         out.kernel = self.kernel if device.type == self.qweight.device.type else _int8_kernel(device)
@@ -106,10 +97,7 @@ class Int8Linear:
 
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype."""
-        if self.kernel == "triton" and x.shape[0] <= lowbit_mm.MAX_ROWS:
-            # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
-            return lowbit_mm.int8_matmul(x, self.qweight, self.scale, interpret=x.device.type != "cuda")
-        if self.kernel in ("bnb", "triton"):
+        if self.kernel == "bnb":
             import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; imported once, then cached)
 
             a = x.to(torch.float16) if x.device.type == "cuda" else x

@@ -25,11 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 FUSED_MAX_TOKENS = 1536  # CUDA: up to this many rows bnb.matmul_4bit picks its kernel; above, scratch + one GEMM
-# an NF4 *draft's* linears on CUDA (specexec.loading.checkpoint.quantize_weight sets it on each): "bnb", or "triton"
-# (specexec.formats.lowbit_mm's fused NF4 GEMM up to its MAX_ROWS rows a call, bitsandbytes' beyond: opt-in, not
-# GPU-measured
-# yet). A streamed target's linears always run bitsandbytes'.
-DRAFT_NF4_KERNEL = "bnb"
 
 
 def _bnb() -> Any:
@@ -37,13 +32,6 @@ def _bnb() -> Any:
     import bitsandbytes
 
     return bitsandbytes
-
-
-def _lowbit() -> Any:
-    """specexec.formats.lowbit_mm (the draft's fused kernels), imported on first use."""
-    from specexec.formats import lowbit_mm
-
-    return lowbit_mm
 
 
 def nf4_code(device: torch.device | str) -> Tensor:
@@ -103,7 +91,6 @@ class NF4Linear:
         self.state = _bnb().functional.QuantState(
             absmax=absmax, shape=self.shape, code=code, blocksize=blocksize, quant_type="nf4", dtype=dtype
         )
-        self.kernel = "bnb"  # or "triton" (drafts: DRAFT_NF4_KERNEL)
         # dequantization goes through the flat shape: bitsandbytes 0.50's CPU dequantize_4bit gets a 2-D weight wrong
         # when its rows are not a whole number of blocks (it blocks each row; quantize_4bit blocks the flat tensor:
         # a (40, 160) weight came back 2.04 off at most instead of NF4's 0.45). Real models' rows are whole blocks.
@@ -118,12 +105,6 @@ class NF4Linear:
 
     def linear(self, x: Tensor) -> Tensor:
         """x (T, in) @ W.T -> (T, out) in x's dtype."""
-        if self.kernel == "triton" and x.dim() == 2 and x.shape[0] <= _lowbit().MAX_ROWS:
-            # off CUDA (tests) the same kernel runs under Triton's CPU interpreter
-            return _lowbit().nf4_matmul(
-                x, self.packed, self.absmax, self.state.code, (self.shape[0], self.shape[1]), self.state.blocksize,
-                interpret=x.device.type != "cuda",
-            )  # fmt: skip
         if x.device.type != "cuda":
             from specexec.formats.dense import linear  # the dense path, CPU kernel choice included (bit-equal results)
 

@@ -13,12 +13,11 @@ from specexec.formats.dense import linear
 class SubsetHead:
     """A draft lm_head restricted to a subset of the vocabulary (FR-Spec, arXiv 2502.14856).
 
-    Scores only the ``ids`` rows of ``weight`` (a dense (V, D) tensor, or an :class:`Int8Linear` or
-    :class:`~specexec.formats.groupquant.GroupQuantLinear`: anything with ``subset(ids)``) and returns
-    full-vocabulary logits (T, V) with ``-inf`` outside the subset, so the draft's callers see an ordinary model
-    that never proposes the excluded tokens. :meth:`observe` grows the subset with every token the model is fed
-    (the prompt, the committed text): a token that occurred is likely to recur. The draft only proposes, so the
-    subset changes speed and acceptance, never the output.
+    Scores only the ``ids`` rows of ``weight`` (a dense (V, D) tensor, or an :class:`Int8Linear`: anything with
+    ``subset(ids)``) and returns full-vocabulary logits (T, V) with ``-inf`` outside the subset, so the draft's
+    callers see an ordinary model that never proposes the excluded tokens. :meth:`observe` grows the subset with
+    every token the model is fed (the prompt, the committed text): a token that occurred is likely to recur. The
+    draft only proposes, so the subset changes speed and acceptance, never the output.
     """
 
     def __init__(self, weight: Any, ids: Tensor, vocab: int) -> None:

@@ -11,8 +11,8 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ from torch import Tensor
 
 from specexec.errors import ConfigError, SpecexecError, setting
 from specexec.formats import nf4
-from specexec.formats.groupquant import GROUP_BITS
 from specexec.formats.int8 import Int8Linear
 from specexec.formats.subset import SubsetHead
 from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
@@ -50,7 +49,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTIZED = ("int8", "nf4", *GROUP_BITS)  # draft weight formats besides "dense" (q4/q3/q2: specexec.formats.groupquant)
+QUANTIZED = ("int8", "nf4")  # draft weight formats besides "dense"
 DRAFT_DTYPES = ("auto", *DTYPES, *QUANTIZED)  # what a draft accepts
 SELF_DRAFT = "self"  # draft="self": the target's own checkpoint loaded in low bit as its draft (SubSpec-style)
 DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
@@ -113,15 +112,14 @@ def check_self_draft_dtype(name: str | None) -> None:
 def draft_format(
     name: str | None, dtype: str, device: torch.device, cfg: ModelConfig, self_draft: bool = False
 ) -> tuple[torch.dtype, str]:
-    """(compute dtype, weight format: dense | int8 | nf4 | q4 | q3 | q2) of a draft.
+    """(compute dtype, weight format: dense | int8 | nf4) of a draft.
 
     ``name`` is the draft dtype (``--draft-dtype``; None: the target's ``dtype``, or ``auto`` for a self-derived
     draft). Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU
-    (int8: fbgemm's int8 GEMM; nf4 and q4/q3/q2: dequantized per pass, correct but slow), the target's 16-bit
-    ``dtype`` on CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8; q4/q3/q2 dequantize per
-    pass with plain torch ops, :mod:`specexec.formats.groupquant`). A self-derived draft
-    (``self_draft``) is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it
-    would be the target itself, at the target's cost).
+    (int8: fbgemm's int8 GEMM; nf4: dequantized per pass, correct but slow), the target's 16-bit ``dtype`` on
+    CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8). A self-derived draft (``self_draft``)
+    is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it would be the target
+    itself, at the target's cost).
     """
     if self_draft:
         check_self_draft_dtype(name)
@@ -324,13 +322,11 @@ def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def iter_layers(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, only: Sequence[int] | None = None
-) -> Iterator[tuple[int, dict[str, Tensor]]]:
+def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
     """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused; every tensor is
-    its own aligned copy (see :func:`_owned`). ``only``: these layer indices (in order) instead of all."""
+    its own aligned copy (see :func:`_owned`)."""
     shards = _Shards(path)
-    for i in range(cfg.num_layers) if only is None else only:
+    for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
         o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
@@ -371,36 +367,24 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
 INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model quantizes
 
 
-def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, refine: bool = False) -> Any:
+def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype) -> Any:
     """A linear weight (out, in) as a low-bit weight on ``device`` computing in ``dtype``: int8
-    (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from fp32), NF4
-    (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``) or group-wise
-    q4/q3/q2 (:class:`~specexec.formats.groupquant.GroupQuantLinear`, quantized on the CPU from fp32). ``refine``:
-    the group-wise formats' clip-range / offset search
-    (:meth:`~specexec.formats.groupquant.GroupQuantLinear.quantize`)."""
+    (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from fp32) or NF4
+    (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``)."""
     if fmt == "int8":
         return Int8Linear(w.float()).to(device)
-    if fmt in GROUP_BITS:
-        from specexec.formats.groupquant import GroupQuantLinear
-
-        return GroupQuantLinear.quantize(w.cpu().float(), fmt, refine).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
     from specexec.model.sizes import NF4_BLOCKSIZE
 
     packed, absmax = nf4.quantize_nf4(w.to(device=device, dtype=dtype), NF4_BLOCKSIZE)
-    out = nf4.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4.nf4_code(device))
-    if device.type == "cuda":
-        out.kernel = nf4.DRAFT_NF4_KERNEL
-    return out
+    return nf4.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4.nf4_code(device))
 
 
-def _low_bit_globals(
-    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str, refine: bool = False
-) -> Globals:
+def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
     """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
-    NF4 or group-wise; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one,
-    which is the int8 lm_head itself (lookups dequantize rows)."""
+    NF4; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one, which is the
+    int8 lm_head itself (lookups dequantize rows)."""
     shards = _Shards(path)
     tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
     read = dtype if fmt == "nf4" else torch.float32
@@ -412,7 +396,7 @@ def _low_bit_globals(
         lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)
     else:
-        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype, refine)
+        lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)
     del embed_w
     return Globals(embed=embed, norm=_owned(shards.get("model.norm.weight"), dtype).to(device), lm_head=lm)
@@ -427,8 +411,6 @@ def load_model(
     head_ids: Tensor | None = None,
     nf4: bool = False,
     fmt: str | None = None,
-    refine: bool = False,
-    keep_layers: Sequence[int] | None = None,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
@@ -438,17 +420,11 @@ def load_model(
     :class:`~specexec.formats.int8.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4
     (:class:`specexec.formats.nf4.NF4Linear`).
-    ``fmt`` (drafts): the weight format by name, dense | int8 | nf4 | q4 | q3 | q2 (the group-wise ones:
-    :class:`~specexec.formats.groupquant.GroupQuantLinear`); it replaces the two flags. ``refine``: q4/q3/q2 with the
-    clip-range / offset search of :meth:`~specexec.formats.groupquant.GroupQuantLinear.quantize` (same bytes, slower
-    to load). An untied embedding stays dense.
+    ``fmt`` (drafts): the weight format by name, dense | int8 | nf4; it replaces the two flags. An untied
+    embedding stays dense.
     Activations, norms, biases and the KV cache stay in ``dtype``.
     ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.formats.subset.SubsetHead`; drafts only:
     it changes the logits).
-    ``keep_layers`` (drafts: a partial self-derived draft, :mod:`specexec.loading.layer_select`): load only these
-    decoder
-    layers, ascending; the model runs them in order and skips the rest (its config says ``len(keep_layers)``
-    layers, so its KV cache holds only those).
     """
     if int8 + nf4 + (fmt is not None) > 1:
         raise ValueError("int8, nf4 and fmt are exclusive ways to name the weight format")
@@ -458,13 +434,8 @@ def load_model(
     path = model_dir(path)
     cfg = read_config(path)
     _check_sizes(path)
-    only = None
-    if keep_layers is not None:
-        only = list(keep_layers)
-        if not only or only != sorted(set(only)) or only[0] < 0 or only[-1] >= cfg.num_layers:
-            raise ValueError(f"keep_layers must be ascending distinct indices in 0..{cfg.num_layers - 1}: {only}")
     if fmt != "dense":
-        glob = _low_bit_globals(path, cfg, device, dtype, fmt, refine)
+        glob = _low_bit_globals(path, cfg, device, dtype, fmt)
     else:
         g = read_globals(path, cfg, dtype)
         embed = g["embed"].to(device)
@@ -475,15 +446,15 @@ def load_model(
         if device.type != "cpu":
             raise SpecexecError("a reduced draft vocabulary is a CPU option (on a GPU the full lm_head is cheap)")
         if fmt == "nf4":
-            raise SpecexecError("a reduced draft vocabulary needs a dense, int8 or group-wise draft, not nf4")
+            raise SpecexecError("a reduced draft vocabulary needs a dense or int8 draft, not nf4")
         glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
         loaded = []
-        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32, only):
+        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32):
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype, refine) if k in INT8_KEYS else t.to(device, dtype)
+                        k: quantize_weight(t, fmt, device, dtype) if k in INT8_KEYS else t.to(device, dtype)
                         for k, t in w.items()
                     }
                 )
@@ -492,8 +463,6 @@ def load_model(
             del w
             release_freed_memory()  # per layer: the temporaries' pages must not pile up into the load's peak
         layers = ResidentLayers(loaded)
-    if only is not None:
-        cfg = replace(cfg, num_layers=len(only))
     model = Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
     release_freed_memory()
     return model

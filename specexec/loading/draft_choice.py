@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from specexec.formats import nf4
 from specexec.model import sizes
 from specexec.model.transformer import ModelConfig
 
@@ -44,30 +43,6 @@ class FormatCost:
     keep: float  # tokens per step kept against the 16-bit draft (a prior)
     layer_ms: float  # extra per draft layer and pass
     rewrite: float  # 16-bit linear bytes written and read back per pass, as a multiple of their size
-    # the same two with the opt-in fused kernel (specexec.formats.lowbit_mm) instead of bitsandbytes' (None: as above)
-    fused_layer_ms: float | None = None
-    fused_rewrite: float | None = None
-
-    def terms(self, fused: bool) -> tuple[float, float]:
-        """(extra ms per draft layer and pass, rewrite factor) with or without the fused kernel."""
-        if not fused:
-            return self.layer_ms, self.rewrite
-        return (
-            self.layer_ms if self.fused_layer_ms is None else self.fused_layer_ms,
-            self.rewrite if self.fused_rewrite is None else self.fused_rewrite,
-        )
-
-
-def fused_kernel(fmt: str) -> bool:
-    """Whether a CUDA draft in ``fmt`` runs the opt-in fused kernel (``specexec.formats.int8.CUDA_INT8_KERNEL`` /
-    ``specexec.formats.nf4.DRAFT_NF4_KERNEL`` set to "triton")."""
-    if fmt == "int8":
-        from specexec.formats import int8 as model
-
-        return model.CUDA_INT8_KERNEL == "triton"
-    if fmt == "nf4":
-        return nf4.DRAFT_NF4_KERNEL == "triton"
-    return False
 
 
 @dataclass(frozen=True)
@@ -83,10 +58,6 @@ class CostModel:
         return self.resident_layer_ms.get(t_fmt, 0.0) * sizes.layer_params(t_cfg) / LAYER_70B
 
 
-def _opt(table: dict[str, Any], key: str) -> float | None:
-    return None if key not in table else float(table[key])
-
-
 @cache
 def cost_model(path: Traversable | Path = CONFIG_PATH) -> CostModel:
     """The constants of ``configs/draft_formats.toml`` (malformed data is a bug: ValueError)."""
@@ -94,13 +65,7 @@ def cost_model(path: Traversable | Path = CONFIG_PATH) -> CostModel:
         raw: dict[str, Any] = tomllib.load(f)
     try:
         formats = {
-            name: FormatCost(
-                float(v["keep"]),
-                float(v["layer_ms"]),
-                float(v["rewrite"]),
-                _opt(v, "fused_layer_ms"),
-                _opt(v, "fused_rewrite"),
-            )
+            name: FormatCost(float(v["keep"]), float(v["layer_ms"]), float(v["rewrite"]))
             for name, v in raw["formats"].items()
         }
         resident = {str(k): float(v) for k, v in raw.get("resident_layer_ms", {}).items()}
@@ -120,7 +85,7 @@ def pass_bytes(cfg: ModelConfig, fmt: str, itemsize: int = 2) -> int:
     if fmt != "int8" or not cfg.tie_word_embeddings:
         weights -= embed
     c = cost_model().formats.get(fmt)
-    rewrite = c.terms(fused_kernel(fmt))[1] if c is not None else 0.0
+    rewrite = c.rewrite if c is not None else 0.0
     dense_linears = sizes.model_weight_bytes(cfg, "dense", itemsize) - embed
     return int(weights + rewrite * dense_linears)
 
@@ -128,7 +93,7 @@ def pass_bytes(cfg: ModelConfig, fmt: str, itemsize: int = 2) -> int:
 def pass_seconds(cfg: ModelConfig, fmt: str, hbm_gbps: float) -> float:
     """The modelled time of one draft pass in ``fmt`` (see ``configs/draft_formats.toml``)."""
     m = cost_model()
-    per_layer = (m.layer_ms + m.formats[fmt].terms(fused_kernel(fmt))[0]) / 1e3
+    per_layer = (m.layer_ms + m.formats[fmt].layer_ms) / 1e3
     return cfg.num_layers * per_layer + pass_bytes(cfg, fmt) / (hbm_gbps * GB)
 
 

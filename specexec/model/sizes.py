@@ -28,13 +28,12 @@ from pathlib import Path
 
 from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
-from specexec.formats.groupquant import GROUP_BITS, GROUP_SIZE
 from specexec.model.transformer import ModelConfig
 
 GB = 1e9
 NF4_BLOCKSIZE = 64  # values per NF4 absmax block (bitsandbytes' quantize_4bit, no nested quantization)
 NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCKSIZE  # 4-bit codes + one fp32 absmax per block
-WEIGHT_FORMATS = ("dense", "int8", "nf4", *GROUP_BITS)  # how a (draft) model's linears are held: model_weight_bytes
+WEIGHT_FORMATS = ("dense", "int8", "nf4")  # how a (draft) model's linears are held: model_weight_bytes
 
 # safetensors dtype names -> bytes per element
 SAFETENSORS_DTYPE_BYTES = {
@@ -102,23 +101,12 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
     return int((n - small) * NF4_BYTES_PER_PARAM) + 2 * small
 
 
-def group_linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """One (out, in) linear weight in a group-wise format (``q2``/``q3``/``q4``, :mod:`specexec.formats.groupquant`):
-    per
-    row, ceil(in / 64) groups of 64 codes packed at ``bits`` bits (8 codes in ``bits`` bytes; a last partial group is
-    padded) + an fp16 scale and an fp16 offset per group."""
-    groups = -(-inp // GROUP_SIZE)
-    return out * groups * (GROUP_SIZE * GROUP_BITS[fmt] // 8 + 4)
-
-
 def _linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, NF4 codes (two a byte)
-    + one fp32 absmax per block, or a group-wise format (:func:`group_linear_bytes`)."""
+    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, or NF4 codes (two a byte)
+    + one fp32 absmax per block."""
     n = out * inp
     if fmt == "int8":
         return n + 4 * out
-    if fmt in GROUP_BITS:
-        return group_linear_bytes(out, inp, fmt)
     return (n + 1) // 2 + 4 * -(-n // NF4_BLOCKSIZE)
 
 
@@ -127,9 +115,8 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     ``itemsize``.
 
     ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
-    fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4.
-    ``q2``/``q3``/``q4``: the linears and the lm_head group-wise (:func:`group_linear_bytes`). An untied
-    embedding (and an NF4 / group-wise model's tied one) stays dense. Norms and biases stay at ``itemsize``.
+    fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4. An
+    untied embedding (and an NF4 model's tied one) stays dense. Norms and biases stay at ``itemsize``.
     Exact for what the loader allocates (a test checks).
     """
     if fmt == "dense":
@@ -170,7 +157,7 @@ class StoredWeights:
         """Bytes the weights take once loaded at ``itemsize`` bytes an element (whatever they are stored in),
         plus one transient tensor copy while casting. With ``cfg`` the count is the model's own parameters (a
         checkpoint of tied embeddings may also store the lm_head copy, which the loader does not keep).
-        ``fmt`` int8 / nf4 / q4 / q3 / q2 (needs ``cfg``): :func:`model_weight_bytes` plus the largest tensor
+        ``fmt`` int8 / nf4 (needs ``cfg``): :func:`model_weight_bytes` plus the largest tensor
         read in fp32 before it is quantized."""
         if fmt != "dense":
             if cfg is None:
@@ -414,7 +401,7 @@ class PlanReservations:
     """What an offloaded target's memory plan (:func:`offload.plan.make_plan`) leaves room for on the GPU before
     placing target layers, as :func:`specexec.api.load` charges it."""
 
-    draft_bytes: int  # the resident draft's weights (its format's bytes: dense, int8, nf4, q4, q3 or q2)
+    draft_bytes: int  # the resident draft's weights (its format's bytes: dense, int8 or nf4)
     kv_bytes: int  # both KV caches + the step's buffers other than the target's logits and activations
     max_tokens: int  # rows of the largest target pass (the plan sizes its workspace for it)
 
