@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specexec.errors import ConfigError, check_finite, setting
 
@@ -40,15 +40,19 @@ NGRAM_LEN_GPU = 32
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """SpecExec draft-tree growth (arXiv 2406.02532, Alg. 1 in batched best-first form)."""
+    """SpecExec draft-tree growth (arXiv 2406.02532, Alg. 1 in batched best-first form).
 
-    budget: int = 64  # draft tokens in the tree the target verifies (the root, i.e. the pending token, is extra)
+    The defaults are the command line's (``--budget auto``): the budget policy chooses each step's tree size, starting
+    at 64, up to ``max_budget``. :meth:`fixed` makes a config whose every tree holds ``budget`` draft tokens."""
+
+    # draft tokens in the tree the target verifies (the root, i.e. the pending token, is extra); with ``auto`` the
+    # first step's size
+    budget: int = 64
     max_beams: int = 128  # nodes expanded by one draft pass
     max_branch: int = 32  # children proposed per expanded node
-    # the deepest node of a tree, so at most this many draft passes a step (a carried start counts its own depth)
-    max_depth: int = 32
+    max_depth: int = 32  # the deepest node of a tree, so at most this many draft passes a step
     verify_chunk: int = 4096  # the target verifies at most this many tree tokens per forward (chunking)
-    auto: bool = False  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
+    auto: bool = True  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice
     # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft and for
     # fixed-width growth on a GPU, off for the dynamic growth on a GPU (measured: +15-35 % tok/s on the CPU; on H100
@@ -83,6 +87,11 @@ class TreeConfig:
         for name in ("budget", "max_budget"):
             if getattr(self, name) > 65536:
                 raise ConfigError(f"TreeConfig.{name}", getattr(self, name), "is absurdly large (max 65536)")
+
+    @classmethod
+    def fixed(cls, budget: int, **fields: Any) -> TreeConfig:
+        """A config whose every tree holds ``budget`` draft tokens (``auto`` off); ``fields``: other settings."""
+        return cls(budget=budget, auto=False, **fields)
 
     def ngram_nodes(self, device: torch.device) -> int:
         """The most n-gram nodes merged into a tree grown for a target on ``device`` (``ngram`` None resolved)."""

@@ -78,7 +78,7 @@ def test_replayed_levels_grow_the_dynamic_trees(draft, stand_in_graphs, static):
     also reads each level's count before its pass)."""
     seqs = [list(p) for p in PROMPTS] + [PROMPTS[0] + [11, 12], PROMPTS[1][:3]]
     for budget, beams, branch, depth in ((6, 2, 4, 8), (40, 4, 8, 10), (400, 8, 6, 6)):
-        base = TreeConfig(budget=budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
+        base = TreeConfig.fixed(budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
         _, want = _steps(draft, replace(base, grow="dynamic"), seqs, static)
         td, got = _steps(draft, replace(base, grow="captured"), seqs, static)
         for i, ((a, pa), (b, pb)) in enumerate(zip(want, got)):
@@ -101,8 +101,8 @@ def test_captured_levels_keep_greedy_exact_with_early_stop(noisy_pairs, stand_in
     step grows uncaptured and stays AR's draw."""
     e = _static_engine(noisy_pairs)
     trees = (
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
-        TreeConfig(budget=24, max_beams=8, max_branch=4, max_depth=10, grow="captured", early_stop=True),
+        TreeConfig.fixed(16, max_beams=4, max_branch=8, max_depth=8, grow="captured"),
+        TreeConfig.fixed(24, max_beams=8, max_branch=4, max_depth=10, grow="captured", early_stop=True),
     )
     for tree in trees:
         for ids in PROMPTS:
@@ -135,7 +135,7 @@ def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkey
     ran = []
     run = StaticPasses._run
     monkeypatch.setattr(StaticPasses, "_run", lambda self, b, span: (ran.append(b), run(self, b, span))[1])
-    base = TreeConfig(budget=6, max_beams=64, max_branch=4, max_depth=6, early_stop=False)
+    base = TreeConfig.fixed(6, max_beams=64, max_branch=4, max_depth=6, early_stop=False)
     for mode in ("captured", "ahead"):
         ran.clear()
         _, got = _steps(draft, replace(base, grow=mode), [PROMPTS[0], PROMPTS[1]], static=True)
@@ -157,7 +157,7 @@ def test_a_failed_capture_leaves_the_levels_eager(noisy_pairs, stand_in_graphs, 
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(captured.LevelSpace, "_capture", fail)
-    tree = TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured")
+    tree = TreeConfig.fixed(16, max_beams=4, max_branch=8, max_depth=8, grow="captured")
     for ids in PROMPTS:
         e.reset()
         want = e.generate(ids, 24, method="ar").tokens
@@ -176,7 +176,7 @@ def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
     seq = PROMPTS[0]
     props = {}
     for mode in ("ahead", "captured"):
-        cfg = TreeConfig(budget=4, max_beams=8, max_branch=4, max_depth=12, grow=mode, early_stop=False)
+        cfg = TreeConfig.fixed(4, max_beams=8, max_branch=4, max_depth=12, grow=mode, early_stop=False)
         td = TreeDraft(DraftModel(draft, 512), cfg)
         td.begin(seq)
         props[mode] = td.propose(seq, StepContext(samp=samp, gen=None, budget=4, seed=3))
@@ -191,7 +191,7 @@ def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
 def test_the_space_grows_and_keys_its_graphs(draft, stand_in_graphs):
     """A step that needs more room than the space holds gets a bigger one (and its graphs start afresh); a step that
     fits keeps the space, so its graphs replay."""
-    small = TreeConfig(budget=8, max_beams=2, max_branch=4, max_depth=4, grow="captured", early_stop=False)
+    small = TreeConfig.fixed(8, max_beams=2, max_branch=4, max_depth=4, grow="captured", early_stop=False)
     td, _ = _steps(draft, small, [PROMPTS[0], PROMPTS[1]], static=True)
     first = td.draft.level_space
     td.begin(PROMPTS[2])
@@ -219,7 +219,7 @@ def test_auto_growth_asks_whether_its_levels_can_replay_as_graphs(draft, monkeyp
         return resolve(self, device, True if graphs is None else graphs)
 
     monkeypatch.setattr(TreeConfig, "grow_mode", spy)
-    cfg = TreeConfig(budget=24, max_beams=4, max_branch=8, max_depth=8, early_stop=False, grow="ahead")
+    cfg = TreeConfig.fixed(24, max_beams=4, max_branch=8, max_depth=8, early_stop=False, grow="ahead")
     _steps(draft, cfg, [list(PROMPTS[0])], static=True)
     assert asked and not any(asked)  # CPU: no graphs
     asked.clear()
@@ -241,7 +241,7 @@ def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
     model = load_model(draft_path, dev, torch.float32)
     seqs = [list(p) for p in PROMPTS] * 2
     for budget, beams in ((24, 4), (300, 16)):
-        base = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
+        base = TreeConfig.fixed(budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
         _, want = _steps(model, replace(base, grow="dynamic"), seqs, static=True)
         td, got = _steps(model, replace(base, grow="captured"), seqs, static=True)
         for i, ((a, pa), (b, pb)) in enumerate(zip(want, got)):
@@ -250,8 +250,8 @@ def test_cuda_captured_levels_replay_real_graphs(noisy_pairs):
         assert td.draft.level_space.captures > 0 and td.draft.level_space.replays > 0
     e = Engine(load_model(target, dev, torch.float32), load_tokenizer(target), model, context=512)
     for tree in (
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="captured", early_stop=True),
-        TreeConfig(budget=16, max_beams=4, max_branch=8, max_depth=8, grow="ahead"),
+        TreeConfig.fixed(16, max_beams=4, max_branch=8, max_depth=8, grow="captured", early_stop=True),
+        TreeConfig.fixed(16, max_beams=4, max_branch=8, max_depth=8, grow="ahead"),
     ):
         for ids in PROMPTS:
             e.reset()

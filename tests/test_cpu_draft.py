@@ -141,15 +141,15 @@ def test_cheaper_draft_greedy_equals_ar(cheap_engines, family, draft):
         e.reset()
         ref = e.generate(p, 24, method="ar").tokens
         for kw in (
-            dict(method="specexec", tree=TreeConfig(budget=16)),
-            dict(method="specexec", tree=TreeConfig(budget=64)),
+            dict(method="specexec", tree=TreeConfig.fixed(16)),
+            dict(method="specexec", tree=TreeConfig.fixed(64)),
             dict(method="chain", chain=ChainConfig(gamma=4)),
         ):
             e.reset()
             assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
     # the cheap draft still proposes something useful (a smoke check that it is wired in, not a speed claim)
     e.reset()
-    st = e.generate(PROMPTS[0], 24, method="specexec", tree=TreeConfig(budget=16)).stats
+    st = e.generate(PROMPTS[0], 24, method="specexec", tree=TreeConfig.fixed(16)).stats
     assert st.tokens_per_step > 1.0
 
 
@@ -196,7 +196,7 @@ def test_cheaper_draft_specexec_sampling_is_ar_per_seed(sampling_setup):
         cfg = SamplingConfig(temperature=1.0, top_k=4, seed=s)
         ref = engine.generate(ts.PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
         got = engine.generate(
-            ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=TreeConfig(budget=(4, 16)[s % 2])
+            ts.PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=TreeConfig.fixed((4, 16)[s % 2])
         ).tokens
         assert got == ref, s
 
@@ -220,8 +220,8 @@ def test_bf16_greedy_speculation_equals_bf16_ar(bf16_engines, family):
         e.reset()
         ref = e.generate(p, 24, method="ar").tokens
         for kw in (
-            dict(method="specexec", tree=TreeConfig(budget=16)),
-            dict(method="specexec", tree=TreeConfig(budget=48)),
+            dict(method="specexec", tree=TreeConfig.fixed(16)),
+            dict(method="specexec", tree=TreeConfig.fixed(48)),
             dict(method="chain", chain=ChainConfig(gamma=4)),
         ):
             e.reset()
@@ -240,7 +240,7 @@ def test_bf16_orientation_rule_keeps_results(bf16_engines, transposed):
         e.reset()
         ref = e.generate(PROMPTS[1], 16, method="ar").tokens
         e.reset()
-        assert e.generate(PROMPTS[1], 16, method="specexec", tree=TreeConfig(budget=16)).tokens == ref
+        assert e.generate(PROMPTS[1], 16, method="specexec", tree=TreeConfig.fixed(16)).tokens == ref
     finally:
         set_cpu_transposed(torch.bfloat16, was)
 
@@ -272,7 +272,7 @@ def test_bf16_sampling_follows_the_bf16_target(bf16_sampling_setup, method):
     kw = (
         dict(method="chain", chain=ChainConfig(gamma=3))
         if method == "chain"
-        else dict(method="specexec", tree=TreeConfig(budget=8))
+        else dict(method="specexec", tree=TreeConfig.fixed(8))
     )
     out = [
         tuple(engine.generate(ts.PROMPT, ts.NEW, sampling_cfg=SamplingConfig(temperature=0.8, seed=s), **kw).tokens)

@@ -81,8 +81,8 @@ def test_encode_chat_without_a_template_names_the_setting(pair):
 METHODS = {
     "ar": dict(method="ar"),
     "chain:4": dict(method="chain", chain=ChainConfig(gamma=4)),
-    "specexec:8": dict(method="specexec", tree=TreeConfig(budget=8)),
-    "specexec:32+ngram": dict(method="specexec", tree=TreeConfig(budget=32), ngram=NGramConfig()),
+    "specexec:8": dict(method="specexec", tree=TreeConfig.fixed(8)),
+    "specexec:32+ngram": dict(method="specexec", tree=TreeConfig.fixed(32), ngram=NGramConfig()),
     "ngram": dict(method="ngram"),
     "default": dict(tree=TreeConfig(budget=8, auto=True, max_budget=32)),
 }
@@ -173,9 +173,9 @@ def test_hook_error_propagates_and_the_engine_stays_usable(engine, reference):
         if info.index == 1:
             raise RuntimeError("hook failed")
 
-    g = engine.stream(PROMPT, 24, method="specexec", tree=TreeConfig(budget=8), on_step=boom)
+    g = engine.stream(PROMPT, 24, method="specexec", tree=TreeConfig.fixed(8), on_step=boom)
     with pytest.raises(RuntimeError, match="hook failed"):
         list(g)
     assert g.result is None
     other = [40, 41, 42]
-    assert engine.generate(other, 12, method="specexec", tree=TreeConfig(budget=8)).tokens == reference(other, 12)
+    assert engine.generate(other, 12, method="specexec", tree=TreeConfig.fixed(8)).tokens == reference(other, 12)

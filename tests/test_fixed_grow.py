@@ -33,11 +33,12 @@ def test_config_validates_grow():
     "dynamic" on a CPU; the early stop by default on a CPU and for fixed-width growth on a GPU; explicit settings
     win."""
     gpu = torch.device("cuda")  # a device object only: nothing runs on it
-    assert TreeConfig().grow == "auto"
-    assert TreeConfig().grow_mode(CPU) == "dynamic" and TreeConfig().grow_mode(gpu) == "captured"
-    assert TreeConfig(auto=True).grow_mode(gpu) == "ahead" and TreeConfig(auto=True).grow_mode(CPU) == "dynamic"
+    fixed = TreeConfig.fixed(64)
+    assert TreeConfig().grow == "auto" and fixed.grow == "auto"
+    assert fixed.grow_mode(CPU) == "dynamic" and fixed.grow_mode(gpu) == "captured"
+    assert TreeConfig().grow_mode(gpu) == "ahead" and TreeConfig().grow_mode(CPU) == "dynamic"  # the auto budget
     # levels that cannot replay as graphs (wider than the draft's graphed passes): "ahead", whose host never waits
-    assert TreeConfig().grow_mode(gpu, graphs=False) == "ahead"
+    assert fixed.grow_mode(gpu, graphs=False) == "ahead"
     assert TreeConfig(grow="captured").grow_mode(gpu, graphs=False) == "captured"  # an explicit choice stands
     assert TreeConfig(grow="ahead").grow_mode(gpu) == "ahead" and TreeConfig(grow="ahead").grow_mode(CPU) == "ahead"
     assert TreeConfig(grow="dynamic").grow_mode(gpu) == "dynamic"
@@ -85,7 +86,7 @@ def test_fixed_levels_grow_the_same_tree(drafts, family):
     samp = SamplingConfig(temperature=0.8, top_p=0.9)
     for seq in PROMPTS:
         for budget, beams, branch, depth in ((4, 2, 4, 8), (24, 4, 8, 16), (64, 16, 32, 12), (300, 8, 6, 10)):
-            base = TreeConfig(budget=budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
+            base = TreeConfig.fixed(budget, max_beams=beams, max_branch=branch, max_depth=depth, early_stop=False)
             for seed, lp in ((None, None), (7, lambda x: sample_logprobs(x, samp))):
                 for capacity in (512, len(seq) + 9):
                     ref, ref_passes, ref_beams = _grow(model, seq, base, capacity, seed, lp)
@@ -149,7 +150,7 @@ def test_fixed_levels_read_the_device_once_per_level(drafts):
     for mode in ("dynamic", *MODES):
         reads = []
         for depth in (4, 10):
-            cfg = TreeConfig(budget=4000, max_beams=4, max_branch=4, max_depth=depth, early_stop=False, grow=mode)
+            cfg = TreeConfig.fixed(4000, max_beams=4, max_branch=4, max_depth=depth, early_stop=False, grow=mode)
             td = TreeDraft(DraftModel(model, 512), cfg)
             td.draft.prefill(seq)
             td.grow(seq, cfg)  # warm: the catch-up pass's cache state is the same for the counted run
@@ -175,7 +176,7 @@ def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
         for budget, beams in ((24, 4), (64, 8)):
             for pass_s in (0.0, 0.001, 0.01, 0.05):  # 0: never worth stopping
                 cost = GrowCost(pass_s=pass_s, target_s=0.05)
-                base = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=16, early_stop=True)
+                base = TreeConfig.fixed(budget, max_beams=beams, max_branch=8, max_depth=16, early_stop=True)
                 td = TreeDraft(DraftModel(model, 512), base)
                 td.draft.prefill(seq)
                 ref, ref_passes, ref_log, ref_stop = td.grow(seq, base, cost=cost)
@@ -225,8 +226,8 @@ def test_fixed_growth_greedy_equals_ar(engines):
                 for budget, beams, early in ((4, 2, None), (16, 8, False), (64, 4, None)):
                     for ngram in (None, NGramConfig()):
                         n = 40 if ngram is None else 13
-                        tree = TreeConfig(
-                            budget=budget, max_beams=beams, max_depth=16, max_branch=8, grow=mode, early_stop=early
+                        tree = TreeConfig.fixed(
+                            budget, max_beams=beams, max_depth=16, max_branch=8, grow=mode, early_stop=early
                         )
                         e.reset()
                         r = e.generate(ids, n, method="specexec", tree=tree, ngram=ngram)
@@ -248,7 +249,7 @@ def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory,
     table = ts.Table(models[0], ts.PROMPT)
     samp = SamplingConfig(temperature=1.0, top_p=0.8)
     P = ts.truncate_at_eos(ts.joint(table, samp))
-    tree = TreeConfig(budget=8, max_beams=2, max_depth=16, max_branch=8, early_stop=early_stop, grow="ahead")
+    tree = TreeConfig.fixed(8, max_beams=2, max_depth=16, max_branch=8, early_stop=early_stop, grow="ahead")
     out, mismatched, results = ts.engine_samples(e, samp, tree)
     assert mismatched == 0
     stops = sum(r.stats.early_stops for r in results)
@@ -267,7 +268,7 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
     seq = PROMPTS[0]
     for seed in (None, 3):
         for budget, beams in ((24, 4), (300, 16)):
-            cfg = TreeConfig(budget=budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
+            cfg = TreeConfig.fixed(budget, max_beams=beams, max_branch=8, max_depth=12, early_stop=False)
             trees = {}
             for mode in ("dynamic", *MODES):
                 c = replace(cfg, grow=mode)

@@ -14,7 +14,7 @@ from specexec.propose import DraftModel, TreeDraft
 def _trees_match(path, device, static_rows=16):
     model = load_model(path, device, torch.float32)
     seq = [5, 6, 7, 8, 9]
-    cfg = TreeConfig(budget=40, max_beams=16, max_branch=8, max_depth=6)
+    cfg = TreeConfig.fixed(40, max_beams=16, max_branch=8, max_depth=6)
     eager = DraftModel(model, 256, static=False)
     padded = DraftModel(model, 256, static=True, static_rows=static_rows)
     t1, _, beams1, _ = TreeDraft(eager, cfg).grow(seq, cfg)
@@ -50,7 +50,7 @@ def test_engine_with_static_draft_equals_ar(noisy_pairs):
     e = static_engine(noisy_pairs["qwen2"], 256)  # beams > 8 fall back to eager
     assert e.draft_model.static is not None and e.draft_model.static.max_rows == 8
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
-    for tree in (TreeConfig(budget=16, max_beams=8), TreeConfig(budget=64, max_beams=32)):
+    for tree in (TreeConfig.fixed(16, max_beams=8), TreeConfig.fixed(64, max_beams=32)):
         e.reset()
         assert e.generate([5, 6, 7], 40, method="specexec", tree=tree).tokens == ref
     e.reset()
@@ -78,7 +78,7 @@ def test_cuda_engine_specexec_equals_ar(noisy_pairs, family):
     )
     assert e.draft_model.static is not None and e.draft_model.static.use_graphs
     ref = e.generate([5, 6, 7], 40, method="ar").tokens
-    for tree in (TreeConfig(budget=16), TreeConfig(budget=200, max_beams=64), TreeConfig(budget=64, auto=True)):
+    for tree in (TreeConfig.fixed(16), TreeConfig.fixed(200, max_beams=64), TreeConfig(budget=64, auto=True)):
         e.reset()
         assert e.generate([5, 6, 7], 40, method="specexec", tree=tree).tokens == ref
     e.reset()

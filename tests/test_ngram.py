@@ -88,13 +88,13 @@ def test_ngram_method_equals_ar(engine, samp):
     ids = _prompt(engine)
     engine.reset()
     ref = engine.generate(ids, 40, method="ar", sampling_cfg=samp).tokens
-    for tree in (TreeConfig(), TreeConfig(auto=True)):
+    for tree in (TreeConfig.fixed(64), TreeConfig()):
         engine.reset()
         r = engine.generate(ids, 40, method="ngram", sampling_cfg=samp, tree=tree)
         assert r.tokens == ref
     if samp.greedy:
         engine.reset()
-        r = engine.generate(ids, 40, method="ngram")
+        r = engine.generate(ids, 40, method="ngram", tree=TreeConfig.fixed(64))
         assert r.stats.tokens_per_step > 2.0, "the repeated passage is accepted several tokens at a time"
         assert r.stats.draft_passes == 0
 
@@ -105,9 +105,9 @@ def test_ngram_branches_merged_into_the_tree_equal_ar(engine):
     ref = engine.generate(ids, 40, method="ar").tokens
     for budget in (1, 4, 32):
         engine.reset()
-        plain = engine.generate(ids, 40, method="specexec", tree=TreeConfig(budget=budget))
+        plain = engine.generate(ids, 40, method="specexec", tree=TreeConfig.fixed(budget))
         engine.reset()
-        merged = engine.generate(ids, 40, method="specexec", tree=TreeConfig(budget=budget), ngram=NGramConfig())
+        merged = engine.generate(ids, 40, method="specexec", tree=TreeConfig.fixed(budget), ngram=NGramConfig())
         assert plain.tokens == ref and merged.tokens == ref
         assert merged.stats.tokens_per_step >= plain.stats.tokens_per_step
 
@@ -116,10 +116,10 @@ def test_tree_config_ngram_nodes_by_device():
     """None: the device's default -- every GPU tree, only a CPU's auto-budget trees; an explicit count anywhere."""
     gpu = torch.device("cuda")
     assert TreeConfig().ngram_nodes(gpu) == NGRAM_NODES_GPU
-    assert TreeConfig(budget=256).ngram_nodes(gpu) == NGRAM_NODES_GPU
+    assert TreeConfig.fixed(256).ngram_nodes(gpu) == NGRAM_NODES_GPU
     assert TreeConfig(auto=True).ngram_nodes(CPU) == NGRAM_NODES_CPU
-    assert TreeConfig(budget=16).ngram_nodes(CPU) == 0
-    assert TreeConfig(budget=16, ngram=8).ngram_nodes(CPU) == 8
+    assert TreeConfig.fixed(16).ngram_nodes(CPU) == 0
+    assert TreeConfig.fixed(16, ngram=8).ngram_nodes(CPU) == 8
     assert TreeConfig(auto=True, ngram=0).ngram_nodes(gpu) == 0
     for bad in (-1, 1025):
         with pytest.raises(ConfigError, match="ngram"):
@@ -127,7 +127,7 @@ def test_tree_config_ngram_nodes_by_device():
     # what the engine merges when the caller names no n-gram config: longer continuations on a GPU
     assert default_ngram(TreeConfig(), gpu) == NGramConfig(max_nodes=NGRAM_NODES_GPU, max_len=NGRAM_LEN_GPU)
     assert default_ngram(TreeConfig(auto=True), CPU) == NGramConfig(max_nodes=NGRAM_NODES_CPU)
-    assert default_ngram(TreeConfig(budget=8), CPU) is None and default_ngram(TreeConfig(ngram=0), gpu) is None
+    assert default_ngram(TreeConfig.fixed(8), CPU) is None and default_ngram(TreeConfig(ngram=0), gpu) is None
 
 
 @pytest.mark.parametrize("grow", ["dynamic", "ahead", "captured"])
@@ -142,7 +142,7 @@ def test_ngram_nodes_of_the_tree_config_are_merged_exactly(engine, grow, samp):
     got = {}
     for nodes in (0, 16):
         engine.reset()
-        tree = TreeConfig(budget=2, grow=grow, early_stop=False, ngram=nodes)
+        tree = TreeConfig.fixed(2, grow=grow, early_stop=False, ngram=nodes)
         r = engine.generate(ids, 40, method="specexec", sampling_cfg=samp, tree=tree)
         assert r.tokens == ref
         got[nodes] = r.stats
@@ -168,7 +168,7 @@ def test_cuda_trees_merge_ngram_branches_by_default(tiny_models, tmp_path):
     ids = _prompt(eng)
     eng.reset()
     ref = eng.generate(ids, 40, method="ar").tokens
-    for tree in (TreeConfig(budget=2), TreeConfig(auto=True, max_budget=64)):
+    for tree in (TreeConfig.fixed(2), TreeConfig(auto=True, max_budget=64)):
         eng.reset()
         r = eng.generate(ids, 40, method="specexec", tree=tree)
         assert r.tokens == ref
@@ -193,10 +193,10 @@ def test_ngram_tokens_counts_only_accepted_lookup_nodes(engine):
     without a lookup."""
     ids = _prompt(engine)
     engine.reset()
-    r = engine.generate(ids, 40, method="ngram", tree=TreeConfig(budget=16))
+    r = engine.generate(ids, 40, method="ngram", tree=TreeConfig.fixed(16))
     assert 0 < r.stats.new_tokens - r.stats.steps <= r.stats.ngram_tokens <= r.stats.new_tokens - r.stats.steps + 1
     engine.reset()
-    r = engine.generate([33, 34, 35], 8, method="specexec", tree=TreeConfig(budget=4))
+    r = engine.generate([33, 34, 35], 8, method="specexec", tree=TreeConfig.fixed(4))
     assert r.stats.ngram_tokens == 0
 
 

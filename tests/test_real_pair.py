@@ -124,7 +124,7 @@ def test_specexec_equals_ar(engine, ar_outputs, budget):
     for p in PROMPTS[:3]:
         engine.reset()
         # max_depth 12 keeps the CPU draft cost of this test modest; deeper trees are exercised on tiny models
-        r = engine.generate(p, 48, method="specexec", tree=TreeConfig(budget=budget, max_depth=12))
+        r = engine.generate(p, 48, method="specexec", tree=TreeConfig.fixed(budget, max_depth=12))
         _assert_same_or_near_tie(engine, p, ar_outputs[p], r.tokens)
         steps.append(r.stats.tokens_per_step)
     assert sum(steps) / len(steps) > 2.0, steps  # speculation genuinely accepts several tokens per step

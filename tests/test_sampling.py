@@ -224,7 +224,7 @@ class TreeSampler:
     def __init__(
         self, draft_model, target: Table, samp: SamplingConfig, budget: int, verifier: Table | None = None
     ) -> None:
-        self.drafter = TreeDraft(DraftModel(draft_model, 4096), TreeConfig(budget=budget)) if budget else None
+        self.drafter = TreeDraft(DraftModel(draft_model, 4096), TreeConfig.fixed(budget)) if budget else None
         self.samp, self.budget = samp, budget
         self.verifier = verifier or target  # whose logits verify the tree (a negative control passes the draft's)
         self.trees: dict[tuple[int, ...], tuple[Tree, torch.Tensor]] = {}
@@ -238,7 +238,7 @@ class TreeSampler:
             else:
                 self.drafter.reset()
                 tree, *_ = self.drafter.grow(
-                    seq, TreeConfig(budget=self.budget), lambda lg: sampling.logprobs(lg, self.samp)
+                    seq, TreeConfig.fixed(self.budget), lambda lg: sampling.logprobs(lg, self.samp)
                 )
             toks, par = tree.n_tokens.tolist(), tree.n_parents.tolist()
             ctx: list[tuple[int, ...]] = [prefix]
@@ -667,7 +667,7 @@ def test_engine_specexec_is_ar_token_for_token(engine, tables):
         ref = engine.generate(PROMPT, 8, method="ar", sampling_cfg=cfg).tokens
         ar.append(tuple(ref[:NEW]) if EOS not in ref[:NEW] else tuple(ref[: ref.index(EOS) + 1]))
         budget = (1, 4, 16, 64)[s % 4]
-        got = engine.generate(PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=TreeConfig(budget=budget)).tokens
+        got = engine.generate(PROMPT, 8, method="specexec", sampling_cfg=cfg, tree=TreeConfig.fixed(budget)).tokens
         mismatched += got != ref
     # Tree and AR passes compute the target's logits with different shapes, so their last bits may differ and
     # flip a draw that falls within ~1e-6 of a CDF boundary: possible, but not expected in 1000 x 8 tokens.
@@ -688,7 +688,7 @@ def test_auto_budget_keeps_the_seeded_output(pair, models):
 @pytest.mark.parametrize("method", ["ar", "chain", "specexec"])
 def test_same_seed_same_output(pair, models, engine, method):
     """Same seed → the same tokens (also from a fresh engine); different seeds → different tokens."""
-    kw = dict(method=method, chain=ChainConfig(gamma=3), tree=TreeConfig(budget=16))
+    kw = dict(method=method, chain=ChainConfig(gamma=3), tree=TreeConfig.fixed(16))
 
     def run(e, seed):
         return e.generate([9, 10, 11], 24, sampling_cfg=SamplingConfig(temperature=1.0, top_p=0.9, seed=seed), **kw)

@@ -17,6 +17,7 @@ from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import ConfigError
+from specexec.formats.groupquant import GroupQuantLinear
 from specexec.formats.int8 import Int8Linear
 from specexec.formats.nf4 import NF4Linear
 from specexec.loading import memory
@@ -31,7 +32,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 def _engine(path, fmt: str | None = None, budget: int = 8):
     return api.load(
-        str(path), "self", device="cpu", dtype="fp32", draft_dtype=fmt, context=256, tree=TreeConfig(budget=budget)
+        str(path), "self", device="cpu", dtype="fp32", draft_dtype=fmt, context=256, tree=TreeConfig.fixed(budget)
     )
 
 
@@ -47,7 +48,7 @@ def _weight_bytes(model) -> int:
         seen.add(id(w))
         if isinstance(w, torch.Tensor):
             total += w.numel() * w.element_size()
-        elif isinstance(w, Int8Linear):
+        elif isinstance(w, (Int8Linear, GroupQuantLinear)):
             total += w.nbytes()
         elif isinstance(w, NF4Linear):
             total += w.packed.numel() * w.packed.element_size() + w.absmax.numel() * w.absmax.element_size()
@@ -94,7 +95,7 @@ def test_draft_format_by_device_and_name(tiny_models):
 
 
 def test_self_draft_refuses_a_dense_dtype(tiny_models):
-    with pytest.raises(ConfigError, match="must be auto, int8 or nf4, not bf16"):
+    with pytest.raises(ConfigError, match="must be auto, int8, nf4, q4, q3 or q2"):
         _engine(tiny_models["llama"], "bf16")
 
 
@@ -106,7 +107,7 @@ def assert_tree_and_chain_equal_ar(engine, n: int):
     EOS may end a run early); returns the tree run's result."""
     want = engine.generate(PROMPT, n, method="ar").tokens
     assert len(want) >= 10
-    tree = engine.generate(PROMPT, n, method="specexec", tree=TreeConfig(budget=8, early_stop=False))
+    tree = engine.generate(PROMPT, n, method="specexec", tree=TreeConfig.fixed(8, early_stop=False))
     chain = engine.generate(PROMPT, n, method="chain", chain=ChainConfig(gamma=4))
     assert tree.tokens == want and chain.tokens == want
     return tree
@@ -169,7 +170,7 @@ def test_load_checks_the_low_bit_bytes_and_the_compute_dtype_kv(tiny_models, mon
     assert seen["draft_itemsize"] == 4
     assert seen["draft_weights"] == sizes.model_weight_bytes(cfg, "int8", 4) + sizes.stored_weights(path).largest * 4
     assert seen["draft_weights"] < 0.5 * sizes.param_count(cfg) * 4
-    est = sizes.engine_memory(cfg, cfg, 256, 4, 4, TreeConfig(budget=8))
+    est = sizes.engine_memory(cfg, cfg, 256, 4, 4, TreeConfig.fixed(8))
     assert engine.draft_model is not None
     assert engine.draft_model.cache.nbytes() <= est.kv  # the draft's fp32 KV cache is inside the estimate
 
@@ -197,7 +198,7 @@ PAIRS = {"7B draft, Llama-2-70B": (LLAMA2_70B, LLAMA2_7B), "8B draft, Llama-3-70
 def resident_layers(target: ModelConfig, draft: ModelConfig, fmt: str, cap_gb: float, context: int = 4096) -> int:
     """70B NF4 layers the plan keeps on a ``cap_gb`` GPU beside ``draft`` in ``fmt`` (bf16 compute), as api.load
     would plan it (-1: the ring does not fit)."""
-    tree = TreeConfig(budget=256)
+    tree = TreeConfig.fixed(256)
     res = sizes.plan_reservations(
         target, draft, context, 2, 2, tree, draft_weights=sizes.model_weight_bytes(draft, fmt, 2)
     )
@@ -273,8 +274,8 @@ def test_cli_self_draft_with_a_dense_dtype_is_one_line(monkeypatch):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in result.output, lines
         assert lines[0] == (
-            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8 or nf4, "
-            "not bf16"
+            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8, nf4, q4, "
+            "q3 or q2, not bf16"
         ), lines[0]
 
 
@@ -303,7 +304,7 @@ def test_cli_generate_with_self_draft(tiny_models):
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
 def test_cuda_self_draft_greedy_equals_ar(tiny_models, fmt):
     engine = api.load(
-        str(tiny_models["qwen2"]), "self", device="cuda", draft_dtype=fmt, context=256, tree=TreeConfig(budget=8)
+        str(tiny_models["qwen2"]), "self", device="cuda", draft_dtype=fmt, context=256, tree=TreeConfig.fixed(8)
     )
     kind = NF4Linear if fmt == "nf4" else Int8Linear
     assert isinstance(engine.draft.layers.layers[0]["w13"], kind)

@@ -29,7 +29,7 @@ import uvicorn
 from specexec.config import SamplingConfig, TreeConfig
 from specexec.server import Defaults, ServerConfig, create_app
 
-TREE = TreeConfig(budget=8, early_stop=False)
+TREE = TreeConfig.fixed(8, early_stop=False)
 CONTEXT = 2048
 LONG = 2000  # a long answer (max_tokens) for the cancel / queue tests
 TEMPLATE = (
@@ -599,7 +599,7 @@ def test_cli_model_load_failure_exits_with_one_error(tmp_path):
 def test_real_pair_chat_equals_engine(real_pair):
     """The demo pair (the session's shared copy): a greedy chat answer through the server equals the engine's."""
     engine = real_pair
-    tree = TreeConfig(budget=32, early_stop=False)  # fixed: no measured (timing-dependent) choices
+    tree = TreeConfig.fixed(32, early_stop=False)  # fixed: no measured (timing-dependent) choices
     msgs = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     engine.reset()
     with LiveServer(create_app(ServerConfig(model_name="demo", tree=tree), engine=engine)) as srv:

@@ -23,13 +23,13 @@ from tests.test_layer_select import six  # noqa: F401  (fixture: a 6-layer model
 from tests.test_self_draft import PROMPT, assert_tree_and_chain_equal_ar
 
 CPU = torch.device("cpu")
-DEEP = TreeConfig(budget=8, max_beams=2, early_stop=False, max_depth=16, max_branch=8)
+DEEP = TreeConfig.fixed(8, max_beams=2, early_stop=False, max_depth=16, max_branch=8)
 LEVELS = replace(DEEP, grow="ahead")
 
 
 def _self(path, layers=None, share=True, context=256):
     return api.load(
-        str(path), "self", device="cpu", dtype="fp32", draft_dtype="int8", context=context, tree=TreeConfig(budget=8),
+        str(path), "self", device="cpu", dtype="fp32", draft_dtype="int8", context=context, tree=TreeConfig.fixed(8),
         draft_layers=layers, share_prefix=share,
     )  # fmt: skip
 

@@ -36,7 +36,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_kv_and_weights_match_real_tensors(pair):
     t_cfg = read_config(pair[0])
-    tree, chain = TreeConfig(budget=40, max_beams=8), ChainConfig()
+    tree, chain = TreeConfig.fixed(40, max_beams=8), ChainConfig()
     for dtype in (torch.float32, torch.bfloat16):
         slots = sizes.target_cache_slots(100, tree, chain)
         cache = KVCache(t_cfg.num_layers, t_cfg.num_kv_heads, slots, t_cfg.head_dim, dtype, CPU)
@@ -61,7 +61,7 @@ def test_kv_and_weights_match_real_tensors(pair):
 
 def test_engine_caches_are_what_sizes_says(pair):
     """The engine's two KV caches (as allocated by a real load) equal the sizes figures for them."""
-    tree = TreeConfig(budget=24, max_beams=8)
+    tree = TreeConfig.fixed(24, max_beams=8)
     engine = api.load(str(pair[0]), str(pair[1]), device="cpu", context=200, tree=tree, progress=False)
     need = memory.check_load(pair[0], pair[1], CPU, "auto", None, 200, tree, ChainConfig())
     real = engine.state.cache.nbytes() + engine.draft_model.cache.nbytes()
@@ -89,13 +89,13 @@ def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):
     s32, s16 = sizes.stored_weights(pair[0]), sizes.stored_weights(bf16)
     assert (s32.dtype, s16.dtype) == ("F32", "BF16") and s32.params == s16.params
     assert s32.nbytes == 2 * s16.nbytes == 4 * s32.params
-    n32 = memory.check_load(pair[0], None, CPU, "fp32", None, 64, TreeConfig(budget=4))
-    n16 = memory.check_load(bf16, None, CPU, "fp32", None, 64, TreeConfig(budget=4))
+    n32 = memory.check_load(pair[0], None, CPU, "fp32", None, 64, TreeConfig.fixed(4))
+    n16 = memory.check_load(bf16, None, CPU, "fp32", None, 64, TreeConfig.fixed(4))
     assert n32.weights == n16.weights == 4 * (sizes.param_count(read_config(pair[0])) + s32.largest)
     file32 = (pair[0] / "model.safetensors").stat().st_size
     assert n32.weights < 1.2 * file32  # not 2x the fp32 file
     # loaded as bf16 the figure halves, whatever the storage
-    assert memory.check_load(pair[0], None, CPU, "bf16", None, 64, TreeConfig(budget=4)).weights == n16.weights // 2
+    assert memory.check_load(pair[0], None, CPU, "bf16", None, 64, TreeConfig.fixed(4)).weights == n16.weights // 2
 
 
 def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
@@ -109,7 +109,7 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
 
     monkeypatch.setattr(api, "load_model", no_alloc)
     monkeypatch.setattr(KVCache, "__init__", no_alloc)
-    tree = TreeConfig(budget=65536)
+    tree = TreeConfig.fixed(65536)
     with pytest.raises(memory.NotEnoughMemory) as err:
         api.load(str(pair[0]), str(pair[1]), device="cpu", context=512, tree=tree, progress=False)
     e = err.value
@@ -127,7 +127,7 @@ def test_huge_budget_refused_before_anything_is_allocated(pair, monkeypatch):
             512,
             4,
             4,
-            TreeConfig(budget=b),
+            TreeConfig.fixed(b),
             target_weights=sizes.stored_weights(pair[0]).resident_bytes(4, t_cfg),
             draft_weights=sizes.stored_weights(pair[1]).resident_bytes(4, d_cfg),
         ).total
@@ -165,7 +165,7 @@ def test_context_too_big_names_the_context(pair, monkeypatch):
     with pytest.raises(
         memory.NotEnoughMemory, match="not enough RAM: the weights need .* KV caches for context=2048 .*lower context$"
     ):
-        memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig(budget=4))
+        memory.check_load(pair[0], None, CPU, "auto", None, 2048, TreeConfig.fixed(4))
 
 
 def test_ssd_cache_on_a_read_only_file_system(pair, tmp_path, monkeypatch, caplog):
@@ -227,14 +227,14 @@ def test_plan_reserves_the_gpu_default_ngram_branches():
     cfg = ModelConfig(
         vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32
     )
-    base = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig(budget=128, ngram=0))
-    merged = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig(budget=128))
+    base = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig.fixed(128, ngram=0))
+    merged = sizes.plan_reservations(cfg, cfg, 512, 2, 2, TreeConfig.fixed(128))
     assert merged.max_tokens == base.max_tokens + NGRAM_NODES_GPU
     assert merged.kv_bytes > base.kv_bytes
 
 
 def test_fitting_caps_halve_only_an_auto_trees_max_budget():
-    fixed = TreeConfig(budget=300)
+    fixed = TreeConfig.fixed(300)
     assert sizes.fitting_caps(fixed) == [fixed]
     caps = sizes.fitting_caps(TreeConfig(auto=True, budget=64, max_budget=1024))
     assert [c.max_budget for c in caps] == [1024, 512, 256, 128, 64]
@@ -267,15 +267,15 @@ def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_
     assert eng.max_tree == 256 and asked[0] > asked[-1]
     r = eng.generate([5, 6, 7], 6, method="specexec", tree=tree)  # capped: the auto tree never exceeds 256
     assert r.stats.new_tokens == 6 and all(b <= 256 for b in r.stats.budgets)
-    eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig(budget=256))
+    eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig.fixed(256))
     with pytest.raises(SpecexecError, match="budget.512 exceeds the largest tree"):
-        eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig(budget=512))
+        eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig.fixed(512))
     limit[0] = 10  # nothing fits, even the smallest cap
     with pytest.raises(OutOfMemory, match="even with .*max_budget.64"):
         api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
     with pytest.raises(OutOfMemory, match="or a smaller .*budget"):  # a fixed budget is not lowered: the error says
         api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off,
-                 tree=TreeConfig(budget=512))  # fmt: skip
+                 tree=TreeConfig.fixed(512))  # fmt: skip
     limit[0] = 10**6  # everything fits: no cap
     eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
     assert eng.max_tree is None

@@ -48,7 +48,7 @@ def test_specexec_equals_ar(engines, family, budget):
         ref = _ar(e, ids, 40)
         e.reset()
         # budget 200 > vocab (96): the tree must go deep instead of wide
-        tree = TreeConfig(budget=budget, max_beams=16 if budget == 200 else 128)
+        tree = TreeConfig.fixed(budget, max_beams=16 if budget == 200 else 128)
         r = e.generate(ids, 40, method="specexec", tree=tree)
         assert r.tokens == ref, f"{family} budget={budget} prompt={ids}"
         assert r.stats.mean_tree_size <= budget
@@ -68,7 +68,7 @@ def test_chain_equals_ar(engines, family, gamma):
 def test_speculation_accepts_more_than_one(engines):
     e = engines["llama"]
     e.reset()
-    r = e.generate(PROMPTS[0], 60, method="specexec", tree=TreeConfig(budget=64))
+    r = e.generate(PROMPTS[0], 60, method="specexec", tree=TreeConfig.fixed(64))
     assert r.stats.tokens_per_step > 1.5, r.stats
 
 
@@ -76,7 +76,7 @@ def test_speculation_accepts_more_than_one(engines):
 def test_tree_invariants(noisy_pairs, budget):
     target, draft = noisy_pairs["llama"]
     tree, passes, _ = _grow(
-        load_model(draft, CPU, torch.float32), [5, 6, 7, 8], TreeConfig(budget=budget, max_beams=32, max_branch=8)
+        load_model(draft, CPU, torch.float32), [5, 6, 7, 8], TreeConfig.fixed(budget, max_beams=32, max_branch=8)
     )
     tree.check()  # parents precede children, depths, monotone logp, ancestry mask == parent pointers
     assert tree.size - 1 == budget, "trimmed to exactly budget nodes"
@@ -91,7 +91,7 @@ def test_tree_is_exact_top_budget(noisy_pairs):
     target, draft = noisy_pairs["llama"]
     model = load_model(draft, CPU, torch.float32)
     budget = 20
-    tree, _, _ = _grow(model, [5, 6, 7], TreeConfig(budget=budget, max_beams=1000, max_branch=96, max_depth=2))
+    tree, _, _ = _grow(model, [5, 6, 7], TreeConfig.fixed(budget, max_beams=1000, max_branch=96, max_depth=2))
     # brute force: all depth-1 and depth-2 continuations
     from specexec.model.kv_cache import KVCache  # noqa: F401
 
@@ -120,7 +120,7 @@ def _logits(engine, ids):
 def test_cache_compaction_equals_fresh_prefill(noisy_pairs, method):
     target, draft = noisy_pairs["qwen2"]
     e = _engine(target, draft)
-    r = e.generate([5, 6, 7, 8], 30, method=method, tree=TreeConfig(budget=32), chain=ChainConfig(gamma=4))
+    r = e.generate([5, 6, 7, 8], 30, method=method, tree=TreeConfig.fixed(32), chain=ChainConfig(gamma=4))
     assert r.stats.steps < 30  # several multi-token steps happened
     seq = e.seq
     for model, cache, length in (
@@ -163,7 +163,7 @@ def test_draft_with_smaller_vocabulary(tmp_path):
         ref = e.generate([5, 6], 12, method="ar", sampling_cfg=samp).tokens
         e.reset()
         # the tree walk keys its draws by output position: same seed, same text as AR
-        assert e.generate([5, 6], 12, method="specexec", sampling_cfg=samp, tree=TreeConfig(budget=8)).tokens == ref
+        assert e.generate([5, 6], 12, method="specexec", sampling_cfg=samp, tree=TreeConfig.fixed(8)).tokens == ref
         # chain sampling draws from its own stream (its distribution is tested in test_sampling.py): here the
         # draft's missing rows must neither crash nor leak -- every token is a target token, reproducibly
         e.reset()
@@ -192,7 +192,7 @@ def test_early_stop_keeps_exact_budget(noisy_pairs, budget):
     """Free passes: the same tree as without the rule. Costly passes: fewer passes, still exactly budget nodes."""
     _, draft = noisy_pairs["llama"]
     model = load_model(draft, CPU, torch.float32)
-    cfg = TreeConfig(budget=budget, max_beams=32, max_branch=8)
+    cfg = TreeConfig.fixed(budget, max_beams=32, max_branch=8)
     seq = [5, 6, 7, 8]
     full, f_passes, _ = _grow(model, seq, replace(cfg, early_stop=False))
     free, e_passes, e_early = _grow(model, seq, cfg, cost=GrowCost(pass_s=0.0, target_s=1.0))
@@ -211,7 +211,7 @@ def test_early_stop_in_the_engine_is_exact(engines, early_stop):
     from specexec.decoding.budget import FixedBudget, StepCosts
 
     e = engines["llama"]
-    tree = TreeConfig(budget=32, early_stop=early_stop)
+    tree = TreeConfig.fixed(32, early_stop=early_stop)
     for ids in PROMPTS:
         ref = _ar(e, ids, 40)
         e.reset()
@@ -220,6 +220,17 @@ def test_early_stop_in_the_engine_is_exact(engines, early_stop):
         assert r.tokens == ref
         assert (r.stats.early_stops > 0) == early_stop, r.stats
         assert costs.target_s[32] != 1e-3, "the loop feeds the measured step costs back"
+
+
+def test_the_default_tree_config_is_the_command_lines_default():
+    """``TreeConfig()`` is what the command line builds from its defaults (``--budget auto``: the cost-driven policy
+    from 64 up to 2048), so ``engine.generate(prompt, n)`` runs the command line's policy; ``TreeConfig.fixed(n)``
+    is a fixed budget."""
+    from specexec.cli.options import Shared
+
+    assert Shared().tree_config() == TreeConfig()
+    assert TreeConfig().auto and TreeConfig().budget == 64 and TreeConfig().max_budget == 2048
+    assert TreeConfig.fixed(16) == TreeConfig(budget=16, auto=False) and TreeConfig.fixed(16).largest == 16
 
 
 def test_early_stop_default_follows_the_device():
@@ -235,13 +246,13 @@ def test_stop_strings_end_the_answer(noisy_pairs):
     that completed it, finish_reason is "stop"; the same answer without stops runs on (finish_reason "length")."""
     target, draft = noisy_pairs["llama"]
     e = _engine(target, draft)
-    full = e.generate([5, 6, 7], 30, method="specexec", tree=TreeConfig(budget=8))
+    full = e.generate([5, 6, 7], 30, method="specexec", tree=TreeConfig.fixed(8))
     assert full.finish_reason in ("length", "stop")
     words = full.text.split()
     assert len(words) > 6
     stop = " ".join(words[3:5])
     e.reset()
-    g = e.stream([5, 6, 7], 30, method="specexec", tree=TreeConfig(budget=8), stop=[stop, "never-there"])
+    g = e.stream([5, 6, 7], 30, method="specexec", tree=TreeConfig.fixed(8), stop=[stop, "never-there"])
     pieces = list(g)
     r = g.result
     assert r.finish_reason == "stop" and "".join(pieces) == r.text

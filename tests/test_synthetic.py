@@ -113,13 +113,13 @@ def test_the_engine_accepts_on_a_planted_pair_and_stays_exact(pair):
             x = int(synthetic.bigram_logits(target.globals, torch.tensor([x])).argmax())
             walk.append(x)
         assert ar.tokens == walk
-        for tree in (TreeConfig(budget=32), TreeConfig(budget=32, grow="ahead")):
+        for tree in (TreeConfig.fixed(32), TreeConfig.fixed(32, grow="ahead")):
             r = eng.generate(p, 40, method="specexec", tree=tree)
             assert r.tokens == ar.tokens
             assert r.stats.tokens_per_step > 2.0, r.stats  # random weights would give ~1.0
         s = SamplingConfig(temperature=0.8, seed=5)
         assert (
-            eng.generate(p, 24, method="specexec", tree=TreeConfig(budget=16), sampling_cfg=s).tokens
+            eng.generate(p, 24, method="specexec", tree=TreeConfig.fixed(16), sampling_cfg=s).tokens
             == eng.generate(p, 24, method="ar", sampling_cfg=s).tokens
         )
     text = eng.generate(prompts[0], 3, method="ar").text
