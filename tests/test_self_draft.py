@@ -17,7 +17,6 @@ from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.errors import ConfigError
-from specexec.formats.groupquant import GroupQuantLinear
 from specexec.formats.int8 import Int8Linear
 from specexec.formats.nf4 import NF4Linear
 from specexec.loading import memory
@@ -48,7 +47,7 @@ def _weight_bytes(model) -> int:
         seen.add(id(w))
         if isinstance(w, torch.Tensor):
             total += w.numel() * w.element_size()
-        elif isinstance(w, (Int8Linear, GroupQuantLinear)):
+        elif isinstance(w, Int8Linear):
             total += w.nbytes()
         elif isinstance(w, NF4Linear):
             total += w.packed.numel() * w.packed.element_size() + w.absmax.numel() * w.absmax.element_size()
@@ -95,7 +94,7 @@ def test_draft_format_by_device_and_name(tiny_models):
 
 
 def test_self_draft_refuses_a_dense_dtype(tiny_models):
-    with pytest.raises(ConfigError, match="must be auto, int8, nf4, q4, q3 or q2"):
+    with pytest.raises(ConfigError, match="must be auto, int8 or nf4, not bf16"):
         _engine(tiny_models["llama"], "bf16")
 
 
@@ -274,8 +273,8 @@ def test_cli_self_draft_with_a_dense_dtype_is_one_line(monkeypatch):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in result.output, lines
         assert lines[0] == (
-            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8, nf4, q4, "
-            "q3 or q2, not bf16"
+            "error: --draft self is the target's own weights in low bit: --draft-dtype must be auto, int8 or nf4, "
+            "not bf16"
         ), lines[0]
 
 
