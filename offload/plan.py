@@ -248,10 +248,11 @@ def spread(k: int, n: int) -> tuple[int, ...]:
     A streamed pass is bound by its copies; each resident layer's compute then runs while the copy engine streams
     the next streamed layer, so it costs no time as long as a streamed layer's compute leaves room beside its copy
     (an NF4 70B layer copies in ~8.7 ms on a PCIe5 link and computes in ~0.2-3 ms for 1-1024 tokens on an H200).
-    Leading resident layers computed while the copy engine, its ring of a few buffers already full, stood idle: a
-    pass cost its copies plus the resident layers' compute (~57 ms of a 0.6 s verify of 1024 nodes with 19 of 80
-    resident). The pass begins with the streamed layers the ring prefetched while the draft ran. Measured on an H200
-    (70B NF4, int8 7B draft, 24 GB, 1024-node trees): verify 0.605 -> 0.524 s against 0.531 s of copies, +13% tok/s."""
+    Resident layers placed first would compute while the copy engine, its ring of a few buffers already full, stands
+    idle: the pass would cost its copies plus the resident layers' compute (~57 ms of a 0.6 s verify of 1024 nodes
+    with 19 of 80 resident). The pass begins with the streamed layers the ring prefetched while the draft ran. On an
+    H200 (70B NF4, int8 7B draft, 24 GB, 1024-node trees) a spread verify takes 0.524 s against 0.531 s of copies
+    (measured; see docs/BENCHMARKS.md)."""
     if k >= n:
         return tuple(range(n))
     return tuple(((j + 1) * n) // (k + 1) for j in range(max(k, 0)))  # strictly increasing: n / (k + 1) >= 1

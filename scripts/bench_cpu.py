@@ -58,7 +58,7 @@ HF_CONFIGS = ("hf-ar", "hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
 HF_SPECULATIVE = ("hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
 # The largest gap between the target's two best scores at a first differing token for which the difference can be
 # floating-point evaluation order alone (a tree pass vs a one-token pass), per our target dtype, in logits
-# (tests/test_real_pair.py measured the bf16 noise of the demo target: up to 0.3125 per logit; either of the top
+# (the demo target's bf16 noise is up to 0.3125 per logit, as tests/test_real_pair.py checks; either of the top
 # two may move by that much). Sampling: the scores are log-probs at the temperature plus the walk's noise, so
 # the tolerance is divided by the temperature. A wrong token (a bug) is whole logits away.
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 2 * 0.3125}

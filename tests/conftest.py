@@ -144,7 +144,7 @@ def _one_thread_for_tiny_models(request):
 
 # ---------------------------------------------------------------------------------------------- the real demo pair
 #
-# Memory rule for `slow` tests (issue 15: the suite must run on a 16 GB machine, peak RSS < 8 GB): the real pair is
+# Memory rule for `slow` tests (the suite must run on a 16 GB machine, peak RSS < 8 GB): the real pair is
 # loaded ONCE per session by the `real_pair` fixture below (target and draft in bf16: ~4.8 GB of weights) and freed
 # at the end. A test that needs the target or the draft takes `real_pair` (or its `.target` / `.draft`); a
 # transformers oracle is built with `hf_view` (its parameters are views of our tensors: no second copy). The fp32
@@ -155,7 +155,7 @@ def _one_thread_for_tiny_models(request):
 
 REAL_TARGET, REAL_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 REAL_CONTEXT = 1024
-RSS_BUDGET = 8 * 10**9  # bytes: the suite's peak resident memory, this process and any one child (issue 15)
+RSS_BUDGET = 8 * 10**9  # bytes: the suite's peak resident memory, this process and any one child
 REAL_PAIR_LOAD: dict[str, int] = {}  # what loading the shared pair cost: rss_before, peak, rss_after (bytes)
 
 
@@ -243,12 +243,12 @@ def real_pair():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Issue 15's budget, measured where it matters and enforced: pytest_terminal_summary prints the session's
-    peak RSS (this process, or any one child, with the test after which that child's peak appeared), and a session
-    over RSS_BUDGET fails (SPECEXEC_TEST_RSS_STRICT=0 only reports, for machines whose allocator behaves
-    differently). The fp32 exactness test's 7.2 GB target runs in a child process of its own: its peak varied
-    7.75-8.86 GB until loading handed its temporaries' heap pages back layer by layer
-    (loading.release_freed_memory); measured alone since then, 7.53 GB."""
+    """The suite's memory budget (RSS_BUDGET), measured where it matters and enforced: pytest_terminal_summary
+    prints the session's peak RSS (this process, or any one child, with the test after which that child's peak
+    appeared), and a session over RSS_BUDGET fails (SPECEXEC_TEST_RSS_STRICT=0 only reports, for machines whose
+    allocator behaves differently). The fp32 exactness test's 7.2 GB target runs in a child process of its own,
+    which peaks at ~7.5 GB (measured alone) because loading hands its temporaries' heap pages back layer by layer
+    (loading.release_freed_memory)."""
     own, kids = peak_rss()
     strict = os.environ.get("SPECEXEC_TEST_RSS_STRICT", "1") != "0"
     if strict and max(own, kids) > RSS_BUDGET and session.exitstatus == 0:

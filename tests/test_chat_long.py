@@ -1,5 +1,5 @@
-"""A long chat that outgrows a small context many times over (issue 15): 200 turns through ChatSession and 200
-piped lines through ``specexec chat``. Every turn answers, memory stays flat, no traceback."""
+"""A long chat that outgrows a small context many times over: 200 turns through ChatSession and 200 piped lines
+through ``specexec chat``. Every turn answers, memory stays flat, no traceback."""
 
 from __future__ import annotations
 

@@ -508,8 +508,8 @@ def test_bad_dtype_names_refused_before_loading(option, value, message):
     ],
 )
 def test_removed_draft_formats_and_partial_drafts_are_refused(no_load, command, args, pattern):
-    """The group-wise q4/q3/q2 draft formats and partial self drafts (--draft-layers) no longer exist: one error
-    line, exit 2, before any model is looked at."""
+    """Group-wise q4/q3/q2 draft formats and partial self drafts (--draft-layers) are not options: one error line,
+    exit 2, before any model is looked at."""
     result = _run(command, *args)
     _one_error_line(result, pattern)
     assert result.exit_code == 2

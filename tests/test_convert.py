@@ -355,7 +355,7 @@ def test_tensors_are_written_one_at_a_time(ggufs, tmp_path):
 
 def test_memory_is_bounded_by_a_chunk(tmp_path):
     """Peak Python/numpy allocations while converting a 12-layer model stay a small fraction of its weights: the
-    conversion holds one chunk of one tensor, never the model (the old load-everything path held it all)."""
+    conversion holds one chunk of one tensor, never the model (a whole-model load would hold it all)."""
     path = tmp_path / "deep.gguf"
     original = write_gguf(path, arch="llama", hidden=256, heads=8, kv_heads=4, intermediate=1024, layers=12)
     fp32_bytes = sum(v.nbytes for v in original.values())
@@ -466,8 +466,8 @@ def test_missing_gguf(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real demo pair
 
-# tensor_digest of the demo pair's fp16 tensors as converted through transformers' fp32 GGUF load (the previous
-# converter). For the target that load peaks at ~9 GB, over the suite's 8 GB budget, so it is not redone here.
+# tensor_digest of the demo pair's fp16 tensors as converted through transformers' fp32 GGUF load (the reference).
+# For the target that load peaks at ~9 GB, over the suite's 8 GB budget, so its digest is recorded, not recomputed.
 TARGET_DIGEST = "e07e7f25bc10ae97270936c28bbd0926558372c50a2a60bfafbab01f54d4ae4a"
 DRAFT_DIGEST = "32eba1ba1981ceaac39f1c79491ffee1a0900d14edc26cd80fe50ab98bf09994"
 CONVERT_RSS_LIMIT = 2 * 10**9  # bytes: peak RSS of a child process converting the 1.1 GB target GGUF

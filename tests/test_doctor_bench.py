@@ -44,7 +44,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_sizes_match_design_numbers_and_real_checkpoints(pair):
     cfg = ModelConfig.from_hf(LLAMA2_70B)
-    assert layer_bytes(cfg, "bf16") / 1e9 == pytest.approx(1.711, abs=1e-3)  # DESIGN.md: 855.6M params a layer
+    assert layer_bytes(cfg, "bf16") / 1e9 == pytest.approx(1.711, abs=1e-3)  # 855.6M params a layer, 2 bytes each
     assert layer_bytes(cfg, "nf4") / 1e9 == pytest.approx(0.481, abs=1e-3)
     from safetensors.torch import load_file
 
@@ -274,7 +274,7 @@ def test_doctor_weighs_the_draft_precision(tmp_path, vram, want, resident_order)
     rec = recommend(str(t), _system(vram, 256), context=1024, draft=str(d))
     opts = {o["draft_dtype"]: o for o in rec.draft_options}
     assert list(opts) == ["16-bit", "int8", "nf4"] and rec.draft_dtype == want
-    assert opts["16-bit"]["draft_gb"] == pytest.approx(13.48, abs=0.05)  # DESIGN.md: a bf16 7B takes 13.5 GB
+    assert opts["16-bit"]["draft_gb"] == pytest.approx(13.48, abs=0.05)  # a bf16 7B takes 13.5 GB
     chosen = opts[want]
     assert rec.resident_layers == chosen["resident_layers"] and chosen["fits"]
     if resident_order:  # all three fit at 24 GB: lighter drafts buy resident layers

@@ -47,7 +47,7 @@ def test_cost_model_rejects_malformed_data(tmp_path):
 
 
 # streamed bytes a pass of a 70B NF4 target at a 24 GB cap with a 7B draft in each format (the library's plan,
-# context 4096, budget 256; docs/plan_draft_tradeoff.json): 7 / 20 / 26 resident layers of 0.481 GB
+# context 4096, budget 256; docs/BENCHMARKS.md): 7 / 20 / 26 resident layers of 0.481 GB
 STREAMED_24 = {"dense": 73 * 481_329_152, "int8": 60 * 481_329_152, "nf4": 54 * 481_329_152}
 RESIDENT_24 = {"dense": 7, "int8": 20, "nf4": 26}
 

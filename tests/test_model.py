@@ -113,7 +113,7 @@ def test_fp32_model_keeps_a_16_bit_untied_embedding(tiny_models, tmp_path):
 
 def test_rope_with_a_sign_folded_sin_is_the_rotate_half_formula_bit_for_bit():
     """apply_rope swaps halves and folds the rotation's sign into sin (rope_tables): the same arithmetic per
-    element as HF's ``x * cos + rotate_half(x) * sin``, so the target's numerics did not move."""
+    element as HF's ``x * cos + rotate_half(x) * sin``, so the target's numerics are HF's."""
     from specexec.model.transformer import apply_rope, rope_tables
 
     torch.manual_seed(0)

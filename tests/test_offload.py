@@ -91,7 +91,7 @@ def test_streamed_forward_equals_resident(tiny3, tmp_path, mode, resident, looka
 def test_resident_weights_are_aligned_copies(tiny3):
     """The resident loader copies every weight out of the memory-mapped safetensors file (whose zero-copy views
     sit at 4-8 byte offsets): MKL sums differently for differently aligned operands, so unaligned resident
-    weights gave logits ~1e-6 off the offload manager's aligned packed layers (and stayed backed by the file)."""
+    weights would give logits ~1e-6 off the offload manager's aligned packed layers (and stay backed by the file)."""
     from safetensors import safe_open
 
     model = load_model(tiny3, CPU, torch.float32)
@@ -268,7 +268,7 @@ LLAMA70B = ModelConfig(
 def test_layout_sizes_match_the_physical_numbers():
     dense = layer_layout(LLAMA70B, LayerFormat("dense", torch.bfloat16))
     nf4 = layer_layout(LLAMA70B, LayerFormat("nf4", torch.bfloat16))
-    assert round(dense.nbytes / 1e9, 3) == 1.711 and round(nf4.nbytes / 1e9, 3) == 0.481  # DESIGN.md
+    assert round(dense.nbytes / 1e9, 3) == 1.711 and round(nf4.nbytes / 1e9, 3) == 0.481  # a 70B layer's bytes
     for lay in (dense, nf4):
         assert lay.nbytes % PAGE == 0 and all(e.offset % ALIGN == 0 for e in lay.entries)
         assert LayerLayout.from_json(lay.to_json()) == lay

@@ -1,8 +1,8 @@
-"""Issue 15: the test suite must run on a 16 GB machine (peak RSS < 8 GB, tests/conftest.py RSS_BUDGET).
+"""The test suite must run on a 16 GB machine (peak RSS < 8 GB, tests/conftest.py RSS_BUDGET).
 
 The session's peak is reported and checked at its end (conftest's pytest_sessionfinish / terminal summary); the
-slow test here pins the cause of the old peaks down: loading the shared demo pair costs its weights once (no
-memory-mapped file pages, no second transient copy of a model).
+slow test here checks what keeps it low: loading the shared demo pair costs its weights once (no memory-mapped
+file pages, no second transient copy of a model).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def test_peak_rss_reads_the_kernels_high_water_marks():
 @pytest.mark.slow
 def test_real_pair_load_costs_its_weights_once(real_pair):
     """The shared pair's load (bf16 target + draft, the session fixture) peaks at its weights plus one transient
-    tensor (sizes.resident_bytes) and the slack above -- the old loader's mapped file pages (~2.5 GB) fail this --
-    and the process holds less than the budget with the pair resident (the session's peak is reported by conftest;
-    the fp32 exactness test's target takes it over 8 GB at one point, see pytest_sessionfinish)."""
+    tensor (sizes.resident_bytes) and the slack above -- a memory-mapped load's file pages (~2.5 GB) fail this --
+    and the process holds less than the budget with the pair resident (the session's peak, children included, is
+    reported and checked by conftest: see pytest_sessionfinish)."""
     from specexec.loading import hub
     from specexec.loading.checkpoint import read_config
     from specexec.model import sizes

@@ -1,4 +1,7 @@
-"""``specexec models``: list the model aliases and pull (download + convert) them. Parsing only; see hub.py."""
+"""``specexec models``: list the model aliases and pull (download + convert) them.
+
+Parsing only; the work is in :mod:`specexec.loading.hub`.
+"""
 
 from __future__ import annotations
 

@@ -14,12 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Which CPU passes go through ``w @ x.T`` instead of ``F.linear`` (see :func:`linear`), per dtype, by row count.
-# The BLAS picks its kernel by shape, and which orientation wins depends on the CPU, the build and the row count:
-# on one 2-core EPYC box ``F.linear`` cost 2-3x one row at 2-7 rows while ``w @ x.T`` stayed near one row, and an
-# earlier measurement on the same class found the opposite at 2-5 rows. So :mod:`specexec.loading.cpu_probe` measures
-# both
-# on the model's own layer shapes (:func:`set_cpu_orientation`); until it has, fp32 uses the rule measured first
-# (scripts/bench_cpu_matmul.py: 8..48 rows) and other dtypes ``F.linear``.
+# The BLAS picks its kernel by shape, and which orientation wins depends on the CPU, the build and the row count
+# (by 2-3x at a few rows, either way, even between CPUs of one class). So :mod:`specexec.loading.cpu_probe` measures
+# both on the model's own layer shapes (:func:`set_cpu_orientation`); until it has, fp32 uses ``w @ x.T`` for 8..48
+# rows (a 9-token pass of the demo target 1.6x faster on an AVX2 EPYC; see docs/BENCHMARKS.md) and other dtypes
+# ``F.linear``.
 ORIENT_MAX_ROWS = 64  # larger passes (prefill, big trees) always use F.linear
 _DEFAULT_FP32_ROWS = (8, 48)
 _CPU_ORIENT: dict[torch.dtype, tuple[bool, ...]] = {

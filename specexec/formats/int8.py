@@ -42,8 +42,8 @@ class Int8Linear:
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
       through fp16 (bitsandbytes' CUDA quantizer takes fp16 only).
 
-    Measured on a 2-core AVX2 EPYC (noisy, see the cpudraft report): ``int8pack`` with fp32 activations was 3-30x
-    slower than fp32 dense beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
+    On a 2-core AVX2 EPYC (noisy measurements) ``int8pack`` with fp32 activations runs 3-30x slower than fp32 dense
+    beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
     differ from the dense weights' by the quantization error, which only changes what the draft proposes.
     ``rows(ids)`` dequantizes embedding rows (a tied lm_head doubles as the embedding).
     """

@@ -93,7 +93,7 @@ class NF4Linear:
         )
         # dequantization goes through the flat shape: bitsandbytes 0.50's CPU dequantize_4bit gets a 2-D weight wrong
         # when its rows are not a whole number of blocks (it blocks each row; quantize_4bit blocks the flat tensor:
-        # a (40, 160) weight came back 2.04 off at most instead of NF4's 0.45). Real models' rows are whole blocks.
+        # a (40, 160) weight comes back up to 2.04 off instead of NF4's 0.45). Real models' rows are whole blocks.
         self._flat_state = _bnb().functional.QuantState(
             absmax=absmax, shape=torch.Size([self.shape.numel()]), code=code, blocksize=blocksize, quant_type="nf4",
             dtype=dtype,

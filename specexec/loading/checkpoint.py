@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 class _BnbKernelsHint(logging.Filter):
     """Turns bitsandbytes' import-time warning "Failed to load CPU gemm_4bit_forward from kernels-community ...
     `pip install kernels`" (CPUs with AVX512-BF16) into one debug line. Why: NF4 on a CPU here dequantizes each
-    weight and runs the dense linear (offload/quant.py); bitsandbytes' fused CPU GEMM that `kernels` would fetch
-    (from the Hugging Face hub, at import) is never called, so the hint is noise and installing it buys nothing."""
+    weight and runs the dense linear (:class:`specexec.formats.nf4.NF4Linear`); bitsandbytes' fused CPU GEMM that
+    `kernels` would fetch (from the Hugging Face hub, at import) is never called, so the hint is noise and
+    installing it buys nothing."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "kernels-community" in record.getMessage():
@@ -261,7 +262,7 @@ class _Shards:
     """Name → tensor reads over a (possibly sharded) safetensors checkpoint, one tensor at a time.
 
     Each tensor is read with plain file reads into a fresh buffer of its own, never through a memory map: pages of
-    a mapped file that a load touches count in the process's RSS while the map lives, which put ~2.5 GB on top of
+    a mapped file that a load touches count in the process's RSS while the map lives, which puts ~2.5 GB on top of
     the loaded weights of the demo pair (the test suite must peak below 8 GB). The page cache still holds the file,
     but that is not this process's memory.
     """
@@ -473,7 +474,7 @@ def release_freed_memory() -> None:
 
     Loading converts and fuses weights through temporaries (fp16 -> fp32 copies, q/k/v and gate/up before their
     ``torch.cat``); glibc keeps the freed pages of the smaller ones in its arenas, so without this a loaded fp32
-    demo target (7.2 GB of tensors) held 8.6 GB of RSS, and peaked there while loading. A few ms per call."""
+    demo target (7.2 GB of tensors) holds 8.6 GB of RSS, and peaks there while loading. A few ms per call."""
     import ctypes
     import ctypes.util
 

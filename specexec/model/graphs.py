@@ -1,11 +1,11 @@
 """Static-shape draft passes, replayed as CUDA graphs.
 
-A draft pass over a few dozen tokens of a 7B model is launch-bound in eager PyTorch (GPU.md: 14–15 ms eager vs
-6.6–8.6 ms as one CUDA graph), and a tree needs 10–20 of them per step. So the draft's passes run with static
-shapes: the pass is padded up to a bucket of rows (1, 2, 4, … max_beams) and its attention span up to a multiple
-of ``span_step`` slots (the mask hides what a row may not see), and one graph per (rows, span) bucket is captured
-on first use and replayed. Bucketing the span matters: attention over the whole capacity cost ~45% of a 7B draft
-pass on an H100.
+A draft pass over a few dozen tokens of a 7B model is launch-bound in eager PyTorch (as one CUDA graph it takes
+about half the eager time; see docs/BENCHMARKS.md), and a tree needs 10–20 of them per step. So the draft's passes
+run with static shapes: the pass is padded up to a bucket of rows (1, 2, 4, … max_beams) and its attention span up
+to a multiple of ``span_step`` slots (the mask hides what a row may not see), and one graph per (rows, span)
+bucket is captured on first use and replayed. Bucketing the span matters: attention over the whole capacity costs
+~45% of a 7B draft pass on an H100.
 
 Padding rows write their keys/values to a scratch slot (C-1, outside every span, never attended) and attend only
 to slot 0, so they cannot disturb real rows. On the CPU the same padded path runs eagerly (``use_graphs=False``),

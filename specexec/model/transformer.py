@@ -33,7 +33,7 @@ from specexec.model.kv_cache import KVCache
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
 
 # cuDNN's SDPA builds an execution plan per new (T, L) shape: 60-124 ms each on an H100 (L grows every step), and
-# it measured 3x slower than needed for small T even when planned. The other backends handle our masks well.
+# it runs 3x slower than needed for small T even when planned. The other backends handle our masks well.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
