@@ -78,7 +78,7 @@ def test_engine_caches_are_what_sizes_says(pair):
 
 def test_host_ram_figure_uses_the_stored_dtype(pair, tmp_path):
     """A checkpoint stored in fp32 and the same in bf16: the bytes on disk differ 2x, the loaded fp32 weights do
-    not (the old check assumed 2x the file size, refusing an fp32-stored 1.5B model as needing 14.6 GB)."""
+    not (2x the file size would refuse an fp32-stored 1.5B model as needing 14.6 GB)."""
     from safetensors.torch import load_file, save_file
 
     bf16 = tmp_path / "bf16"
