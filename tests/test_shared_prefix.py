@@ -1,11 +1,11 @@
 """A self-derived draft reads the target's KV prefix (``Engine(share_prefix=True)``, the default for ``draft="self"``).
 
-The committed tokens' keys/values come from the target's cache (copied after each step, for the draft's own layers:
-a partial draft's layer i is the target's layer ``source_layers[i]``), so the draft never runs the prompt or an
-accepted token itself. Checked here: the draft's committed prefix *is* the target's, entry for entry, after every
-kind of step (tree, chain, fixed-width levels, a cut at the token limit, the next chat turn, a new prompt);
-the draft's first pass of a generation is the root alone; greedy output equals the target's AR output; sampled
-output follows the target's distribution (chi-square, as tests/test_sampling.py).
+The committed tokens' keys/values come from the target's cache (copied after each step; the draft's layer i is the
+target's layer ``source_layers[i]``), so the draft never runs the prompt or an accepted token itself. Checked here:
+the draft's committed prefix *is* the target's, entry for entry, after every kind of step (tree, chain, fixed-width
+levels, a cut at the token limit, the next chat turn, a new prompt); the draft's first pass of a generation is the
+root alone; greedy output equals the target's AR output; sampled output follows the target's distribution
+(chi-square, as tests/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from specexec import api
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.decoding.engine import Engine, shared_layers
 from specexec.loading.checkpoint import load_model, load_tokenizer
-from tests.test_layer_select import six  # noqa: F401  (fixture: a 6-layer model)
 from tests.test_self_draft import PROMPT, assert_tree_and_chain_equal_ar
 
 CPU = torch.device("cpu")
@@ -27,10 +26,10 @@ DEEP = TreeConfig.fixed(8, max_beams=2, early_stop=False, max_depth=16, max_bran
 LEVELS = replace(DEEP, grow="ahead")
 
 
-def _self(path, layers=None, share=True, context=256):
+def _self(path, share=True, context=256):
     return api.load(
         str(path), "self", device="cpu", dtype="fp32", draft_dtype="int8", context=context, tree=TreeConfig.fixed(8),
-        draft_layers=layers, share_prefix=share,
+        share_prefix=share,
     )  # fmt: skip
 
 
@@ -52,14 +51,8 @@ def whole(tiny_models):
     return _self(tiny_models["qwen2"])
 
 
-@pytest.fixture(scope="module")
-def partial(six):  # noqa: F811
-    return _self(six, "0-1,5")
-
-
-def test_only_a_self_derived_draft_shares_and_it_can_be_turned_off(tiny_models, tiny_pair, whole, partial):
+def test_only_a_self_derived_draft_shares_and_it_can_be_turned_off(tiny_models, tiny_pair, whole):
     assert whole.draft.source_layers == tuple(range(whole.target.cfg.num_layers))
-    assert partial.draft.source_layers == (0, 1, 5)
     assert whole.share_prefix and whole.draft_model.prefix is not None
     off = _self(tiny_models["qwen2"], share=False)
     assert not off.share_prefix and off.draft_model.prefix is None
@@ -78,9 +71,8 @@ def test_only_a_self_derived_draft_shares_and_it_can_be_turned_off(tiny_models, 
     assert not separate.share_prefix and separate.draft_model.prefix is None
 
 
-@pytest.mark.parametrize("which", ["whole", "partial"])
-def test_greedy_equals_ar_and_the_prefix_is_the_targets(which, request):
-    engine = request.getfixturevalue(which)
+def test_greedy_equals_ar_and_the_prefix_is_the_targets(whole):
+    engine = whole
     assert_tree_and_chain_equal_ar(engine, 30)
     assert_prefix_is_the_targets(engine)
     want = engine.generate(PROMPT, 40, method="ar").tokens
