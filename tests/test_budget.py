@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from specexec.decoding.budget import AutoBudget, StepRecord
+from specexec.decoding.budget import AutoBudget
+from specexec.decoding.loop import StepInfo
 
 
 def _probs(b: int) -> list[float]:
@@ -21,7 +22,7 @@ def _simulate(policy: AutoBudget, target_s, steps: int = 40, pass_s: float = 0.0
         passes = 8 + 2 * math.log2(max(b, 64) / 64)
         probs = _probs(b)
         policy.update(
-            StepRecord(
+            StepInfo(
                 budget=b,
                 tree_logp=[math.log(p) for p in probs],
                 emitted=round(min(33.0, 1 + sum(probs))),

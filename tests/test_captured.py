@@ -130,11 +130,15 @@ def test_captured_passes_run_the_open_rows_bucket(draft, stand_in_graphs, monkey
     """Grow "captured" knows a level's count before its pass, so the pass runs the smallest static bucket holding
     the open rows, at least 16 (a small tree leaves few open), where "ahead" runs the level's width once the tree
     holds that many nodes."""
-    from specexec.model.graphs import StaticPasses
-
     ran = []
-    run = StaticPasses._run
-    monkeypatch.setattr(StaticPasses, "_run", lambda self, b, span: (ran.append(b), run(self, b, span))[1])
+    forward = draft.forward
+
+    def counted(tokens, *a, **kw):  # rows of every draft pass (prefills ask for the last row's logits only)
+        if kw.get("logits_rows") is None:
+            ran.append(int(tokens.shape[0]))
+        return forward(tokens, *a, **kw)
+
+    monkeypatch.setattr(draft, "forward", counted)
     base = TreeConfig.fixed(6, max_beams=64, max_branch=4, max_depth=6, early_stop=False)
     for mode in ("captured", "ahead"):
         ran.clear()

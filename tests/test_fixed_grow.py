@@ -168,7 +168,7 @@ def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
     """The cost-based early stop: "captured" stops at the same level as the dynamic growth with the same costs (the
     same tree, passes and flag) with still one device read a level; "ahead" decides a level late, so it runs at
     most one pass more. Costs from cheap to dear passes, so some growths stop early and some do not."""
-    from specexec.propose import GrowCost
+    from specexec.decoding.costs import GrowCost
 
     model = drafts[family]
     stopped = []

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from specexec.config import NGRAM_LEN_GPU, NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
-from specexec.decoding.budget import AdaptiveBudget, StepRecord
+from specexec.decoding.budget import AdaptiveBudget, AutoBudget
 from specexec.decoding.engine import Engine, default_ngram
+from specexec.decoding.loop import StepInfo
 from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
-from specexec.propose import NGramConfig, NGramDraft, StepContext
+from specexec.propose import NGramConfig, NGramDraft, Proposal, StepContext
 
 CPU = torch.device("cpu")
 
@@ -181,10 +182,10 @@ def test_engine_allocates_the_default_ngram_room_up_front(tiny_models):
     t = tiny_models["llama"]
     tree = TreeConfig(auto=True, max_budget=16)
     eng = Engine(load_model(t, CPU, torch.float32), load_tokenizer(t), load_model(t, CPU, torch.float32), tree=tree)
-    state, room = eng.state, eng._tree_room
-    assert room >= tree.largest + NGRAM_NODES_CPU
+    state, draft = eng.state, eng.draft_model
+    assert eng.target_cache.capacity >= eng.context + tree.largest + NGRAM_NODES_CPU
     eng.generate([5, 6, 7], 4, method="specexec", tree=tree)
-    assert eng.state is state and eng._tree_room == room
+    assert eng.state is state and eng.draft_model is draft
 
 
 def test_ngram_tokens_counts_only_accepted_lookup_nodes(engine):
@@ -214,7 +215,7 @@ def test_cpu_auto_policy_is_exact(engine, samp):
 
 def _feed(policy, arm, tokens, seconds, n=1):
     for _ in range(n):
-        policy.update(StepRecord(budget=arm, tree_logp=[], emitted=tokens, draft_s=0.0, target_s=seconds, passes=0))
+        policy.update(StepInfo(budget=arm, tree_logp=(), emitted=tokens, draft_s=0.0, target_s=seconds, passes=0))
 
 
 def test_adaptive_policy_follows_measured_rates():
@@ -243,7 +244,7 @@ def test_adaptive_policy_prior_orders_untried_arms():
 def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, tmp_path, monkeypatch):
     """The cost-model auto budget (a GPU's) measures pass costs once per machine and model pair: a second engine
     reuses the cached file; step costs far from it make the engine measure again before the next generation."""
-    from specexec.decoding.budget import drifted
+    from specexec.decoding.budget import drifted, interp
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
     target, draft = noisy_pairs["llama"]
@@ -254,33 +255,43 @@ def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, t
         return Engine(t, load_tokenizer(target), d, context=256, tree=tree, costs_dir=tmp_path)
 
     e1 = make()
-    r1 = e1.generate([5, 6, 7], 20, method="specexec", tree=tree)
-    assert r1.stats.calibration_s > 0 and len(list(tmp_path.glob("*.json"))) == 1, "measured and cached"
+    g1 = e1.stream([5, 6, 7], 20, method="specexec", tree=tree)
+    list(g1)
+    assert g1.result is not None and g1.result.stats.calibration_s > 0
+    assert len(list(tmp_path.glob("*.json"))) == 1, "measured and cached"
     e2 = make()
-    r2 = e2.generate([5, 6, 7], 20, method="specexec", tree=tree)
-    assert r2.tokens == r1.tokens
-    assert e2._auto is not None and e2._auto.target_s == e1._auto.target_s, "the cached costs were reused"
-    e2._auto._target_scale = 3.0  # as if the steps measured 3x slower than the start-up measurement said
-    e2._auto.history.extend([64] * 10)
-    assert drifted(e2._auto)
-    before = dict(e2._auto.target_s)
-    r3 = e2.generate([5, 6, 7], 10, method="specexec", tree=tree)
-    assert r3.stats.calibration_s > 0, "measured again"
-    assert not drifted(e2._auto) and e2._auto.target_s != before
+    g2 = e2.stream([5, 6, 7], 20, method="specexec", tree=tree)
+    list(g2)
+    assert g2.result is not None and g2.result.tokens == g1.result.tokens
+    policy = g2.policy
+    assert isinstance(policy, AutoBudget) and isinstance(g1.policy, AutoBudget)
+    assert policy.target_s == g1.policy.target_s, "the cached costs were reused"
+    for _ in range(10):  # steps that take 3x what the start-up measurement said
+        b = policy.choose()
+        slow = 3 * interp(policy.target_s, b + 1)
+        policy.update(StepInfo(budget=b, tree_logp=(), emitted=1, draft_s=0.0, target_s=slow, passes=0))
+    assert drifted(policy)
+    g3 = e2.stream([5, 6, 7], 10, method="specexec", tree=tree)
+    list(g3)
+    assert g3.result is not None and g3.result.stats.calibration_s > 0, "measured again"
+    assert isinstance(g3.policy, AutoBudget) and g3.policy is not policy and not drifted(g3.policy)
+    assert g3.policy.target_s != policy.target_s
 
 
 def test_measured_policy_is_kept_across_generations(engine):
     """What the CPU policy measured carries over to the next request (a chat's next turn)."""
     ids = _prompt(engine)
     engine.reset()
-    engine.generate(ids, 20, method="specexec", tree=TreeConfig(auto=True))
-    mine = [p for (method, _), p in engine._adaptive.items() if method == "specexec"]
-    assert len(mine) == 1 and mine[0].summary(), "the first generation measured its arms"
-    steps_before = sum(a["steps"] for a in mine[0].summary().values())
+    first = engine.stream(ids, 20, method="specexec", tree=TreeConfig())
+    list(first)
+    policy = first.policy
+    assert isinstance(policy, AdaptiveBudget) and policy.summary(), "the first generation measured its arms"
+    steps_before = sum(a["steps"] for a in policy.summary().values())
     engine.reset()
-    engine.generate(ids, 20, method="specexec", tree=TreeConfig(auto=True))
-    assert [p for (method, _), p in engine._adaptive.items() if method == "specexec"] == mine
-    assert sum(a["steps"] for a in mine[0].summary().values()) > steps_before
+    second = engine.stream(ids, 20, method="specexec", tree=TreeConfig())
+    list(second)
+    assert second.policy is policy
+    assert sum(a["steps"] for a in policy.summary().values()) > steps_before
 
 
 def _scored_tree(logps):
@@ -292,29 +303,59 @@ def _scored_tree(logps):
     return t
 
 
+def _measured(policy: AdaptiveBudget, tokens_per_s: int) -> None:
+    """Feed ``policy`` one step outside its arms that emitted ``tokens_per_s`` tokens in a second: the rate it
+    measured, what a second of verification is worth to it."""
+    policy.update(StepInfo(budget=10**6, tree_logp=(), emitted=tokens_per_s, draft_s=0.0, target_s=1.0, passes=0))
+
+
+def _trimmed(policy: AdaptiveBudget, logps) -> Proposal:
+    """A proposal of nodes with the given path log-probs, trimmed (by itself) with the policy's rule."""
+    prop = Proposal(_scored_tree(logps))
+    prop.trim(policy.trim_rule())
+    return prop
+
+
 def test_trim_keeps_the_nodes_worth_their_verification_time():
     from specexec.decoding.budget import VerifyCosts
 
     logps = [math.log(p) for p in (0.9, 0.6, 0.3, 0.05, 0.02, 0.01)]
     steep = VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})  # a compute-bound verifier: 0.1 s per extra token
     p = AdaptiveBudget((0, 4), verify=steep)
-    t = _scored_tree(logps)
-    assert p.trim(t) == 0, "no measured rate yet: nothing is trimmed"
-    p._rate = 1.0  # a second is worth one token: a node pays when its chance beats 0.1
-    assert p.trim(t) == 3 and t.size == 4
-    assert sorted(t.n_logp[1:].exp().tolist(), reverse=True) == pytest.approx([0.9, 0.6, 0.3])
-    t.check()
+    assert p.trim_rule() is None and _trimmed(p, logps).trimmed == 0, "no measured rate yet: nothing is trimmed"
+    _measured(p, 1)  # a second is worth one token: a node pays when its chance beats 0.1
+    prop = _trimmed(p, logps)
+    assert prop.trimmed == 3 and prop.tree.size == 4
+    assert sorted(prop.tree.n_logp[1:].exp().tolist(), reverse=True) == pytest.approx([0.9, 0.6, 0.3])
+    prop.tree.check()
     flat = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 64: 1.0}))  # a streamed verifier: every node is free
-    flat._rate = 1.0
-    t2 = _scored_tree(logps)
-    assert flat.trim(t2) == 0 and t2.size == 7
+    _measured(flat, 1)
+    prop = _trimmed(flat, logps)
+    assert prop.trimmed == 0 and prop.tree.size == 7
     dear = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 2: 3.0}))  # one more token costs 2 s: plain AR
-    dear._rate = 1.0
-    t3 = _scored_tree(logps)
-    assert dear.trim(t3) == 6 and t3.size == 1
+    _measured(dear, 1)
+    prop = _trimmed(dear, logps)
+    assert prop.trimmed == 6 and prop.tree.size == 1
     few = AdaptiveBudget((0, 4), verify=VerifyCosts(seconds={1: 1.0}))  # no prior, one size measured: no trim
-    few._rate = 1.0
-    assert few.trim(_scored_tree(logps)) == 0
+    _measured(few, 1)
+    assert few.trim_rule() is None and _trimmed(few, logps).trimmed == 0
+
+
+def test_trimming_keeps_the_lookup_nodes_boundary():
+    """A trimmed proposal still knows which of its nodes are prompt-lookup ones (``merged_at``), so the stats count
+    the tokens they carried; with every lookup node trimmed away it has none."""
+    from specexec.decoding.budget import VerifyCosts
+
+    rule = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}))
+    _measured(rule, 1)
+    # nodes 1-3 the draft's, 4-6 lookup nodes; the best three are 1, 4 and 2
+    prop = Proposal(_scored_tree([math.log(p) for p in (0.9, 0.3, 0.05, 0.6, 0.02, 0.01)]), merged_at=4)
+    prop.trim(rule.trim_rule())
+    assert prop.trimmed == 3 and prop.tree.size == 4 and prop.merged_at == 3  # kept: 1, 2 (draft), then 4 (lookup)
+    assert prop.tree.n_logp[prop.merged_at :].exp().tolist() == pytest.approx([0.6])
+    only_draft = Proposal(_scored_tree([math.log(p) for p in (0.9, 0.6, 0.3, 0.02)]), merged_at=4)
+    only_draft.trim(rule.trim_rule())
+    assert only_draft.tree.size == 4 and only_draft.merged_at == 0
 
 
 def test_verify_costs_learn_and_never_decrease_with_size():
@@ -328,22 +369,22 @@ def test_verify_costs_learn_and_never_decrease_with_size():
     assert v.at(16) == pytest.approx(4.0) and v.at(1) == pytest.approx(3.0)
     assert v.curve(16) == sorted(v.curve(16)), "a bigger pass never looks cheaper"
     p = AdaptiveBudget((0, 4), verify=v)
-    p.update(StepRecord(budget=4, tree_logp=[], emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
-    assert p._rate == pytest.approx(2.0) and 5 in v.seconds
+    p.update(StepInfo(budget=4, tree_logp=(), emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
+    rule = p.trim_rule()
+    assert rule is not None and rule.rate == pytest.approx(2.0) and 5 in v.seconds
 
 
 def test_no_trim_on_exploration_steps():
     from specexec.decoding.budget import VerifyCosts
 
     p = AdaptiveBudget((0, 4, 16), explore_every=2, verify=VerifyCosts({1: 1.0, 2: 3.0}))
-    p._rate = 1.0
     _feed(p, 0, 1, 1.0, 3)
     _feed(p, 4, 1, 2.0, 3)  # arm 0 is the best
     logps = [math.log(0.5)] * 3
     trimmed = []
     for _ in range(6):
         arm = p.choose()
-        trimmed.append((arm, p.trim(_scored_tree(logps))))
+        trimmed.append((arm, _trimmed(p, logps).trimmed))
     assert any(a != 0 and t == 0 for a, t in trimmed), "an exploration step verifies its whole proposal"
     assert all(t == 3 for a, t in trimmed if a == 0), "best-arm steps trim what costs more than it returns"
 
@@ -355,7 +396,7 @@ def test_trimmed_proposals_stay_exact(engine):
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     ar = engine.generate(prompt, 40, method="ar").tokens
     pol = AdaptiveBudget((0, 4, 16), verify=VerifyCosts({1: 0.001, 2: 0.002, 8: 0.02, 64: 0.2}))
-    pol._rate = 300.0
+    _measured(pol, 300)
     r = engine.generate(prompt, 40, method="specexec", tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ar
     assert r.stats.trimmed > 0
@@ -382,7 +423,7 @@ def test_chain_stop_weighs_the_next_token_against_its_pass():
     verification or draft pass ends it sooner, and no cost is guessed beyond the measured curve."""
     import math
 
-    from specexec.propose.chain import ChainStop
+    from specexec.decoding.costs import ChainStop
 
     flat = [0.5] * 8  # verify seconds by size: every extra token free
     cheap = ChainStop(pass_s=0.05, verify_s=flat)
@@ -402,7 +443,7 @@ def test_chain_arms_stop_per_token_and_stay_exact(engine):
     """Once a pass cost is measured the policy hands chain arms a ChainStop: chains end early where the draft is
     unsure (early_stops counts them), and the tokens are still AR's."""
     from specexec.decoding.budget import VerifyCosts
-    from specexec.propose.chain import ChainStop
+    from specexec.decoding.costs import ChainStop
 
     pol = AdaptiveBudget((-6,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
     assert pol.grow_cost(-6) is None  # nothing measured yet: full chains
@@ -419,7 +460,7 @@ def test_chain_arms_stop_per_token_and_stay_exact(engine):
 
 def test_chain_stop_leaves_to_a_following_continuation():
     """A chain whose next token an n-gram continuation proposes anyway (``covered``) is worth fewer passes."""
-    from specexec.propose.chain import ChainStop
+    from specexec.decoding.costs import ChainStop
 
     cheap = ChainStop(pass_s=0.05, verify_s=[0.5] * 8)
     sure = [math.log(0.95)]
@@ -520,6 +561,7 @@ def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_pat
         tree=tree,
         costs_dir=tmp_path,
     )
-    e.generate([5, 6, 7], 4, method="specexec", tree=tree)
+    g = e.stream([5, 6, 7], 4, method="specexec", tree=tree)
+    list(g)
     assert {1, 16} <= set(calls), "the measured beam counts ran through DraftModel.forward"
-    assert e._auto is not None and set(e._auto.draft_pass_s) == {1, 16}
+    assert isinstance(g.policy, AutoBudget) and set(g.policy.draft_pass_s) == {1, 16}

@@ -236,7 +236,7 @@ class TreeSampler:
             if self.drafter is None:
                 tree = Tree(seq[-1], 1, CPU)
             else:
-                self.drafter.reset()
+                self.drafter.draft.reset()  # a fresh draft cache: each prefix is a new generation
                 tree, *_ = self.drafter.grow(
                     seq, TreeConfig.fixed(self.budget), lambda lg: sampling.logprobs(lg, self.samp)
                 )

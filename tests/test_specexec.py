@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
+from specexec.decoding.costs import GrowCost
 from specexec.decoding.engine import Engine
 from specexec.loading.checkpoint import load_model, load_tokenizer
-from specexec.propose import DraftModel, GrowCost, TreeDraft
+from specexec.propose import DraftModel, TreeDraft
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")

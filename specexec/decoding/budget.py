@@ -1,20 +1,22 @@
 """The budget policy: how many tokens the next proposal may hold, and what a draft pass is worth.
 
-One object per generation answers ``choose()`` (the next step's size), ``grow_cost(b)`` (the costs the tree's
-early stop weighs) and ``update(step)`` (what the step did). :class:`FixedBudget` keeps one size and measures
-its costs; :class:`AutoBudget` picks the size with the best expected tokens/s:
+One object per generation answers ``choose()`` (the next step's size), ``grow_cost(b)`` (the costs the proposal's
+early stop weighs), ``trim_rule()`` (which proposal nodes are worth verifying; the proposer trims its own tree) and
+``update(step)`` (what the step did). The rules themselves are in :mod:`specexec.decoding.costs`.
+:class:`FixedBudget` keeps one size and measures its costs; :class:`AdaptiveBudget` (a CPU's ``--budget auto``)
+picks among a few sizes by measured tokens/s; :class:`AutoBudget` (a GPU's) picks the size with the best expected
+tokens/s:
 
     tokens/s(b) = E[emitted | b] / (draft_s(b) + target_s(b))
 
 Costs come from a quick start-up measurement (:func:`measure_costs`: a few target passes at a few tree sizes, a few
 draft passes at a few beam counts; cached per machine and model pair), corrected online by the times each step
-actually took. Acceptance comes from the trees
-themselves: for a best-first tree, the chance that the target's path runs through node i is estimated by the
-draft's probability of that path, exp(logp_i) (SpecExec, §3), so E[emitted | b] ≈ 1 + sum of the b largest
-exp(logp_i). The tree of the current budget B gives that curve for every b ≤ B; beyond B it is extrapolated
-from the curve's last doubling (damped). A correction factor, the running ratio of actual to predicted
-accepted tokens, absorbs the draft's over- or under-confidence. The budget moves at most ×2 up per step, so
-exploration is cheap, and any budget is exact: only speed depends on the choice.
+actually took. Acceptance comes from the trees themselves: for a best-first tree, the chance that the target's path
+runs through node i is estimated by the draft's probability of that path, exp(logp_i) (SpecExec, §3), so
+E[emitted | b] ≈ 1 + sum of the b largest exp(logp_i). The tree of the current budget B gives that curve for every
+b ≤ B; beyond B it is extrapolated from the curve's last doubling (damped). A correction factor, the running ratio
+of actual to predicted accepted tokens, absorbs the draft's over- or under-confidence. The budget moves at most ×2
+up per step, so exploration is cheap, and any budget is exact: only speed depends on the choice.
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+from specexec.decoding.costs import ChainStop, GrowCost, Trim
 
-from specexec.decoding.tree import Tree
-from specexec.propose.best_first import GrowCost
-from specexec.propose.chain import ChainStop
+if TYPE_CHECKING:
+    from specexec.decoding.loop import StepInfo
 
 log = logging.getLogger(__name__)
 
@@ -53,29 +54,22 @@ def interp(points: dict[int, float], x: float) -> float:
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-6)
 
 
-@dataclass
-class StepRecord:
-    """What one decode step did (fed back to the policy)."""
-
-    budget: int  # the size the policy chose
-    tree_logp: list[float]  # the proposal's non-root cumulative scores (log path probabilities)
-    emitted: int  # tokens the step emitted (before any EOS / limit cut)
-    draft_s: float  # seconds spent proposing
-    target_s: float  # seconds of the target's pass + acceptance
-    passes: int  # draft passes
-    size: int = 0  # tokens the target verified (the tree's nodes, root included; 0: unknown)
-
-
 class BudgetPolicy(Protocol):
-    def choose(self) -> int: ...
-
-    def grow_cost(self, budget: int) -> GrowCost | ChainStop | None: ...
-
-    def trim(self, tree: Tree) -> int:
-        """Drop proposal nodes not worth their verification time (a subtree stays); returns how many."""
+    def choose(self) -> int:
+        """The next step's proposal size (0: no draft; b > 0: a tree of b tokens; -g: a chain of g tokens)."""
         ...
 
-    def update(self, step: StepRecord) -> None: ...
+    def grow_cost(self, budget: int) -> GrowCost | ChainStop | None:
+        """The early stop's costs for a proposal of ``budget`` (None: none known, grow it whole)."""
+        ...
+
+    def trim_rule(self) -> Trim | None:
+        """Which of the next proposal's nodes are worth verifying (None: all of them)."""
+        ...
+
+    def update(self, step: StepInfo) -> None:
+        """What the step the last :meth:`choose` sized did."""
+        ...
 
 
 @dataclass
@@ -92,10 +86,10 @@ class FixedBudget:
     def grow_cost(self, budget: int) -> GrowCost | None:
         return self.costs.grow_cost(budget)
 
-    def trim(self, tree: Tree) -> int:
-        return 0  # a fixed budget is what the user asked for
+    def trim_rule(self) -> None:
+        return None  # a fixed budget is what the user asked for
 
-    def update(self, step: StepRecord) -> None:
+    def update(self, step: StepInfo) -> None:
         predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0) if step.tree_logp else 0.0
         self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 
@@ -167,8 +161,8 @@ class AutoBudget:
     def rate(self, b: int) -> float:
         return self.expected_emitted(b) / self.step_seconds(b)
 
-    def trim(self, tree: Tree) -> int:
-        return 0  # a streamed verifier costs the same for any tree up to the budget
+    def trim_rule(self) -> None:
+        return None  # a streamed verifier costs the same for any tree up to the budget
 
     # -- decisions ------------------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -188,7 +182,7 @@ class AutoBudget:
         self.history.append(best)
         return best
 
-    def update(self, step: StepRecord) -> None:
+    def update(self, step: StepInfo) -> None:
         """Feed back one step: the tree's cumulative draft log-probs (non-root), tokens emitted, times."""
         budget, tree_logp, emitted = step.budget, step.tree_logp, step.emitted
         draft_s, target_s, passes = step.draft_s, step.target_s, step.passes
@@ -402,32 +396,15 @@ class AdaptiveBudget:
             return ChainStop(self.costs.pass_s, self.verify.curve(-budget + 2), self.costs.acc_scale)
         return self.costs.grow_cost(budget)
 
-    def trim(self, tree: Tree) -> int:
-        """Keep the proposal's k most probable nodes (an ancestor-closed subtree), with k maximising the step's
-        net value  sum_{i<k} p_i - R * verify_s(k + 1): p_i is node i's chance of being accepted (its path
-        probability exp(logp_i), scaled by the measured actual/predicted acceptance), R the measured tokens/s
-        (what a second of verification is worth elsewhere) and verify_s the measured cost of verifying that many
-        tokens. On a compute-bound verifier a long tail of unlikely nodes (e.g. weak n-gram matches) costs more
-        than it returns; k = 0 is a plain AR step. No trim without a cost curve, nor on exploration steps (they
+    def trim_rule(self) -> Trim | None:
+        """Trim proposals by value (:class:`~specexec.decoding.costs.Trim`): a second of verification is worth the
+        measured tokens/s, at the measured cost by size. None without a cost curve, and on exploration steps (they
         also keep the cost curve measured at the sizes trimming would avoid)."""
-        n = tree.size - 1
-        if n <= 0 or self._rate is None or not self.verify.known() or self._exploring:
-            return 0
-        probs = torch.sort(tree.logp[1 : tree.size], descending=True).values.exp().mul_(self.costs.acc_scale)
-        gains = [0.0, *torch.cumsum(probs, 0).tolist()]
-        cost = self.verify.curve(n + 1)  # cost[k] = seconds to verify k + 1 tokens
-        rate = self._rate
-        best_k, best_v = n, -math.inf
-        for k in range(n + 1):
-            v = gains[k] - rate * cost[k]
-            if v > best_v + 1e-12:
-                best_k, best_v = k, v
-        if best_k >= n:
-            return 0
-        tree.keep(tree.top_k_mask(best_k))
-        return n - best_k
+        if self._rate is None or not self.verify.known() or self._exploring:
+            return None
+        return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
-    def update(self, step: StepRecord) -> None:
+    def update(self, step: StepInfo) -> None:
         sec_all = step.draft_s + step.target_s
         if sec_all > 0:
             r = step.emitted / sec_all

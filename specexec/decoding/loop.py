@@ -1,11 +1,11 @@
 """The one decode loop: prefill → (propose → verify → accept → commit → emit)*, with stats.
 
-Every method runs through :func:`decode`: a proposer (:mod:`specexec.propose`) supplies each step's tree, the
-target verifies it in ONE pass (:func:`specexec.decoding.verify.score_tree`), the acceptance rule the proposal names
-keeps
-the longest exact prefix plus one token of the target's own, both sides commit (the target's KV cache here, the
-proposer's state in ``proposer.commit``), the budget policy learns what the step cost, and the emitted tokens are
-yielded. Chat, ``generate``, ``bench``, the server and the scripts all go through this loop (via the engine).
+Every method runs through :func:`decode`: the budget policy sizes the step, a proposer (:mod:`specexec.propose`)
+supplies its tree, the target verifies it in ONE pass (:func:`specexec.decoding.verify.score_tree`), the acceptance
+rule the proposal names keeps the longest exact prefix plus one token of the target's own, both sides commit (the
+target's KV cache here, the proposer's state in ``proposer.commit``), and the step's one record
+(:class:`StepInfo`) goes to the stats, the policy and the ``on_step`` hook before the emitted tokens are yielded.
+Chat, ``generate``, ``bench``, the server and the scripts all go through this loop (via the engine).
 
 :class:`TargetState` is the committed sequence and the target's KV cache: ``seq`` (its last token is pending, in
 no cache yet) and ``t_len`` (``seq[:t_len]`` is in the target cache). A new request that extends the committed
@@ -15,8 +15,7 @@ sequence (the next chat turn) keeps the cached common prefix and prefills only t
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch import Tensor
 from specexec.config import SamplingConfig
 from specexec.decoding import sampling
 from specexec.decoding.accept import accept
-from specexec.decoding.budget import BudgetPolicy, StepRecord
+from specexec.decoding.budget import BudgetPolicy
 from specexec.decoding.verify import commit_target, score_tree
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
@@ -55,11 +54,29 @@ class Stats:
     mean_tree_size: float = 0.0
     draft_passes: int = 0
     early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
-    trimmed: int = 0  # proposal nodes the policy dropped as not worth their verification time (auto, CPU)
+    trimmed: int = 0  # proposal nodes dropped as not worth their verification time (auto, CPU)
     ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
+
+    def add(self, step: StepInfo) -> None:
+        """Count one step (the decode loop's only way of changing the counts)."""
+        self.steps += 1
+        self.new_tokens += len(step.tokens)
+        self.tokens_per_step = self.new_tokens / self.steps
+        self.draft_s += step.draft_s
+        self.target_s += step.target_s
+        self.draft_passes += step.passes
+        self.early_stops += step.stopped_early
+        self.trimmed += step.trimmed
+        self.ngram_tokens += step.ngram_tokens
+        self.mean_tree_size += (step.tree_size - self.mean_tree_size) / self.steps
+        self.budgets[step.budget] = self.budgets.get(step.budget, 0) + 1
+        self.budget = max(self.budgets, key=self.budgets.__getitem__)  # the most chosen (ties: the first)
+        self.accepted_hist[len(step.tokens)] = self.accepted_hist.get(len(step.tokens), 0) + 1
+        if step.beams:
+            self.tree_shapes.append(list(step.beams))
 
     def to_json(self, shapes: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -72,17 +89,28 @@ class Stats:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One decode step as an ``on_step`` hook sees it (called after both sides committed it, before its tokens
-    are yielded). Seconds as in :class:`Stats`: ``draft_s`` proposing, ``target_s`` the target's pass, acceptance
-    and both commits."""
+    """One decode step, recorded once after both sides committed it: :meth:`Stats.add` counts it, the budget
+    policy's ``update`` learns from it, the ``on_step`` hook sees it (before its tokens are yielded). Seconds as in
+    :class:`Stats`: ``draft_s`` proposing, ``target_s`` the target's pass, acceptance and both commits."""
 
-    index: int  # 0-based step number (prefill excluded)
-    tokens: tuple[int, ...]  # tokens committed this step (cut at EOS / the token limit)
-    budget: int  # the proposal size the policy chose (0: no draft; chain: gamma)
-    tree_size: int  # proposed tokens the target verified beside the root (Stats.mean_tree_size's unit)
-    passes: int  # draft passes
+    budget: int  # the proposal size the policy chose (0: no draft; b > 0: a tree; chain: gamma; -g: a chain arm)
+    tree_logp: Sequence[float]  # the proposal's non-root cumulative scores (log path probabilities)
+    emitted: int  # tokens the step emitted (before any cut at EOS / the token limit)
     draft_s: float
     target_s: float
+    passes: int  # draft passes
+    size: int = 0  # tokens the target verified (the tree's nodes, root included; 0: unknown)
+    index: int = 0  # 0-based step number (prefill excluded)
+    tokens: tuple[int, ...] = ()  # tokens committed this step (cut at EOS / the token limit)
+    beams: tuple[int, ...] = ()  # tokens per draft pass
+    stopped_early: bool = False  # the early stop ended the proposal's growth
+    trimmed: int = 0  # proposal nodes dropped as not worth their verification time
+    ngram_tokens: int = 0  # committed tokens that came from merged prompt-lookup nodes
+
+    @property
+    def tree_size(self) -> int:
+        """Proposed tokens the target verified beside the root (:attr:`Stats.mean_tree_size`'s unit)."""
+        return max(self.size - 1, 0)
 
 
 class Cancelled(Exception):
@@ -202,85 +230,70 @@ def decode(
     sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
-    chosen: Counter[int] = Counter()
-    hist: Counter[int] = Counter()
-    tree_total = 0
-    produced = 0
     stats.finish_reason = "length"
     try:
-        while produced < max_new:
+        while stats.new_tokens < max_new:
             n = state.n
             td = time.perf_counter()
             budget = policy.choose()
-            chosen[budget] += 1
             ctx = StepContext(
-                samp=samp, gen=gen, budget=budget, cost=policy.grow_cost(budget), logprobs=logprobs, seed=seed
+                samp=samp,
+                gen=gen,
+                budget=budget,
+                cost=policy.grow_cost(budget),
+                trim=policy.trim_rule(),
+                logprobs=logprobs,
+                seed=seed,
             )
             prop = proposer.propose(state.seq, ctx)
-            if prop.rule == "tree":  # any tree is verified exactly; the chain rule's q must stay aligned
-                stats.trimmed += policy.trim(prop.tree)
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
             path, emitted = accept(prop, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
-            for t in emitted[: max_new - produced]:
+            for t in emitted[: max_new - stats.new_tokens]:
                 out.append(t)
                 if t in eos:
                     break
             state.commit(path, out)
-            if prop.merged_at:  # accepted nodes from the n-gram branches (path[0] is the root)
-                stats.ngram_tokens += sum(i >= prop.merged_at for i in path[1 : len(out) + 1])
             proposer.commit(prop, path, state.seq)
             sync(dev)
             te = time.perf_counter()
-            stats.draft_s += tt - td
-            stats.target_s += te - tt
-            stats.steps += 1
-            stats.draft_passes += prop.passes
-            stats.early_stops += prop.stopped_early
-            if prop.beams:
-                stats.tree_shapes.append(prop.beams)
-            policy.update(
-                StepRecord(
-                    budget=budget,
-                    tree_logp=prop.tree.n_logp[1:].tolist(),
-                    emitted=len(emitted),
-                    draft_s=tt - td,
-                    target_s=te - tt,
-                    passes=prop.passes,
-                    size=prop.tree.size,
-                )
+            step = StepInfo(
+                budget=budget,
+                tree_logp=tuple(prop.tree.n_logp[1:].tolist()),
+                emitted=len(emitted),
+                draft_s=tt - td,
+                target_s=te - tt,
+                passes=prop.passes,
+                size=prop.tree.size,
+                index=stats.steps,
+                tokens=tuple(out),
+                beams=tuple(prop.beams),
+                stopped_early=prop.stopped_early,
+                trimmed=prop.trimmed,
+                # accepted nodes from the n-gram branches (path[0] is the root)
+                ngram_tokens=sum(i >= prop.merged_at for i in path[1 : len(out) + 1]) if prop.merged_at else 0,
             )
-            tree_total += prop.size
-            hist[len(out)] += 1
-            produced += len(out)
-            stats.new_tokens = produced
+            stats.add(step)
+            policy.update(step)
             cancel = False
             if on_step is not None:
-                info = StepInfo(stats.steps - 1, tuple(out), budget, prop.size, prop.passes, tt - td, te - tt)
                 try:
-                    cancel = on_step(info) is False
+                    cancel = on_step(step) is False
                 except Cancelled:
                     cancel = True
             yield out
             if out and out[-1] in eos:
                 stats.finish_reason = "stop"
                 break
-            if cancel and produced < max_new:
+            if cancel and stats.new_tokens < max_new:
                 stats.finish_reason = "cancelled"
                 break
     finally:
-        stats.new_tokens = produced
         stats.wall_s = time.perf_counter() - t0
-        stats.tokens_per_step = produced / max(stats.steps, 1)
         decode_s = stats.wall_s - stats.prefill_s
-        stats.tokens_per_s = produced / decode_s if decode_s > 0 else 0.0
-        stats.mean_tree_size = tree_total / max(stats.steps, 1)
-        stats.accepted_hist = dict(hist)
-        if chosen:
-            stats.budget = chosen.most_common(1)[0][0]
-            stats.budgets = dict(chosen)
+        stats.tokens_per_s = stats.new_tokens / decode_s if decode_s > 0 else 0.0
 
 
 def pass_timer(

@@ -1,12 +1,15 @@
 """The proposer seam: where a decode step's candidate tokens come from.
 
 Decoding is one loop (:mod:`specexec.decoding.loop`): propose → verify (ONE target pass over the proposal's tree) →
-accept → commit → emit. Only the proposer varies. A proposer returns a :class:`Proposal`: a tree rooted at the
-pending token (flat tensors, :class:`specexec.decoding.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact
-tree walk, right for any tree; ``"chain"``: speculative sampling along a chain with the draft distributions q it
-was sampled from), and what it spent (draft passes, tokens per pass). After acceptance the loop calls the
-proposer's ``commit`` with the accepted path and the committed sequence; the proposer updates its own state
-(its draft KV cache, its n-gram index). Nothing outside a proposer writes its fields.
+accept → commit → emit. Only the proposer varies; :class:`Proposer` is all the loop calls (``begin``, ``propose``,
+``commit``). A proposer returns a :class:`Proposal`: a tree rooted at the pending token (flat tensors,
+:class:`specexec.decoding.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact tree walk, right for any
+tree; ``"chain"``: speculative sampling along a chain with the draft distributions q it was sampled from), and what
+it spent (draft passes, tokens per pass). The :class:`StepContext` carries the budget policy's choices: the size,
+the early stop's costs, and the rule that trims nodes not worth verifying, which the proposer applies to its own
+tree (:meth:`Proposal.trim`). After acceptance the loop calls the proposer's ``commit`` with the accepted path and
+the committed sequence; the proposer updates its own state (its draft KV cache, its n-gram index). Nothing outside
+a proposer writes its fields.
 
 Implementations:
 
@@ -31,7 +34,7 @@ Every proposal is verified exactly, so a proposer can only change speed, never t
 """
 
 from specexec.propose.base import Proposal, Proposer, StepContext
-from specexec.propose.best_first import GrowCost, TreeDraft
+from specexec.propose.best_first import TreeDraft
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel, TargetPrefix
 from specexec.propose.ngram import NGramConfig, NGramDraft
@@ -40,7 +43,6 @@ from specexec.propose.nodraft import NoDraft
 __all__ = [
     "ChainDraft",
     "DraftModel",
-    "GrowCost",
     "NGramConfig",
     "NGramDraft",
     "NoDraft",

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingConfig
+from specexec.decoding.costs import ChainStop, GrowCost, Trim
 from specexec.decoding.tree import Tree
 
 RULES = ("tree", "chain")
@@ -17,12 +18,14 @@ RULES = ("tree", "chain")
 
 @dataclass
 class StepContext:
-    """What a proposer may use for one step (set by the decode loop)."""
+    """What a proposer may use for one step (set by the decode loop from the budget policy's choices)."""
 
     samp: SamplingConfig
     gen: torch.Generator | None  # the generation's generator (chain sampling draws from it); None when greedy
     budget: int  # tree proposers: nodes to propose (the policy's choice); chain: gamma
-    cost: object | None = None  # tree proposers: a GrowCost for the early stop, or None
+    # the early stop: a GrowCost for a tree, a ChainStop for a chain (None: grow the whole budget)
+    cost: GrowCost | ChainStop | None = None
+    trim: Trim | None = None  # which of a "tree"-rule proposal's nodes are worth verifying (None: all of them)
     logprobs: Callable[[Tensor], Tensor] | None = None  # logits (T, V) -> draft log-probs under ``samp``
     seed: int | None = None  # sampling: the key of the tree walk's noise (sampling.gumbels); None when greedy
     # chain proposers: verify by the tree walk also when sampling, the draft's tokens being coupled draws (drawn
@@ -45,8 +48,9 @@ class Proposal:
     beams: list[int] = field(default_factory=list)  # tokens per draft pass
     stopped_early: bool = False  # tree growth ended by the early-stop rule
     budget: int = 0  # the size the policy asked for
-    source: str = ""  # which proposer made it (stats)
+    source: str = ""  # which proposer made it (its commit tells its own proposals from delegated ones)
     merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
+    trimmed: int = 0  # nodes :meth:`trim` dropped as not worth their verification time
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -59,24 +63,36 @@ class Proposal:
         """Proposed (non-root) tokens."""
         return self.tree.size - 1
 
+    def trim(self, rule: Trim | None) -> None:
+        """Keep the ``rule.keep`` most probable nodes (an ancestor-closed subtree) of a "tree"-rule proposal; the
+        chain rule's ``q`` must stay aligned with its nodes, so a chain is never trimmed."""
+        n = self.size
+        if rule is None or self.rule != "tree" or n <= 0:
+            return
+        k = rule.keep(self.tree.n_logp[1:])
+        if k >= n:
+            return
+        keep = self.tree.top_k_mask(k)
+        if self.merged_at:  # the n-gram nodes still follow the draft's, in the same order
+            self.merged_at = int(keep[: self.merged_at].sum())
+        self.tree.keep(keep)
+        if self.merged_at >= self.tree.size:
+            self.merged_at = 0
+        self.trimmed = n - k
+
 
 class Proposer(Protocol):
-    """A source of proposals. It owns its state (draft KV cache, n-gram index) and commits it itself."""
+    """A source of proposals; the decode loop calls exactly these. It owns its state (draft KV cache, n-gram index),
+    commits it itself, and applies the step's rules (``ctx.cost``, ``ctx.trim``) to its own proposal."""
 
-    name: str
+    name: str  # the proposal ``source`` of its own proposals
 
     def begin(self, seq: list[int]) -> None:
         """A generation starts from committed ``seq`` (its last token pending): keep what is cached of it."""
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        """Candidates below the pending token ``seq[-1]``."""
+        """Candidates below the pending token ``seq[-1]``, sized by ``ctx.budget`` and trimmed by ``ctx.trim``."""
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         """After acceptance: ``path`` (tree nodes, root first) was accepted and ``seq`` is the committed sequence now
         (the caller may have cut the path at EOS or the token limit; ``seq[-1]`` is the new pending token)."""
-
-    def reset(self) -> None:
-        """Forget all cached state."""
-
-    def max_nodes(self) -> int:
-        """The most proposed tokens one proposal can hold (sizes the target's tree room)."""

@@ -5,14 +5,9 @@ The tree holds the ``budget`` most probable continuations under the draft model 
 top ``budget``, runs ONE draft forward over them (tree mask, draft KV cache by slot), proposes each one's top
 ``max_branch`` children, and keeps only the best ``budget`` nodes of the whole tree. Growth stops when no
 unexpanded node beats the budget-th best (its children could not enter), after ``max_depth`` levels, or -- with
-``early_stop`` and known costs (:class:`GrowCost`), once the tree holds ``budget`` nodes -- when one more pass is
-expected to add fewer tokens than its time is worth; the result is trimmed to exactly ``budget`` nodes.
-
-Early stop: with E = 1 + sum of the tree's path probabilities (expected tokens emitted; SpecExec §3), a step
-costs T = passes * pass_s + target_s. One more pass that adds g expected tokens is worth it iff
-(E + g) / (T + pass_s) >= E / T, i.e. g * T >= E * pass_s. g is bounded by U, the path-probability mass of the
-nodes the pass would expand (their children's mass can never exceed it), and the rule uses that bound: it stops
-only when even the best case is not worth a pass. Any tree is verified exactly, so the rule only moves speed.
+``early_stop`` and known costs (:class:`~specexec.decoding.costs.GrowCost`), once the tree holds ``budget`` nodes --
+when one more pass is expected to add fewer tokens than its time is worth; the result is cut to exactly ``budget``
+nodes. Any tree is verified exactly, so the early stop only moves speed.
 
 With an :class:`~specexec.propose.ngram.NGramDraft` attached, the prompt-lookup continuations are merged into the
 grown tree as extra branches (nodes the draft did not propose), so a repeated passage is verified even where the
@@ -21,13 +16,14 @@ draft doubts it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from specexec.config import SamplingConfig, TreeConfig
+from specexec.config import TreeConfig
 from specexec.decoding import sampling
+from specexec.decoding.costs import GrowCost
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.captured import capturable
@@ -36,26 +32,9 @@ from specexec.propose.draft_model import DraftModel
 from specexec.propose.fixed_grow import finish, grow_fixed
 from specexec.propose.ngram import NGramDraft
 
-GREEDY = SamplingConfig()
-
 
 def default_logprobs(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits, dim=-1)
-
-
-@dataclass
-class GrowCost:
-    """What a step costs, for early stopping (measured by the budget policy; see the module docstring)."""
-
-    pass_s: float  # seconds per draft pass
-    target_s: float  # seconds of the target's verification of a tree of this budget
-    acc_scale: float = 1.0  # actual / predicted tokens per step (the draft's over- or under-confidence)
-
-    def more(self, expected: float, gain: float, passes: int) -> bool:
-        """Run one more draft pass? ``expected``: E[emitted] of the tree now; ``gain``: the pass's predicted
-        gain in E; ``passes``: passes run so far."""
-        e = 1.0 + self.acc_scale * (expected - 1.0)
-        return self.acc_scale * gain * (passes * self.pass_s + self.target_s) >= e * self.pass_s
 
 
 class TreeDraft:
@@ -73,19 +52,10 @@ class TreeDraft:
     ) -> None:
         self.draft, self.cfg, self.ngram, self.chain = draft, cfg, ngram, chain
 
-    def max_nodes(self) -> int:
-        extra = self.ngram.max_nodes() if self.ngram is not None else 0
-        return max(self.cfg.largest + extra, self.chain.max_nodes() if self.chain is not None else 0)
-
     def begin(self, seq: list[int]) -> None:
         self.draft.prefill(seq)
         if self.ngram is not None:
             self.ngram.begin(seq)
-
-    def reset(self) -> None:
-        self.draft.reset()
-        if self.ngram is not None:
-            self.ngram.reset()
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         if ctx.budget < 0:  # a chain of -budget draft tokens
@@ -114,7 +84,7 @@ class TreeDraft:
         merged_at = tree.size
         if self.ngram is None or not self.ngram.merge_into(tree, seq):
             merged_at = 0
-        return Proposal(
+        prop = Proposal(
             tree,
             passes=passes,
             beams=beams,
@@ -123,6 +93,8 @@ class TreeDraft:
             source=self.name,
             merged_at=merged_at,
         )
+        prop.trim(ctx.trim)
+        return prop
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         if proposal.source == "chain" and self.chain is not None:
@@ -208,7 +180,7 @@ class TreeDraft:
         budget = cfg.budget
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         mode = cfg.grow_mode(self.draft.device, graphs=capturable(self.draft.static, cfg.max_beams))
-        g = grow_fixed(self, seq, cfg, logprobs, seed, stop, captured=mode == "captured")
+        g = grow_fixed(self.draft, seq, cfg, logprobs, seed, stop, captured=mode == "captured")
         return finish(g.tree, budget, budget + 1 + extra), g.passes, g.tokens_per_pass(), g.stopped
 
     @staticmethod

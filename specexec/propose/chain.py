@@ -7,51 +7,21 @@ text."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from specexec.config import SamplingConfig
 from specexec.decoding import sampling
+from specexec.decoding.costs import ChainStop
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
 
 
-@dataclass
-class ChainStop:
-    """A chain's per-token stop (measured costs from the budget policy): draft one more token only while it is
-    expected to raise the step's tokens per second, the rule the tree's early stop uses (GrowCost.more) applied
-    to a chain. After n tokens with path probability p and last conditional probability q, one more pass costs
-    ``pass_s`` plus the verification of one more token (``verify_s`` is seconds by verified size) and is expected
-    to add ``acc_scale * p * q`` tokens (q, the draft's confidence in its last token, predicts its next: confident
-    stretches of code run long, an uncertain word ends the chain). Continue iff gain * T >= E * cost, with E the
-    expected emitted tokens now and T the step's seconds now. Only speed depends on it: any chain is exact."""
-
-    pass_s: float  # seconds per draft pass
-    verify_s: list[float]  # verify_s[k] = seconds to verify k + 1 tokens
-    acc_scale: float = 1.0  # actual / predicted tokens (the draft's over- or under-confidence)
-
-    def more(self, logps: list[float], passes: int, covered: float = 0.0) -> bool:
-        """One more draft pass after the chain's tokens so far (``logps``: their cumulative log-probabilities)?
-        ``covered``: the chance that the token this pass would add is proposed anyway (an n-gram continuation of
-        the chain, merged in after it): only the rest of the pass's expected token is its gain."""
-        n = len(logps)
-        if n + 1 >= len(self.verify_s):  # no cost known for a longer chain
-            return False
-        p = math.exp(logps[-1])
-        q = math.exp(logps[-1] - (logps[-2] if n > 1 else 0.0))
-        expected = 1.0 + self.acc_scale * sum(math.exp(x) for x in logps)
-        seconds = passes * self.pass_s + self.verify_s[n]
-        cost = self.pass_s + self.verify_s[n + 1] - self.verify_s[n]
-        return self.acc_scale * p * q * (1.0 - covered) * seconds >= expected * cost
-
-
 class ChainDraft:
-    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`ChainStop` as ``ctx.cost``, up to gamma.
+    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`~specexec.decoding.costs.ChainStop` as
+    ``ctx.cost``, up to gamma.
 
     With ``lookup`` (an :class:`~specexec.propose.ngram.NGramDraft`; greedy chains verified by the tree walk only,
     as :class:`~specexec.propose.best_first.TreeDraft` asks for them) the prompt-lookup continuations are merged into
@@ -66,14 +36,8 @@ class ChainDraft:
     def __init__(self, draft: DraftModel, gamma: int, lookup: NGramDraft | None = None) -> None:
         self.draft, self.gamma, self.lookup = draft, gamma, lookup
 
-    def max_nodes(self) -> int:
-        return self.gamma + (self.lookup.max_nodes() if self.lookup is not None else 0)
-
     def begin(self, seq: list[int]) -> None:
         self.draft.prefill(seq)
-
-    def reset(self) -> None:
-        self.draft.reset()
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         d = self.draft
@@ -123,9 +87,10 @@ class ChainDraft:
             beams.append(1)
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
         drafted = tree.size - 1
-        if lookup is not None:
-            lookup.merge_into(tree, seq, conts)  # looked up once per step
-        return Proposal(
+        merged_at = 0
+        if lookup is not None and lookup.merge_into(tree, seq, conts):  # looked up once per step
+            merged_at = drafted + 1
+        prop = Proposal(
             tree,
             rule="chain" if q_all is not None else "tree",
             q=q_all,
@@ -134,7 +99,10 @@ class ChainDraft:
             budget=gamma,
             source=self.name,
             stopped_early=drafted < gamma,
+            merged_at=merged_at,
         )
+        prop.trim(ctx.trim)
+        return prop
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         slots = proposal.tree.draft_slot[torch.tensor(path, device=proposal.tree.device)].tolist()

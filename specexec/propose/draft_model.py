@@ -16,7 +16,6 @@ the target's. What the draft proposes changes; the output never does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +23,7 @@ from torch import Tensor
 from specexec.model.graphs import StaticPasses
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
+from specexec.propose.captured import LevelSpace
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -83,7 +83,7 @@ class DraftModel:
         self.prefix: TargetPrefix | None = None  # see :meth:`share_prefix`
         # captured growth levels (specexec.propose.captured), kept here so they and their graphs outlive a
         # generation (each has its own proposer)
-        self.level_space: Any = None
+        self.level_space: LevelSpace | None = None
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
         """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).
@@ -114,7 +114,7 @@ class DraftModel:
 
     def forward(self, tokens: Tensor, pos: Tensor, slots: Tensor, mask: Tensor, last_only: bool = False) -> Tensor:
         """One draft pass (static/graphed when it fits a bucket, else eager). Returns logits (T, V) fp32."""
-        tokens = self._in_vocab(tokens)
+        tokens = self.in_vocab(tokens)
         if self.static is not None and tokens.shape[0] <= self.static.max_rows:
             out = self.static.forward(tokens, pos, slots, mask)
             return out[-1:] if last_only else out
@@ -128,7 +128,7 @@ class DraftModel:
             fused_norm=self.fused_norm,
         )
 
-    def _in_vocab(self, tokens: Tensor) -> Tensor:
+    def in_vocab(self, tokens: Tensor) -> Tensor:
         """Target tokens the draft's vocabulary lacks (e.g. a 72B target's padding rows) become token 0.
 
         The draft only proposes; what it is fed changes its guesses, never the output.
@@ -168,7 +168,7 @@ class DraftModel:
         pos = torch.arange(m, n, device=dev)
         mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
         self.model.forward(
-            self._in_vocab(torch.tensor(seq[m:n], device=dev)),
+            self.in_vocab(torch.tensor(seq[m:n], device=dev)),
             pos,
             pos,
             mask,

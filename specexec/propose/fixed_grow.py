@@ -40,7 +40,8 @@ from specexec.propose.captured import MIN_ROWS, LevelSpace, capturable, space_fo
 
 if TYPE_CHECKING:
     from specexec.config import TreeConfig
-    from specexec.propose.best_first import GrowCost, TreeDraft
+    from specexec.decoding.costs import GrowCost
+    from specexec.propose.draft_model import DraftModel
 
 NEG = float("-inf")
 
@@ -96,11 +97,11 @@ class _Store:
 
 class FixedGrowth:
     """One tree's growth in fixed-width levels: the store, the device-side slot counter and the host's bound on it.
-    :meth:`run` grows like :meth:`TreeDraft.grow`."""
+    :meth:`run` grows like :meth:`~specexec.propose.best_first.TreeDraft.grow`."""
 
     def __init__(
         self,
-        prop: TreeDraft,
+        draft: DraftModel,
         seq: list[int],
         cfg: TreeConfig,
         logprobs,
@@ -108,10 +109,10 @@ class FixedGrowth:
         stop: GrowCost | None = None,
         captured: bool = False,
     ) -> None:
-        d = self.draft = prop.draft
-        self.stop = stop  # the cost-based early stop of the levels a step waits for (None: off)
+        d = self.draft = draft
+        self.stop = stop  # the cost-based early stop (None: off)
         self.stopped = False
-        self.prop, self.logprobs, self.seed = prop, logprobs, seed
+        self.logprobs, self.seed = logprobs, seed
         dev = self.device = d.device
         self.n = n = len(seq) - 1
         self.B = B = min(cfg.max_branch, d.model.cfg.vocab_size)
@@ -352,7 +353,7 @@ class FixedGrowth:
         mask.scatter_(1, torch.where(rows >= 0, rows, torch.full_like(rows, span)), True)
         mask = mask[:, :span]
         pos = torch.where(valid, space.prefix + t.depth[beams], space.prefix.expand_as(beams))
-        tokens = d._in_vocab(t.tokens[beams])
+        tokens = d.in_vocab(t.tokens[beams])
         st = d.static
         if st is not None and R <= st.max_rows:
             b = st._bucket(R)
@@ -378,7 +379,7 @@ class FixedGrowth:
 
 
 def grow_fixed(
-    prop: TreeDraft,
+    draft: DraftModel,
     seq: list[int],
     cfg: TreeConfig,
     logprobs,
@@ -386,11 +387,12 @@ def grow_fixed(
     stop: GrowCost | None = None,
     captured: bool = False,
 ) -> FixedGrowth:
-    """Grow like :meth:`TreeDraft.grow` in fixed-width levels. The result's store holds every node ever proposed
-    (root first, padding at -inf); the caller keeps the best ``budget``. ``stop``: the cost-based early stop (as the
-    dynamic growth's, decided on the values read with each level's count; "ahead" decides a level late).
-    ``captured``: levels as CUDA graphs (greedy steps; a sampled step grows "ahead" levels)."""
-    g = FixedGrowth(prop, seq, cfg, logprobs, seed, stop, captured)
+    """Grow like :meth:`~specexec.propose.best_first.TreeDraft.grow` in fixed-width levels with ``draft``. The
+    result's store holds every node ever proposed (root first, padding at -inf); the caller keeps the best ``budget``.
+    ``stop``: the cost-based early stop (as the dynamic growth's, decided on the values read with each level's count;
+    "ahead" decides a level late). ``captured``: levels as CUDA graphs (greedy steps; a sampled step grows "ahead"
+    levels)."""
+    g = FixedGrowth(draft, seq, cfg, logprobs, seed, stop, captured)
     g.run(cfg.budget)
     return g
 

@@ -147,7 +147,9 @@ class NGramDraft:
             if conts:
                 parents, tokens, depths, logp = self._trie(conts, {}, [0], [0.0], ctx.budget)
                 tree.append(parents, tokens, depths, logp)
-        return Proposal(tree, budget=ctx.budget, source=self.name, merged_at=1 if tree.size > 1 else 0)
+        prop = Proposal(tree, budget=ctx.budget, source=self.name, merged_at=1 if tree.size > 1 else 0)
+        prop.trim(ctx.trim)
+        return prop
 
     def merge_into(self, tree: Tree, seq: list[int], conts: list[tuple[int, list[int]]] | None = None) -> int:
         """Add the continuations' nodes the tree lacks (draft slot -1: never run through a draft). Returns how many.

@@ -12,13 +12,7 @@ class NoDraft:
     def __init__(self, device) -> None:
         self.device = device
 
-    def max_nodes(self) -> int:
-        return 0
-
     def begin(self, seq: list[int]) -> None:
-        pass
-
-    def reset(self) -> None:
         pass
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
