@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
 
 # tree budgets the CPU's measured policy chooses among (besides 0: no draft). On the 2-core demo box verifying
-# 9 tokens cost 2-3x one token and budget 8 lost to 4 on code, prose and grounded prompts (scripts/profile_cpu.py,
-# docs/BENCHMARKS.md), so the arms stay small; bigger ones would only cost exploration steps there.
+# 9 tokens cost 2-3x one token and budget 8 lost to 4 on code, prose and grounded prompts (docs/BENCHMARKS.md), so
+# the arms stay small; bigger ones would only cost exploration steps there.
 CPU_ARMS = (4, 8)
 # chains of these lengths are arms too (negative in the policy's terms): on that box chain-3 beat every tree
 # (1.9x AR vs 1.5x for budget 4 on a code prompt): a chain's passes are one token each and it verifies no siblings.

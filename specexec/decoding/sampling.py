@@ -19,11 +19,11 @@ from timings cannot change the output.
 Coupled drafts. A draft that knows the seed draws its own token at ``pos`` with the SAME noise,
 argmax_v (log q(v) + g(seed, pos, v)) (:func:`coupled_choice`): a draw from q that equals the target's draw from p
 whenever the two distributions are close (Gumbel coupling: P(equal) >= (1 - TV) / (1 + TV)). Measured on the demo
-pair at temperature 0.7 (``scripts/bench_coupling.py``, engine defaults, docs/bench_coupling.json): the target kept
-the draft's coupled token at 0.636 of prose positions and 0.790 of code, against 0.563 / 0.762 for the draft's
-argmax and 0.651 / 0.807 for speculative sampling's min(1, p/q) rule. Any draft token is verified by the exact
-tree walk, so coupling changes acceptance only, never the output. Chain acceptance (speculative sampling) uses
-a sequential ``torch.Generator`` (:func:`choose`).
+pair at temperature 0.7 (engine defaults, docs/BENCHMARKS.md): the target kept the draft's coupled token at 0.636
+of prose positions and 0.790 of code, against 0.563 / 0.762 for the draft's argmax and 0.651 / 0.807 for
+speculative sampling's min(1, p/q) rule. Any draft token is verified by the exact tree walk, so coupling changes
+acceptance only, never the output. Chain acceptance (speculative sampling) uses a sequential ``torch.Generator``
+(:func:`choose`).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def noise_at(seed: int, positions: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
 def coupled_logprobs(lq: Tensor, seed: int, positions: Tensor | list[int]) -> Tensor:
     """A draft's log-probs ``lq`` (T, V) (after the sampling filters) perturbed by the walk's noise at output
     ``positions`` (T,) and renormalised: log softmax(log q + g). Its argmax is the coupled draw; as a score it
-    predicts the target's agreement (``scripts/bench_coupling.py``, demo pair, temperature 0.7, prose: the coupled
+    predicts the target's agreement (demo pair, temperature 0.7, prose: the coupled
     token was the target's draw at 0.28 / 0.29 / 0.47 / 0.58 / 0.88 of positions where this probability fell in
     [0, .2) / [.2, .4) / [.4, .6) / [.6, .8) / [.8, 1]), so best-first trees and chain stops use it as their draft
     log-probabilities. On a CPU one cached row per distinct position; on an accelerator a row per draft row, made

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 NEG = float("-inf")
 # grow "captured" runs a level's pass over the static bucket holding its open rows, but at least this many: fewer
-# rows cost about as much (a graphed 16-bit 7B pass: 6.6 ms at 1 row, 8.6 at 128; GPU.md), and every row bucket is
+# rows cost about as much (a graphed 16-bit 7B pass: 6.6 ms at 1 row, 8.6 at 128), and every row bucket is
 # one more graph to capture per span bucket
 MIN_ROWS = 16
 
