@@ -14,7 +14,9 @@ from specexec.propose import DraftModel, TreeDraft
 def _trees_match(path, device, static_rows=16):
     model = load_model(path, device, torch.float32)
     seq = [5, 6, 7, 8, 9]
-    cfg = TreeConfig.fixed(40, max_beams=16, max_branch=8, max_depth=6)
+    # one growth for both (grow "auto" would pick "captured" levels for the graphed draft on a GPU, "ahead" ones
+    # without static passes): the passes differ only in padding
+    cfg = TreeConfig.fixed(40, max_beams=16, max_branch=8, max_depth=6, grow="dynamic")
     eager = DraftModel(model, 256, static=False)
     padded = DraftModel(model, 256, static=True, static_rows=static_rows)
     t1, _, beams1, _ = TreeDraft(eager, cfg).grow(seq, cfg)
