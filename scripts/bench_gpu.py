@@ -353,9 +353,9 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, save) ->
     draft_bytes = sizes.model_weight_bytes(d_cfg, d_fmt, 2)
     budgets = args.budget_list
     context = args.prompt_tokens + max(args.new_tokens, args.ar_tokens) + 64
-    largest = TreeConfig(budget=max(budgets))  # KV and workspace reserved for the largest tree of any run
+    largest = TreeConfig.fixed(max(budgets))  # KV and workspace reserved for the largest tree of any run
     res = sizes.plan_reservations(t_cfg, d_cfg, context, 2, 2, largest, draft_weights=draft_bytes)
-    res0 = sizes.plan_reservations(t_cfg, None, context, 2, 2, TreeConfig(budget=1))
+    res0 = sizes.plan_reservations(t_cfg, None, context, 2, 2, TreeConfig.fixed(1))
     prompts = synthetic.prompts(planted, args.prompts, args.prompt_tokens)
     if args.echo:
         prompts = [echo_prompt(t_glob, p, args.new_tokens) for p in prompts]
@@ -425,7 +425,7 @@ def bench_setting(name: str, args: argparse.Namespace, dev, h2d: float, save) ->
     # the GPU's default n-gram branches, named in a --smoke run (a CPU merges none into fixed-budget trees)
     ng = args.ngram_nodes if args.ngram_nodes is not None else NGRAM_NODES_GPU if args.smoke else None
     runs = [
-        (f"specexec {b}" + (f" {g}" if g != "auto" else ""), TreeConfig(budget=b, ngram=ng, grow=g))
+        (f"specexec {b}" + (f" {g}" if g != "auto" else ""), TreeConfig.fixed(b, ngram=ng, grow=g))
         for b in budgets
         for g in args.grow_list
     ]

@@ -163,7 +163,7 @@ def test_check_load_estimate(models):
     from specexec.config import ChainConfig, TreeConfig
     from specexec.loading.memory import check_load
 
-    tree = TreeConfig(budget=16)
+    tree = TreeConfig.fixed(16)
     need = check_load(models["target"], models["draft"], torch.device("cpu"), "auto", None, 300, tree, ChainConfig())
     engine = load(str(models["target"]), str(models["draft"]), device="cpu", context=300, tree=tree, progress=False)
     real = engine.target_cache.nbytes() + engine.draft_model.cache.nbytes()
@@ -447,13 +447,13 @@ def test_notices_gpu_memory_on_cpu_and_capped_context(models):
     assert not [line for line in result.stderr.splitlines() if line.startswith("error")]
 
 
-def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
-    """Not quiet: the stats line on stderr includes the auto budget's calibration time (the cost-model policy a GPU
-    uses; a CPU's measured policy needs no calibration)."""
+def test_generate_stats_line_shows_the_cost_measurement(models, monkeypatch, tmp_path):
+    """Not quiet: the stats line on stderr includes the auto budget's one-time cost measurement (the cost-model policy a
+    GPU uses; a CPU's measured policy needs none)."""
     from specexec.decoding.engine import Engine
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)
-    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # no calibration cached from an earlier run
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # no costs cached from an earlier run
     cmd = [
         "generate",
         "--target",
@@ -474,17 +474,17 @@ def test_generate_stats_line_shows_calibration(models, monkeypatch, tmp_path):
     result = runner.invoke(app, cmd)
     assert result.exit_code == 0, result.output
     stats = [line for line in result.stderr.splitlines() if line.startswith("[specexec")]
-    assert len(stats) == 1 and ", calibration " in stats[0], result.stderr
+    assert len(stats) == 1 and ", cost measurement " in stats[0], result.stderr
 
 
-def test_stats_line_calibration_only_when_measured():
+def test_stats_line_shows_the_cost_measurement_only_when_measured():
     from specexec.cli.generate import stats_line
     from specexec.decoding.engine import Stats
 
     s = Stats(method="ar").to_json()
-    assert "calibration" not in stats_line(s)
-    s["calibration_s"] = 1.5
-    assert ", calibration 1.50s," in stats_line(s)
+    assert "cost measurement" not in stats_line(s)
+    s["costs_s"] = 1.5
+    assert ", cost measurement 1.50s," in stats_line(s)
 
 
 @pytest.mark.parametrize(

@@ -187,7 +187,7 @@ def test_cli_generate_specexec_matches_ar():
 
 @slow
 def test_specexec_auto_budget_equals_ar(engine, ar_outputs):
-    """The default --budget auto (calibration + online choice) is exact too."""
+    """The default --budget auto (cost measurement + online choice) is exact too."""
     p = PROMPTS[0]
     engine.reset()
     r = engine.generate(p, 48, method="specexec", tree=TreeConfig(budget=16, auto=True, max_budget=256, max_depth=12))

@@ -26,7 +26,7 @@ def stats_line(stats: dict) -> str:
     s = stats
     auto = "auto→" if s.get("budget_auto") else ""
     extra = f" budget={auto}{s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
-    calib = f", calibration {s['calibration_s']:.2f}s" if s.get("calibration_s") else ""
+    calib = f", cost measurement {s['costs_s']:.2f}s" if s.get("costs_s") else ""
     return (
         f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
         f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "

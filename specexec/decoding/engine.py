@@ -447,7 +447,7 @@ class Engine:
         if self._auto is None:  # once per engine (and cache size), before the caches hold anything
             tc = time.perf_counter()
             self._auto = self._measure_costs(tree)
-            stats.calibration_s = time.perf_counter() - tc
+            stats.costs_s = time.perf_counter() - tc
         return proposer, self._auto
 
     def _adaptive_policy(
@@ -461,7 +461,7 @@ class Engine:
                 tc = time.perf_counter()
                 self._verify = VerifyCosts(self._verify_prior())
                 if stats is not None:
-                    stats.calibration_s = time.perf_counter() - tc
+                    stats.costs_s = time.perf_counter() - tc
             self._adaptive[key] = AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth, verify=self._verify)
         return self._adaptive[key]
 

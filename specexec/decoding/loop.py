@@ -46,7 +46,7 @@ class Stats:
     wall_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
-    calibration_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
+    costs_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
     budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
     budgets: dict[int, int] = field(default_factory=dict)  # specexec: budget -> steps (-g: a chain of g tokens)
     budget_auto: bool = False
