@@ -20,8 +20,8 @@ from specexec.config import SamplingConfig, TreeConfig
 from specexec.decoding.engine import Engine
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed_grow
-from tests.test_fixed_grow import PROMPTS, _same_tree
-from tests.test_graphs import static_engine
+from tests.model.test_graphs import static_engine
+from tests.propose.test_fixed_grow import PROMPTS, _same_tree
 
 CPU = torch.device("cpu")
 

@@ -541,11 +541,11 @@ def test_demo_draft_matches_transformers(demo_ggufs, tmp_path):
     code = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from tests.test_convert import tensor_digest, transformers_reference\n"
+        "from tests.loading.test_convert import tensor_digest, transformers_reference\n"
         "state = transformers_reference(Path(sys.argv[1]))[0]\n"
         "print(tensor_digest(list(state), state.__getitem__))\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", code, str(gguf_path)], capture_output=True, text=True, cwd=root, check=False
     )

@@ -156,7 +156,7 @@ def test_cheaper_draft_greedy_equals_ar(cheap_engines, family, draft):
 # -- sampling: a cheaper draft keeps the target's distribution -------------------------------------------------------
 @pytest.fixture(scope="module")
 def sampling_setup(tmp_path_factory):
-    from tests import test_sampling as ts
+    from tests.decoding import test_sampling as ts
     from tests.conftest import make_noisy_copy, make_tiny
 
     root = tmp_path_factory.mktemp("cheap_sampling")
@@ -247,7 +247,7 @@ def test_bf16_orientation_rule_keeps_results(bf16_engines, transposed):
 
 @pytest.fixture(scope="module")
 def bf16_sampling_setup(tmp_path_factory):
-    from tests import test_sampling as ts
+    from tests.decoding import test_sampling as ts
     from tests.conftest import make_noisy_copy, make_tiny
 
     root = tmp_path_factory.mktemp("bf16_sampling")

@@ -377,7 +377,7 @@ def test_disk_error_names_cache_dir(monkeypatch, tmp_path):
     from offload import plan as plan_mod
     from specexec.cli.common import user_message
     from specexec.errors import OutOfMemory
-    from tests.test_offload import _fake_ram, _plan
+    from tests.offload.test_offload import _fake_ram, _plan
 
     _fake_ram(monkeypatch, available_gb=40)
     monkeypatch.setattr(plan_mod, "_free_disk", lambda p: int(50e9))

@@ -10,7 +10,7 @@ import sys
 from contextlib import redirect_stdout
 
 from specexec.loading import convert, hub
-from tests.test_convert import CASES, write_gguf
+from tests.loading.test_convert import CASES, write_gguf
 
 
 def test_pip_download_progress_counts_bytes(tmp_path):

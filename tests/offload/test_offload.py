@@ -28,7 +28,7 @@ from tests.conftest import make_tiny
 
 CPU = torch.device("cpu")
 CHUNK = 16 << 10  # small staging/CRC chunks so a tiny layer spans several (and wraps the staging ring)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

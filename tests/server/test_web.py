@@ -19,7 +19,7 @@ import pytest
 
 from specexec.decoding.engine import Result, Stats
 from specexec.server import ServerConfig, create_app
-from tests.test_server import LiveServer
+from tests.server.test_server import LiveServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

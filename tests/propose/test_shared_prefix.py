@@ -5,7 +5,7 @@ target's layer ``source_layers[i]``), so the draft never runs the prompt or an a
 the draft's committed prefix *is* the target's, entry for entry, after every kind of step (tree, chain, fixed-width
 levels, a cut at the token limit, the next chat turn, a new prompt); the draft's first pass of a generation is the
 root alone; greedy output equals the target's AR output; sampled output follows the target's distribution
-(chi-square, as tests/test_sampling.py).
+(chi-square, as tests/decoding/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from specexec import api
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.decoding.engine import Engine, shared_layers
 from specexec.loading.checkpoint import load_model, load_tokenizer
-from tests.test_self_draft import PROMPT, assert_tree_and_chain_equal_ar
+from tests.loading.test_self_draft import PROMPT, assert_tree_and_chain_equal_ar
 
 CPU = torch.device("cpu")
 DEEP = TreeConfig.fixed(8, max_beams=2, early_stop=False, max_depth=16, max_branch=8)
@@ -126,9 +126,9 @@ def test_a_cut_step_the_next_turn_and_a_new_prompt(whole):
 
 
 def test_sampling_with_a_shared_prefix_follows_the_target(tmp_path_factory):
-    """Engine-level chi-square (as tests/test_sampling.py): a noisy copy of the target marked as derived from it (so it
+    """Engine-level chi-square (as in test_sampling.py): a noisy copy of the target marked as derived from it (so it
     reads the target's prefix), SpecExec with deep trees; token-for-token equal to AR for the same seed."""
-    from tests import test_sampling as ts
+    from tests.decoding import test_sampling as ts
 
     root = tmp_path_factory.mktemp("shared_sampling")
     target = ts.make_tiny(root / "target", "llama", vocab=ts.V, seed=3, std=0.3, layers=2, hidden=32)
