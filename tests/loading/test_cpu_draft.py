@@ -156,8 +156,8 @@ def test_cheaper_draft_greedy_equals_ar(cheap_engines, family, draft):
 # -- sampling: a cheaper draft keeps the target's distribution -------------------------------------------------------
 @pytest.fixture(scope="module")
 def sampling_setup(tmp_path_factory):
-    from tests.decoding import test_sampling as ts
     from tests.conftest import make_noisy_copy, make_tiny
+    from tests.decoding import test_sampling as ts
 
     root = tmp_path_factory.mktemp("cheap_sampling")
     target = make_tiny(root / "target", "llama", vocab=ts.V, seed=3, std=0.3, layers=2, hidden=32)
@@ -247,8 +247,8 @@ def test_bf16_orientation_rule_keeps_results(bf16_engines, transposed):
 
 @pytest.fixture(scope="module")
 def bf16_sampling_setup(tmp_path_factory):
-    from tests.decoding import test_sampling as ts
     from tests.conftest import make_noisy_copy, make_tiny
+    from tests.decoding import test_sampling as ts
 
     root = tmp_path_factory.mktemp("bf16_sampling")
     target = make_tiny(root / "target", "llama", vocab=ts.V, seed=3, std=0.3, layers=2, hidden=32)
