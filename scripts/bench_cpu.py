@@ -377,8 +377,8 @@ class Runner:
         rec["trimmed"] = s.trimmed
         if s.budgets:
             rec["budgets"] = {str(k): v for k, v in sorted(s.budgets.items())}
-        if s.calibration_s:
-            rec["calibration_s"] = s.calibration_s
+        if s.costs_s:
+            rec["costs_s"] = s.costs_s
         return rec
 
     def _hf(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = build_prompts(args.sets, args.prompts_per_set)
     log(f"loading {args.target} + {args.draft} (ours{', transformers' if args.hf else ''})")
     runner = Runner(args, configs)
-    # warm-up: every configuration once on a short prompt (allocations, lazy imports, our auto-budget calibration)
+    # warm-up: every configuration once on a short prompt (allocations, lazy imports, the auto budget's costs)
     warm = next(p for ps in prompts.values() for p in ps)
     ids = runner.encode(warm)
     for c in configs:

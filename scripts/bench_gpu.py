@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup-tokens",
         type=int,
         default=2,
-        help="tokens of the uncounted generation before each run (graph captures, calibration, kernel compiles)",
+        help="tokens of the uncounted generation before each run (graph captures, cost measurement, kernel compiles)",
     )
     p.add_argument("--prompts", type=int, default=2, help="prompts per run")
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -266,7 +266,7 @@ def run_engine(
     glob = engine.target.globals
     engine.generate(prompts[0], min(warmup_tokens, n_new), method=method, tree=tree)
     tokens = steps = passes = ngram = 0
-    draft_s = target_s = decode_s = calibration_s = 0.0
+    draft_s = target_s = decode_s = costs_s = 0.0
     budgets: dict[int, int] = {}
     exact, first_diff = True, None
     for i, p in enumerate(prompts):
@@ -280,7 +280,7 @@ def run_engine(
         draft_s += s.draft_s
         target_s += s.target_s
         decode_s += s.wall_s - s.prefill_s
-        calibration_s += s.calibration_s
+        costs_s += s.costs_s
         for b, n in s.budgets.items():
             budgets[b] = budgets.get(b, 0) + n
         want = ref[i][: len(r.tokens)]
@@ -305,7 +305,7 @@ def run_engine(
         "verify_s_per_step": target_s / n,
         "draft_passes_per_step": passes / n,
         "ngram_tokens": ngram,  # tokens from the prompt-lookup branches merged into the trees
-        "calibration_s": calibration_s,  # the automatic budget's cost measurements (not in tok/s)
+        "costs_s": costs_s,  # the automatic budget's cost measurements (not in tok/s)
         "budgets": {str(b): k for b, k in sorted(budgets.items())},  # budget -> steps
         "exact": exact,
         "first_diff": first_diff,
