@@ -55,9 +55,8 @@ class TreeConfig:
     auto: bool = True  # choose the budget per step for the best expected tokens/s (``budget`` is the start)
     max_budget: int = 2048  # upper limit of the automatic choice
     # stop growing when one more draft pass is expected to cost more than it adds; None: on for a CPU draft and for
-    # fixed-width growth on a GPU, off for the dynamic growth on a GPU (measured: +15-35 % tok/s on the CPU; on H100
-    # costs it cut the dynamic growth's code acceptance; on an H200 with "ahead" levels it took the draft's time a
-    # step from 0.147 to 0.106 s at the same tokens per step, docs/BENCHMARKS.md)
+    # fixed-width growth on a GPU, off for the dynamic growth on a GPU, where it cuts acceptance (measured; see
+    # docs/BENCHMARKS.md)
     early_stop: bool | None = None
     # how a level of growth runs (the trees are the same; see specexec/propose/fixed_grow.py), a research setting:
     # "dynamic" sizes each draft pass by the open nodes and compacts the tree every level (several host reads a
@@ -66,10 +65,8 @@ class TreeConfig:
     # level as two CUDA graphs (choose the beams; read their count; expand them and run the draft pass), greedy steps
     # only (specexec/propose/captured.py). "auto": for a CUDA draft "captured" at a fixed budget where a level can
     # replay as a graph, "ahead" with the automatic budget or with levels wider than the draft's graphed passes;
-    # else "dynamic". Measured on an H100 with a 70B-shaped streamed target and an int8 7B draft
-    # (docs/BENCHMARKS.md): "captured" took the draft's time a step from 0.125 to 0.114-0.118 s on code at 1024 and
-    # from 0.106 to 0.094 s on prose at 256, the same trees; "ahead" took it from 0.202 to 0.147 s against "dynamic"
-    # on an H200 at 256.
+    # else "dynamic": on a GPU captured levels take the least draft time for the same trees, then ahead, then dynamic
+    # (measured; see docs/BENCHMARKS.md).
     grow: str = "auto"
     # prompt-lookup continuations (specexec/propose/ngram.py) merged into every draft tree as extra branches: at most
     # this many nodes; 0: none; None: the device's default (NGRAM_NODES_GPU on a GPU, NGRAM_NODES_CPU in a CPU's

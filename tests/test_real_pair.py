@@ -5,7 +5,7 @@
    genuine floating-point near-tie: at the first differing position the target's top-2 logit gap (computed on
    the common prefix) is below the tolerance for the target's dtype (``TIE_TOL``); otherwise the test fails.
 
-Memory (issue 15, peak < 8 GB): the pair is the session-wide ``real_pair`` fixture (tests/conftest.py), loaded
+Memory (the suite peaks under 8 GB): the pair is the session-wide ``real_pair`` fixture (tests/conftest.py), loaded
 once, target and draft in bf16 -- exactness is relative to the target in the dtype it runs in. The CPU-default
 fp32 target is tested alone, in a child process (``test_fp32_target_exact``: it would not fit beside the pair). The
 transformers oracle is a view of the same weights (``hf_view``); the CLI test and the fp32 test run before the
@@ -200,7 +200,7 @@ def test_fp32_target_exact():
     """The CPU-default dtype, fp32: our AR equals transformers' greedy on the same weights, and speculative decoding
     verified by the fp32 target (draft-free n-gram proposals, a fixed trie size) equals our AR -- both to fp32
     near-ties only. The fp32 target alone is 7.1 GB: it runs in a child process of its own (``fp32_check``), so
-    its peak never adds to what this process holds (issue 15: the suite's peak stays under 8 GB)."""
+    its peak never adds to what this process holds (the suite's peak stays under 8 GB)."""
     import os
     import subprocess
     import sys

@@ -522,8 +522,8 @@ class Engine:
                 budget=tree.budget,
             )
         t_time = pass_timer(self.target, self.state.cache)
-        # the draft's own passes (graphed on a GPU): timing its model eagerly measured ~3x what its steps then took
-        # on an H200, and the drift check measured again every generation
+        # the draft's own passes (graphed on a GPU): timing its model eagerly overstates what its graphed steps take
+        # several times over, and the drift check would then measure again every generation
         d_time = pass_timer(self.draft_model.model, self.draft_model.cache, self.draft_model.forward)
         t_time(1, 1)  # warm-up
         d_time(1, 1)

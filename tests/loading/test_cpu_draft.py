@@ -1,4 +1,4 @@
-"""CPU economics (issue 13, levers 2 and 3): the measured compute dtype, the int8 draft, the reduced draft vocabulary.
+"""CPU economics: the measured compute dtype, the int8 draft, the reduced draft vocabulary.
 
 Exactness is relative to the target in the dtype it runs in: greedy speculative output equals that target's AR
 output (bf16 included), and a cheaper draft (int8 weights, a vocabulary subset) changes only what is proposed,
