@@ -53,7 +53,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -290,7 +290,7 @@ class Runner:
             context=args.context,
             tree=load_tree,
             progress=False,
-            invariant=True,
+            invariant=args.invariant,
         )
         self.tok = self.engine.tokenizer.tokenizer
         self.eos = sorted(self.engine.tokenizer.eos_ids)
@@ -450,30 +450,20 @@ class Runner:
         }
 
 
-# What an engine measures and learns for its invariant passes (set_invariant drops it), kept across a fast-kernel run
-_MEASURED = ("_auto", "_verify", "_adaptive", "_costs")
-
-
 @contextmanager
 def _kernels(engine: Any, invariant: bool) -> Iterator[None]:
-    """Run the block with the target's fastest per-shape kernels when ``invariant`` is False, then go back to its
-    shape-invariant passes: the same tiling as before (switching back chooses again, and for a model too small to
-    have its choice cached, by timing, so possibly another tiling with other rounding), and the engine's measured
-    costs and learnt rates as they were (measured on those passes, which is what they apply to again). The other
-    configurations run as they would without this one: the same bits, no re-measuring or re-learning."""
-    if invariant:
+    """Run the block with the target's fastest per-shape kernels when ``invariant`` is False, then put the engine
+    back as it was (it keeps each mode's measured costs and learnt rates, and the process keeps the model's
+    tiling, so the other configurations run as they would without this one)."""
+    was = engine.target.tiling is not None
+    if invariant or not was:
         yield
         return
-    kept = {k: getattr(engine, k) for k in (*_MEASURED, "invariance") if hasattr(engine, k)}
-    tiling = engine.target.tiling
     engine.set_invariant(False)
     try:
         yield
     finally:
         engine.set_invariant(True)
-        engine.target.tiling = tiling
-        for k, v in kept.items():
-            setattr(engine, k, v)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -740,6 +730,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"leave out {FAST_AR} (our AR on the target's fastest per-shape kernels)",
     )
     p.add_argument(
+        "--no-invariant",
+        dest="invariant",
+        action="store_false",
+        help="run all of ours on the target's fastest per-shape kernels (what the engine did before shape-invariant "
+        "passes; exactness is then not required of the default; implies --no-fast-ar)",
+    )
+    p.add_argument(
         "--hf",
         default=",".join(HF_CONFIGS),
         help=f"transformers configurations, from {', '.join(HF_CONFIGS)} ('' for none)",
@@ -770,10 +767,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"--hf: unknown {', '.join(bad)}; choose from {', '.join(HF_CONFIGS)}")
     args.hf = hf
+    if not args.invariant:
+        args.fast_ar = False
     try:
         args.configs = our_configs(args.methods, args.fast_ar) + [Config(h, "hf") for h in hf]
     except ValueError as e:
         p.error(str(e))
+    if not args.invariant:  # fast kernels throughout: differences from our AR are reported, not errors
+        args.configs = [replace(c, invariant=False) if c.side == "ours" else c for c in args.configs]
     return args
 
 

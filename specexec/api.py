@@ -62,6 +62,7 @@ def load(
     cache_dir: str | Path | None = None,
     draft_vocab: int | None = None,
     share_prefix: bool = True,
+    invariant: bool = True,
 ) -> Engine:
     """Load a target and an optional draft into an :class:`~specexec.decoding.engine.Engine`.
 
@@ -95,6 +96,10 @@ def load(
             vocabulary is over twice that, else the full vocabulary.
         share_prefix: a self draft copies the committed tokens' keys and values from the target's cache; False:
             it computes its own (for comparisons).
+        invariant: run the target's passes shape-invariant (:mod:`specexec.loading.invariance`): each position's
+            logits are bit-identical whatever pass computes them, so every method's greedy output is the target's
+            plain greedy decoding token for token and a request gives the same text every time. False: the
+            fastest kernel for each pass's shape (for benchmarks; output may then differ at near-ties).
     """
     if context < 8:
         raise ConfigError("context", context, "must be >= 8 tokens")
@@ -119,6 +124,7 @@ def load(
         costs_dir=hub.cache_home(cache_dir) / "costs",
         share_prefix=share_prefix,
         max_tree=mem.tree_cap,
+        invariant=invariant,
     )
     if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
         engine.draft_weights = mem.draft_fmt if mem.draft_fmt != "dense" else str(d_dt).removeprefix("torch.")
@@ -306,6 +312,7 @@ class ModelOptions:
     offload: Any = None  # an offload.OffloadConfig, or None: the target is resident
     cache_dir: Path | None = None  # specexec's cache root; None: $SPECEXEC_HOME, else ~/.cache/specexec
     draft_vocab: int | None = None  # the draft's head: N frequent ids, 0: all; None: load's default
+    invariant: bool = True  # shape-invariant target passes (False: fastest kernels, for benchmarks)
 
 
 def load_engine(
@@ -335,4 +342,5 @@ def load_engine(
             progress=progress,
             cache_dir=opts.cache_dir,
             draft_vocab=opts.draft_vocab,
+            invariant=opts.invariant,
         )

@@ -121,7 +121,7 @@ def test_a_fast_kernel_run_leaves_the_engine_invariant_with_what_it_measured(ben
     runner.run(configs["ours-default"], ids, 4, None)  # measures the auto budget's costs
     fast = runner.run(configs["ours-ar-fast"], ids, 4, None)
     again = runner.run(configs["ours-default"], ids, 4, None)
-    assert tilings[1] is None and tilings[2] is invariant and engine.target.tiling is invariant
+    assert tilings[1] is None and tilings[2] == invariant and engine.target.tiling == invariant
     assert fast["tokens"] > 0 and "costs_s" not in again
 
 
@@ -214,3 +214,10 @@ META = {
     "prompts_per_set": 1,
     "commit": "c",
 }
+
+
+def test_no_invariant_runs_all_of_ours_on_fast_kernels_and_reports_differences(bench):
+    args = bench.parse_args(["--no-invariant", "--hf", ""])
+    ours = [c for c in args.configs if c.side == "ours"]
+    assert [c.name for c in ours] == ["ours-ar", "ours-default"] and not any(c.invariant for c in ours)
+    assert args.invariant is False

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "shapes.py")
 
 
 def script(name: str) -> Any:
     return importlib.import_module(f"scripts.{name}")
 
 
-def test_the_benchmarks_are_the_four_kept_ones():
-    assert SCRIPTS == ["bench_before_after.py", "bench_cpu.py", "bench_gpu.py", "bench_offload.py"]
+def test_the_scripts_are_the_kept_ones():
+    assert SCRIPTS == ["bench_before_after.py", "bench_cpu.py", "bench_gpu.py", "bench_offload.py", "check_exact.py"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -129,3 +129,18 @@ def test_bench_before_after_unknown_revision_is_one_line_and_exit_2(capsys):
     assert script("bench_before_after").main(["--before", "no-such-rev-0000", "--", "--num-prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --before no-such-rev-0000: no such commit") and "Traceback" not in err
+
+
+def test_check_exact_smoke_checks_every_token_against_the_target(tiny_pair, capsys, monkeypatch):
+    """check_exact.py on tiny models: every set's row, every token the target's greedy choice, AR and a repeat equal;
+    a draft-only corruption of the check (a wrong token) is reported and exits 1."""
+    target, draft = tiny_pair
+    mod = script("check_exact")
+    argv = ["--smoke", "--target", str(target), "--draft", str(draft), "--repeat", "--ar", "1"]
+    assert mod.main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("code", "prose", "grounded"):
+        assert f"| {name} | 1 | 8 | 0 | 1/1 | 1/1 |" in out
+    real = mod.greedy_mismatches
+    monkeypatch.setattr(mod, "greedy_mismatches", lambda e, ids, toks: real(e, ids, [(toks[0] + 1) % 90, *toks[1:]]))
+    assert mod.main(argv) == 1

@@ -206,6 +206,16 @@ class Shared:
     gpu_memory: float | None = _option(
         None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).", advanced=True
     )
+    invariant: bool = _option(
+        True,
+        "--invariant/--no-invariant",
+        help="Shape-invariant target passes (default): every position's logits are bit-identical whatever pass "
+        "computes them, so greedy output equals plain decoding (method ar) token for token and a request gives the "
+        "same text every time. --no-invariant (for benchmarks): each pass takes the fastest kernels for its "
+        "shape; plain decoding is then faster on some CPUs, and output may differ where two tokens are within "
+        "rounding.",
+        advanced=True,
+    )
 
     # -- options -> configs (each raises ConfigError, shown with the flag's name) ---------------------------------
 
@@ -261,6 +271,7 @@ class Shared:
             offload=self.offload_config(),
             cache_dir=self.cache_dir,
             draft_vocab=vocab,
+            invariant=self.invariant,
         )
         check_method(self.method, model.draft)
         check_max_new_tokens(self.max_new_tokens, self.context)

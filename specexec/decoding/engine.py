@@ -39,6 +39,7 @@ from specexec.decoding.budget import (
 from specexec.decoding.loop import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
 from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
+from specexec.loading import invariance
 from specexec.loading.checkpoint import TokenizerInfo
 from specexec.model.transformer import Transformer
 from specexec.propose import (
@@ -210,6 +211,9 @@ class Engine:
     ``share_prefix``: a self-derived draft (``draft.source_layers`` set) takes its committed prefix's keys/values
     from the target's cache instead of computing its own (:class:`~specexec.propose.draft_model.TargetPrefix`);
     False: it computes them (for comparisons). Other drafts always compute their own.
+    ``invariant``: run the target's passes shape-invariant (:mod:`specexec.loading.invariance`), so every method's
+    greedy output is the target's plain greedy decoding token for token; False: the fastest kernel for each
+    pass's shape (for benchmarks; output may then differ at near-ties).
     """
 
     def __init__(
@@ -224,12 +228,15 @@ class Engine:
         costs_dir: Path | None = None,
         share_prefix: bool = True,
         max_tree: int | None = None,
+        invariant: bool = True,
     ) -> None:
         if context > target.cfg.max_position_embeddings:
             log.warning(
                 "context %d exceeds the model's max_position_embeddings %d", context, target.cfg.max_position_embeddings
             )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.costs_dir = costs_dir
+        self.invariance = invariance.apply(target, invariant, home=self._home())
         self.draft_weights: str | None = None  # the draft's weight format, as specexec.load chose it (int8, ...)
         # the largest tree the memory plan left room for (specexec.load lowers --max-budget to fit a streamed
         # target): auto trees are capped at it, a bigger fixed budget is refused; None: no cap
@@ -244,6 +251,7 @@ class Engine:
         # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
         self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
         self._verify: VerifyCosts | None = None
+        self._by_mode: dict[bool, tuple[Any, Any, Any, Any]] = {}  # the other mode's measurements (set_invariant)
         self._static = (static_draft, static_rows)
         self.costs_dir = costs_dir
         self.share_prefix = share_prefix and shared_layers(target, draft) is not None
@@ -300,6 +308,20 @@ class Engine:
         the draft's cached prefix is dropped either way."""
         self.share_prefix = on and shared_layers(self.target, self.draft) is not None
         self._link_prefix()
+
+    def _home(self) -> Path | None:
+        """The cache root the measured costs live under (None: the default one)."""
+        return self.costs_dir.parent if self.costs_dir is not None else None
+
+    def set_invariant(self, on: bool) -> None:
+        """Switch the target between shape-invariant passes and the fastest kernels for each pass's shape (see
+        ``invariant`` above). Pass costs measured and budget rates learnt are kept per mode (they differ between
+        the two), so switching back finds them again."""
+        if on == (self.target.tiling is not None):
+            return
+        self._by_mode[not on] = (self._verify, self._auto, self._adaptive, self._costs)
+        self.invariance = invariance.apply(self.target, on, home=self._home())
+        self._verify, self._auto, self._adaptive, self._costs = self._by_mode.pop(on, (None, None, {}, StepCosts()))
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""
@@ -471,7 +493,9 @@ class Engine:
         assert self.state is not None
         path = None
         if self.costs_dir:
-            key = costs_key(self.target.device, self.target.cfg, self.target.dtype, "verify", VERIFY_SIZES)
+            key = costs_key(
+                self.target.device, self.target.cfg, self.target.dtype, self.target.tiling, "verify", VERIFY_SIZES
+            )
             path = self.costs_dir / f"verify-{key}.json"
             cached = load_costs(path)
             if cached is not None:
@@ -497,6 +521,7 @@ class Engine:
             self.target.cfg,
             self.draft.cfg,
             self.target.dtype,
+            self.target.tiling,
             self.draft.dtype,
             tree.max_budget,
             tree.max_beams,

@@ -1,12 +1,21 @@
 """Dense linears and embedding lookups (the dispatch every weight format goes through).
 
-On a CPU, passes of a few rows may run ``w @ x.T`` instead of ``F.linear``: which row counts do is measured per
-machine (:mod:`specexec.loading.cpu_probe`).
+Two ways to run a linear:
+
+- :func:`linear`, the fastest kernel for each pass's shape: on a CPU, passes of a few rows may run ``w @ x.T``
+  instead of ``F.linear`` (which row counts do is measured per machine, :mod:`specexec.loading.cpu_probe`). A
+  row's result then depends on how many rows its pass has: matrix libraries pick their kernel and blocking by
+  shape, and different blockings sum in different orders. Drafts run this way (they only propose).
+- :func:`tiled_linear`, shape-invariant: every pass is padded to a multiple of a fixed row tile and runs one
+  kernel configuration (:class:`Tiling`), so each row's result is bit-identical in a one-token step, a tree of
+  any size and a prefill. Targets run this way unless told not to. Which tile gives invariance, and which is
+  fastest, is measured on the machine (:mod:`specexec.loading.invariance`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,3 +88,52 @@ def embed_rows(w: Any, tokens: Tensor) -> Tensor:
     if isinstance(w, Tensor):
         return w[tokens]
     return w.rows(tokens)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a shape-invariant model runs its passes.
+
+    Every linear pads its rows (zeros) to a multiple of ``rows`` and runs them through one kernel configuration:
+    one call (``loop`` False: this machine's library gives every row of a padded pass the same result whatever
+    the pass's size) or one fixed-shape call per tile of ``rows`` (``loop`` True: it does not, but a fixed shape
+    always gets the same kernel). ``transposed``: the calls are ``w @ x.T`` (CPU). Attention reads each row's
+    keys in blocks of ``key_block`` positions (:func:`specexec.model.attention.blocked`). Passes of more than
+    ``max_rows`` rows run as consecutive passes of at most that many (the row counts the invariance was checked
+    up to).
+    """
+
+    rows: int = 4
+    transposed: bool = False
+    loop: bool = False
+    key_block: int = 64
+    max_rows: int = 256
+
+    def pad(self, n: int) -> int:
+        """``n`` rows rounded up to whole tiles."""
+        return -(-n // self.rows) * self.rows
+
+    def describe(self) -> str:
+        how = f"{'w @ x.T' if self.transposed else 'F.linear'}, {'a call per tile' if self.loop else 'one call'}"
+        return f"row tile {self.rows} ({how}), key block {self.key_block}"
+
+
+def _mm(x: Tensor, w: Any, transposed: bool) -> Tensor:
+    if isinstance(w, Tensor):
+        return torch.mm(w, x.T).T if transposed else F.linear(x, w)
+    return w.linear(x, invariant=True)
+
+
+def tiled_linear(x: Tensor, w: Any, tiling: Tiling) -> Tensor:
+    """x (T, in) @ w.T -> (T, out), each row's result independent of T and of the row's place (see :class:`Tiling`).
+    ``w``: a dense tensor, or a quantized weight whose ``.linear(x, invariant=True)`` uses one kernel for every
+    row count."""
+    T = x.shape[0]
+    P = tiling.pad(T)
+    if P != T:
+        x = torch.cat((x, x.new_zeros(P - T, x.shape[1])))
+    if tiling.loop and P > tiling.rows:
+        out = torch.cat([_mm(x[i : i + tiling.rows], w, tiling.transposed) for i in range(0, P, tiling.rows)])
+    else:
+        out = _mm(x, w, tiling.transposed)
+    return out[:T] if P != T else out

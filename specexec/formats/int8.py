@@ -95,8 +95,11 @@ class Int8Linear:
         out._packed, out._scb = None, out.scale * 127.0
         return out
 
-    def linear(self, x: Tensor) -> Tensor:
-        """x (T, in) -> (T, out) in x's dtype."""
+    def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
+        """x (T, in) -> (T, out) in x's dtype. ``invariant``: each row's result independent of the other rows
+        (dequantize, then the dense product; the int8 kernels quantize the activations of a whole pass together)."""
+        if invariant:
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
         if self.kernel == "bnb":
             import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; imported once, then cached)
 

@@ -103,13 +103,14 @@ class NF4Linear:
         """The dense weight (out, in) in ``dtype`` (a fresh tensor)."""
         return _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self._flat_state).view(self.shape)
 
-    def linear(self, x: Tensor) -> Tensor:
-        """x (T, in) @ W.T -> (T, out) in x's dtype."""
+    def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
+        """x (T, in) @ W.T -> (T, out) in x's dtype. ``invariant``: one kernel for every row count (dequantize, then
+        one GEMM; :func:`specexec.formats.dense.tiled_linear` pads the rows), never bnb's few-row kernels."""
         if x.device.type != "cuda":
             from specexec.formats.dense import linear  # the dense path, CPU kernel choice included (bit-equal results)
 
-            return linear(x, self.dequantize())
-        if x.numel() // x.shape[-1] <= FUSED_MAX_TOKENS:
+            return F.linear(x, self.dequantize()) if invariant else linear(x, self.dequantize())
+        if not invariant and x.numel() // x.shape[-1] <= FUSED_MAX_TOKENS:
             return _bnb().matmul_4bit(x, self.packed.view(-1, 1).t(), quant_state=self.state)
         w = self.scratch.get(self.shape) if self.scratch is not None else None
         w = _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self.state, out=w)

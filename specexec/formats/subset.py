@@ -51,7 +51,7 @@ class SubsetHead:
     def size(self) -> int:
         return int(self.ids.numel() + self.extra_ids.numel())
 
-    def linear(self, x: Tensor) -> Tensor:
+    def linear(self, x: Tensor, invariant: bool = False) -> Tensor:  # a draft's head: never invariant
         out = torch.full((x.shape[0], self.vocab), float("-inf"), dtype=x.dtype, device=x.device)
         out[:, self.ids.to(x.device)] = linear(x, self.sub)
         if self.extra is not None:

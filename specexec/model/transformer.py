@@ -24,17 +24,13 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from specexec.formats.dense import embed_rows, linear
+from specexec.formats.dense import Tiling, embed_rows, linear, tiled_linear
 from specexec.formats.subset import SubsetHead
+from specexec.model.attention import blocked, plan_keys, sdpa, sdpa_bias
 from specexec.model.kv_cache import KVCache
 
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
-
-# cuDNN's SDPA builds an execution plan per new (T, L) shape: 60-124 ms each on an H100 (L grows every step), and
-# it runs 3x slower than needed for small T even when planned. The other backends handle our masks well.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -168,11 +164,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sign-folded sin (T, 1, hd) for :func:`apply_rope` at ``positions`` (T,)."""
+    """cos and sign-folded sin (T, 1, hd) for :func:`apply_rope` at ``positions`` (T,).
+
+    cos and sin run over rows padded to 64 columns: a CPU kernel computes whole vectors with one routine and a
+    ragged remainder with another (which may round differently), so the padding keeps every position's values on
+    the vector routine whatever the pass's size."""
+    half = inv_freq.shape[0]
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    cos = torch.cat((freqs, freqs), dim=-1).cos()
-    sin = freqs.sin()
-    return cos.to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+    if half % 64:
+        freqs = F.pad(freqs, (0, 64 - half % 64))
+    cos, sin = freqs.cos()[:, :half], freqs.sin()[:, :half]
+    return torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
 
 def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -203,6 +205,9 @@ class Transformer:
     # a self-derived draft: the target layer each of its layers is (None: not derived from the target); lets it
     # take its committed prefix's keys/values from the target (``DraftModel.share_prefix``)
     source_layers: tuple[int, ...] | None = None
+    # shape-invariant passes (a target's default, :mod:`specexec.loading.invariance`): each position's logits are
+    # bit-identical whatever pass computes them. None: each pass takes the fastest kernels for its shape.
+    tiling: Tiling | None = None
     inv_freq: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -238,61 +243,110 @@ class Transformer:
         if isinstance(head, SubsetHead):
             head.observe(tokens)
         norm = fused_rms_norm if fused_norm else rms_norm
-        x = embed_rows(self.globals.embed, tokens).to(self.dtype)  # (T, D)
-        cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
-        # the additive bias SDPA would make from the boolean mask in every layer, made once (the same values)
-        attn_mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        attn_mask = attn_mask[None, None]  # (1, 1, T, L)
-        with sdpa_kernel(_SDPA_BACKENDS):
-            x = self._layers(x, cos, sin, attn_mask, cache_slots, mask.shape[1], cache, trace, norm)
+        t = self.tiling
+        if t is None:
+            x = embed_rows(self.globals.embed, tokens).to(self.dtype)  # (T, D)
+            cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
+            bias = sdpa_bias(mask, self.dtype)
+
+            def attend(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                return sdpa(q, keys, values, bias)
+
+            x = self._layers(x, cos, sin, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
+            if logits_rows is not None:
+                x = x[logits_rows]
+            return linear(norm(x, self.globals.norm, c.rms_norm_eps), head).float()
+        # passes larger than the invariance was checked for run as consecutive passes; rows attend only to slots
+        # written by earlier rows or passes (causal prefill, tree ancestry), so the result is the same
+        T = tokens.shape[0]
+        step = t.max_rows if trace is None else T
+        hidden = [
+            self._invariant_pass(tokens[a : a + step], positions[a : a + step], cache_slots[a : a + step],
+                                 mask[a : a + step], cache, trace, norm)
+            for a in range(0, T, step)
+        ]  # fmt: skip
+        x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         if logits_rows is not None:
             x = x[logits_rows]
-        x = norm(x, self.globals.norm, c.rms_norm_eps)
-        return linear(x, self.globals.lm_head).float()
+        out = [
+            tiled_linear(norm(x[a : a + t.max_rows], self.globals.norm, c.rms_norm_eps), head, t)
+            for a in range(0, x.shape[0], t.max_rows)
+        ]
+        return (out[0] if len(out) == 1 else torch.cat(out)).float()
+
+    def _invariant_pass(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_slots: Tensor,
+        mask: Tensor,
+        cache: KVCache,
+        trace: list[Tensor] | None,
+        norm: Callable[[Tensor, Tensor, float], Tensor],
+    ) -> Tensor:
+        """One shape-invariant pass (at most ``tiling.max_rows`` rows); returns the rows' final hidden states.
+
+        The rows are padded to whole row tiles for the whole pass (zero rows at position 0 that see slot 0 and
+        write no keys), so every product and every elementwise kernel sees the same tiles in every pass."""
+        t = self.tiling
+        assert t is not None
+        T = tokens.shape[0]
+        P = t.pad(T)
+        x = embed_rows(self.globals.embed, tokens).to(self.dtype)
+        pos = positions
+        if P != T:
+            x = torch.cat((x, x.new_zeros(P - T, x.shape[1])))
+            pos = torch.cat((positions, positions.new_zeros(P - T)))
+        cos, sin = rope_tables(pos, self.inv_freq, self.dtype)
+        plan = plan_keys(mask, positions, P, t.key_block, t.rows)
+
+        def attend(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+            return blocked(q, keys, values, plan)
+
+        def lin(a: Tensor, w: Any) -> Tensor:
+            return tiled_linear(a, w, t)
+
+        x = self._layers(x, cos, sin, attend, cache_slots, mask.shape[1], cache, lin, trace, norm)
+        return x[:T]
 
     def _layers(
         self,
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        attn_mask: Tensor,
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
         cache_slots: Tensor,
         L: int,
         cache: KVCache,
+        lin: Callable[[Tensor, Any], Tensor],
         trace: list[Tensor] | None = None,
         norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm,
     ) -> Tensor:
-        """The decoder layers over x (T, D); returns the final hidden states (T, D)."""
+        """The decoder layers over x (P, D) (the pass's rows, and any padding rows after them); returns the final
+        hidden states (P, D). Rows past ``cache_slots``'s length write no keys."""
         c = self.cfg
-        T = x.shape[0]
+        P = x.shape[0]
+        T = cache_slots.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        gqa = c.num_heads != c.num_kv_heads
-        groups = c.num_heads // c.num_kv_heads
         self.layers.begin()
         if trace is not None:
-            trace.append(x)
+            trace.append(x[:T])
         for i in range(c.num_layers):
             w = self.layers.layer(i)
             h = norm(x, w["attn_norm"], c.rms_norm_eps)
-            qkv = linear(h, w["wqkv"])
+            qkv = lin(h, w["wqkv"])
             if "bqkv" in w:
                 qkv = qkv + w["bqkv"]
             # RoPE on the queries and keys together (one set of kernels; the same arithmetic per element)
-            qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = apply_rope(qkv[:, : q_dim + kv_dim].view(P, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            v = qkv[:, q_dim + kv_dim :]
-            keys, values = cache.write(i, cache_slots, k, v.reshape(T, c.num_kv_heads, c.head_dim), L)
-            if gqa:  # expand KV heads: SDPA's GQA mode falls back to the slow math kernel when a mask is given
-                keys = keys.repeat_interleave(groups, dim=0)
-                values = values.repeat_interleave(groups, dim=0)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=attn_mask
-            )  # (1, H, T, hd)
-            x = x + linear(o[0].transpose(0, 1).reshape(T, q_dim), w["wo"])
+            v = qkv[:, q_dim + kv_dim :].reshape(P, c.num_kv_heads, c.head_dim)
+            keys, values = cache.write(i, cache_slots, k[:T], v[:T], L)
+            x = x + lin(attend(q, keys, values), w["wo"])
             h = norm(x, w["mlp_norm"], c.rms_norm_eps)
-            gate, up = linear(h, w["w13"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w["w2"])
+            gate, up = lin(h, w["w13"]).chunk(2, dim=-1)
+            x = x + lin(F.silu(gate) * up, w["w2"])
             if trace is not None:
-                trace.append(x)
+                trace.append(x[:T])
             self.layers.done(i)
         return x

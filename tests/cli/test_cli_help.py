@@ -48,6 +48,7 @@ SHARED_ADVANCED = {
     "--gamma",
     "--draft-vocab",
     "--gpu-memory",
+    "--invariant",
 }
 # the commands' own tuning knobs
 OWN_ADVANCED = {"--samples", "--queue", "--served-model-name", "--max-body-kb", "--gammas", "--num-prompts", "--plot"}

@@ -548,3 +548,29 @@ def test_auto_draft_precision_falls_back_to_what_fits(monkeypatch, tiny3, tmp_pa
     with pytest.raises(OutOfMemory, match=r"the draft was tried in 16-bit, int8, nf4") as err:
         plan_with_draft(tiny3, CPU, "bf16", off, reserve, ["dense", "int8", "nf4"], resources=gpu(headroom + 10))
     assert err.value.resource == "GPU memory"
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("target_dtype", ["bf16", "nf4"])
+def test_cuda_streamed_passes_are_shape_invariant(wide, tmp_path, target_dtype):
+    """A streamed target on its invariant tiling: each position's logits are the same bits in one prefill, in
+    one-token steps, and in passes of other sizes (bf16 and NF4 weights)."""
+    from specexec.loading import invariance
+
+    off = OffloadConfig(mode="ram", target_dtype=target_dtype, cache_dir=tmp_path, resident_layers=1)
+    model = _slow(load_offloaded(wide, GPU, "bf16", off, chunk_bytes=1 << 20))
+    choice = invariance.apply(model)
+    assert model.tiling is not None, choice
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, model.cfg.vocab_size, (80,), generator=g).cuda()
+    t = torch.arange(80, device="cuda")
+    whole = model.forward(ids, t, t, t[None, :] <= t[:, None], model.new_cache(96))
+    cache = model.new_cache(96)
+    parts, a = [], 0
+    for n in (37, 1, 1, 9, 32):  # a prefill, two steps, a chain, a bigger pass
+        s = t[a : a + n]
+        parts.append(model.forward(ids[a : a + n], s, s, t[None, : a + n] <= s[:, None], cache))
+        a += n
+    assert torch.equal(torch.cat(parts), whole)
+    model.layers.close()

@@ -1,0 +1,322 @@
+"""Which shape-invariant way to run a target's passes on this machine, found by checking, once.
+
+A target pass is shape-invariant when every row's logits are bit-identical whatever pass computes them: a
+one-token step, a tree of any size and shape (at any row), a prefill. Then greedy speculative decoding emits
+exactly the tokens of plain greedy decoding in the same dtype, and a request gives the same text every time.
+
+Matrix libraries choose kernels by shape (a one-row product is often a matrix-vector kernel; a few rows a
+different micro-kernel; the rows past the last whole micro-tile an edge kernel), and kernels that block the
+reduction differently round differently. Which row counts share a kernel differs between CPUs, libraries,
+builds and GPUs, so nothing here is assumed: for the model's own layer and head shapes, in its dtype, on its
+device, :func:`choose` tries row tiles (:class:`~specexec.formats.dense.Tiling`) from the smallest up and keeps
+the first tile, per orientation, under which a probe row gives the same bits at every pass size and place it
+checks (1 row to ``max_rows``); then the attention, under key blocks, the same way. Among the tilings that pass
+it keeps the fastest for a one-token step plus a 16-row tree pass (CPU) or plus a 256-row one (GPU). When
+nothing passes (no tiling makes this machine's kernels agree), the target runs its fastest kernels and a
+warning says that greedy speculation may then differ from plain decoding at near-ties.
+
+Results are cached in ``<cache home>/invariance.json`` keyed by the device, torch version, thread count, dtype
+and shapes, and kept for the process; models too small to matter (tests' tiny models) are checked once a process
+(milliseconds), not timed (the first invariant tiling in the candidates' order) and not written to the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specexec.formats.dense import Tiling, tiled_linear
+from specexec.model.attention import blocked, plan_keys
+from specexec.model.transformer import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "invariance.json"
+CPU_TILES = (1, 2, 4, 8, 16, 32)
+CUDA_TILES = (16, 64, 128)
+KEY_BLOCK = 64  # positions per attention block (see specexec.model.attention.blocked)
+CPU_MAX_ROWS = 256  # the largest pass checked on a CPU (bigger ones run as passes of this many rows)
+CUDA_MAX_ROWS = 4096
+MULTIPLES = (1, 2, 3, 5, 8, 16, 33, 64)  # pass sizes checked, in tiles (and 1 row, and max_rows)
+MIN_CACHED_PARAMS = 1 << 20  # smaller models are checked every time, not cached
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The tiling a target runs with on this machine (None: no tiling gives invariance here)."""
+
+    key: str
+    tiling: dict[str, Any] | None
+    ms: dict[str, float] = field(default_factory=dict)  # candidate -> ms of a one-token + a tree pass
+    seconds: float = 0.0
+    note: str = ""
+
+    def get(self) -> Tiling | None:
+        return Tiling(**self.tiling) if self.tiling is not None else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from specexec.loading.cpu_probe import cpu_name
+
+    return cpu_name()
+
+
+def head_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every linear a pass runs: the layer's four and the output head."""
+    from specexec.loading.cpu_probe import layer_shapes
+
+    return [*layer_shapes(cfg), (cfg.vocab_size, cfg.hidden_size)]
+
+
+def _sizes(tiling: Tiling) -> list[int]:
+    sizes = {1, tiling.max_rows} | {tiling.rows * m for m in MULTIPLES}
+    return sorted(s for s in sizes if s <= tiling.max_rows)
+
+
+def linear_invariant(
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    tiling: Tiling,
+    weight: Callable[[Tensor], Any] = lambda w: w,
+) -> bool:
+    """Does every checked pass size give a probe row (at its first, middle and last row) the same bits?
+    ``weight``: wraps each random weight (a quantized format's object, or a test's kernel)."""
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f in shapes:
+        w = weight((torch.rand(out_f, in_f, generator=gen) - 0.5).mul_(2 / in_f**0.5).to(device, dtype))
+        x = torch.randn(tiling.max_rows, in_f, generator=gen).to(device, dtype)
+        probe = x[0].clone()
+        ref = tiled_linear(probe[None], w, tiling)[0]
+        for n in _sizes(tiling):
+            rows = x[:n].clone()
+            at = sorted({0, n // 2, n - 1})
+            rows[at] = probe
+            y = tiled_linear(rows, w, tiling)
+            if any(not torch.equal(y[i], ref) for i in at):
+                return False
+        del w, x
+    return True
+
+
+def _layouts(p: int, gen: torch.Generator) -> list[tuple[int, int, list[int]]]:
+    """Ways a pass can hold a row at position ``p``: (committed prefix n0, rows T, the row's visible slots, one per
+    position 0..p in increasing order; its own slot last). A one-token step, prefills, and tree rows whose
+    ancestors sit at scattered slots."""
+    out = [(p, 1, list(range(p + 1)))]
+    for n0 in sorted({max(0, p - 2), max(0, p - 9), max(0, p - 40)}):
+        out.append((n0, p - n0 + 3, list(range(p + 1))))  # prefill or chain: contiguous
+        depth = p - n0  # tree: the row sits deeper in the pass than its depth, ancestors spread out
+        T = depth + 1 + int(torch.randint(1, 30, (1,), generator=gen))
+        if depth:
+            anc = sorted(torch.randperm(T - 2, generator=gen)[: depth - 1].add(1).tolist())
+            out.append((n0, T, [*range(n0), n0, *[n0 + a for a in anc], n0 + T - 1]))
+        else:
+            out.append((n0, T, [*range(n0), n0]))
+    return out
+
+
+def attention_invariant(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tiling: Tiling) -> bool:
+    """Does a probe query get the same attention output at the same position in every layout of pass (one-token
+    step, prefill, tree rows with scattered ancestors; other rows random)?"""
+    gen = torch.Generator().manual_seed(1)
+    H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    B = tiling.key_block
+    for p in (5, B + 3, 3 * B + 7):
+        kpos = torch.randn(KVH, p + 1, hd, generator=gen).to(dtype)
+        vpos = torch.randn(KVH, p + 1, hd, generator=gen).to(dtype)
+        probe = torch.randn(H, hd, generator=gen).to(dtype)
+        ref: Tensor | None = None
+        for n0, T, seen in _layouts(p, gen):
+            T = min(T, tiling.max_rows)
+            L = n0 + T
+            at = seen[-1] - n0  # the probe's row in the pass
+            if at >= T:
+                continue
+            keys = torch.randn(KVH, L, hd, generator=gen).to(dtype)
+            values = torch.randn(KVH, L, hd, generator=gen).to(dtype)
+            keys[:, seen], values[:, seen] = kpos, vpos
+            pos = torch.arange(n0, n0 + T)
+            mask = torch.arange(L)[None, :] <= pos[:, None]  # other rows: a causal prefill around it
+            mask[at] = False
+            mask[at, seen] = True
+            pos[at] = p
+            # other rows must see one slot per position as well: keep them causal up to their own slot
+            q = torch.randn(T, H, hd, generator=gen).to(dtype)
+            q[at] = probe
+            P = tiling.pad(T)
+            qp = torch.cat((q, q.new_zeros(P - T, H, hd))).to(device)
+            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.rows)
+            out = blocked(qp, keys.to(device), values.to(device), plan)[at].cpu()
+            if ref is None:
+                ref = out
+            elif not torch.equal(out, ref):
+                return False
+    return True
+
+
+def _rows(tile: int, device: torch.device) -> int:
+    """Rows a pass is padded to a multiple of: the tile, and on a CPU also a multiple of the thread count, so that
+    elementwise kernels split every tensor between threads at whole rows (a thread's ragged remainder would run
+    a scalar routine that may round differently from the vector one)."""
+    return math.lcm(tile, torch.get_num_threads()) if device.type == "cpu" else tile
+
+
+def _candidates(device: torch.device) -> list[Tiling]:
+    rows = CPU_MAX_ROWS if device.type == "cpu" else CUDA_MAX_ROWS
+    if device.type == "cpu":
+        return [Tiling(_rows(r, device), tr, False, KEY_BLOCK, rows) for tr in (False, True) for r in CPU_TILES]
+    return [Tiling(r, False, False, KEY_BLOCK, rows) for r in CUDA_TILES]
+
+
+def _pass_ms(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, tiling: Tiling) -> float:
+    """ms of a one-token pass plus a tree pass (16 rows on a CPU, 256 on a GPU) through the layer's linears."""
+    gen = torch.Generator().manual_seed(2)
+    ws = [(torch.rand(s, generator=gen) - 0.5).to(device, dtype) for s in shapes[:4]]
+    tree = 16 if device.type == "cpu" else 256
+    xs = {n: [torch.randn(n, s[1], generator=gen).to(device, dtype) for s in shapes[:4]] for n in (1, tree)}
+
+    def run() -> None:
+        for n in (1, tree):
+            for x, w in zip(xs[n], ws):
+                tiled_linear(x, w, tiling)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def find(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timed: bool = True
+) -> tuple[Tiling | None, dict[str, float], str]:
+    """Check the candidate tilings on ``cfg``'s shapes; (the fastest invariant one or None, timings, a note).
+    ``timed`` False: the first invariant one in the candidates' order (no timing: the same choice every run)."""
+    shapes = head_shapes(cfg)
+    found: list[Tiling] = []
+    tried_orient: set[bool] = set()
+    for t in _candidates(device):
+        if t.transposed in tried_orient:
+            continue  # the smallest invariant tile of an orientation is kept; larger ones only cost more
+        if linear_invariant(shapes, dtype, device, t):
+            found.append(t)
+            tried_orient.add(t.transposed)
+    if not found:  # no padded single call agrees with itself: one fixed-shape call per tile always does
+        fixed = Tiling(_rows(16, device) if device.type == "cpu" else 128, False, True, KEY_BLOCK, CUDA_MAX_ROWS)
+        fixed = Tiling(fixed.rows, False, True, KEY_BLOCK, _candidates(device)[0].max_rows)
+        if linear_invariant(shapes, dtype, device, fixed):
+            found.append(fixed)
+    if not found:
+        return None, {}, "no row tiling makes this machine's matrix kernels agree across pass sizes"
+    kept = [t for t in found if attention_invariant(cfg, dtype, device, t)]
+    if not kept:
+        return None, {}, "this machine's attention kernel gives different results for different pass shapes"
+    if len(kept) == 1 or not timed:
+        return kept[0], {}, ""
+    ms = {t.describe(): _pass_ms(shapes, dtype, device, t) for t in kept}
+    best = min(kept, key=lambda t: ms[t.describe()])
+    return best, ms, ""
+
+
+def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    return (
+        f"{_device_name(device)}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
+        f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
+    )
+
+
+def cache_path(home: Path | None = None) -> Path:
+    from specexec.home import cache_home
+
+    return cache_home(home) / CACHE_FILE
+
+
+def _read(home: Path | None = None) -> dict[str, Any]:
+    try:
+        data = json.loads(cache_path(home).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(choice: Choice, home: Path | None = None) -> None:
+    path = cache_path(home)
+    data = _read(home)
+    data[choice.key] = asdict(choice)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache costs a re-check next start, nothing else
+        log.warning("could not save the invariance check to %s: %s", path, e)
+
+
+_CHOSEN: dict[str, Choice] = {}  # this process's choices: a model keeps its tiling however often it is applied
+
+
+def choose(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, use_cache: bool = True, home: Path | None = None
+) -> Choice:
+    """The cached (under cache root ``home``, default :func:`specexec.home.cache_home`) or freshly checked choice
+    for ``cfg`` in ``dtype`` on ``device``. Small models (tests' tiny ones) are not timed: the first invariant
+    tiling, the same every run."""
+    key = _key(cfg, dtype, device)
+    if use_cache and key in _CHOSEN:
+        return _CHOSEN[key]
+    big = sum(o * i for o, i in head_shapes(cfg)) >= MIN_CACHED_PARAMS
+    if use_cache and big:
+        data = _read(home).get(key)
+        if data:
+            try:
+                _CHOSEN[key] = Choice(**data)
+                return _CHOSEN[key]
+            except TypeError:
+                pass
+    if big:
+        log.info(
+            "checking which kernels keep the target's passes shape-invariant (once; cached in %s)", cache_path(home)
+        )
+    t0 = time.perf_counter()
+    tiling, ms, note = find(cfg, dtype, device, timed=big)
+    choice = Choice(key, asdict(tiling) if tiling else None, ms, round(time.perf_counter() - t0, 2), note)
+    if big:
+        _write(choice, home)
+    _CHOSEN[key] = choice
+    return choice
+
+
+def apply(
+    model: Transformer, on: bool = True, check: Callable[..., Choice] = choose, home: Path | None = None
+) -> Choice | None:
+    """Give ``model`` shape-invariant passes (``on``), or the fastest per-shape kernels; returns the choice made
+    (None when off). ``home``: the cache root. Warns when this machine has no invariant way."""
+    if not on:
+        model.tiling = None
+        return None
+    choice = check(model.cfg, model.dtype, model.device, home=home)
+    model.tiling = choice.get()
+    if model.tiling is None:
+        log.warning(
+            "shape-invariant passes are not available here (%s): greedy speculative output may differ from "
+            "plain decoding where the two best tokens are within rounding of each other",
+            choice.note,
+        )
+    return choice

@@ -1,0 +1,168 @@
+"""Attention over the static KV cache, two ways.
+
+- :func:`sdpa`: PyTorch's fused kernel under an additive mask; the fastest. Its result for a row depends on the
+  pass around it (how many rows, where the row's keys sit in the cache, how many slots it spans), because the
+  kernel's blocking and vector lanes follow those. Drafts use it.
+- :func:`blocked`: shape-invariant. Each row's keys are taken in *position* order, not slot order (a tree node's
+  ancestors sit at the slots of their tree rows, not at their positions), in blocks of ``B`` positions that start
+  at position 0. Two passes over the blocks: the row's maximum score (order-free), then per block the sum of
+  ``exp(score - max)`` and its weighted values (fixed-size reductions and products), and the blocks are added
+  in position order (a sequential sum: blocks a row does not see add exact zeros). Every such operation's
+  result depends only on the row's query, positions and keys, so a row gets the same bits in a one-token step,
+  a prefill or any tree row. Full blocks below the committed prefix (the same for every row) are scored for all
+  rows at once; each row's last block and any block that holds its tree ancestors are gathered per row. Both
+  run the same fixed-shape products, with query rows padded to the tiling's row tile (see
+  :class:`~specexec.formats.dense.Tiling`; the invariance check runs this function).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds an execution plan per new (T, L) shape: 60-124 ms each on an H100 (L grows every step), and
+# it runs 3x slower than needed for small T even when planned. The other backends handle our masks well.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive bias (1, 1, T, L) for ``mask`` (T, L) bool (True: may attend): 0 or -inf. Made once a pass
+    (the same values SDPA would make from the boolean mask in every layer)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None, None]
+
+
+def sdpa(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """q (T, H, hd) over slots [0, L) of keys/values (KVH, >= L, hd) under ``bias`` (1, 1, T, L) -> (T, H*hd)."""
+    T, H, hd = q.shape
+    L = bias.shape[-1]
+    keys, values = keys[:, :L], values[:, :L]
+    if keys.shape[0] != H:  # expand KV heads: SDPA's GQA mode falls back to the slow math kernel when a mask is given
+        keys = keys.repeat_interleave(H // keys.shape[0], dim=0)
+        values = values.repeat_interleave(H // values.shape[0], dim=0)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias)
+    return o[0].transpose(0, 1).reshape(T, H * hd)
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """Where each row of a pass finds its keys in position order (made once a pass, used by every layer).
+
+    Rows see positions 0..pos[r], one slot each. Below ``shared * block`` those are slots 0.. (the committed
+    prefix: scored for all rows at once); row r uses shared block k when ``full[r, k]``. Its other positions, from
+    block ``min(pos // block, shared)`` up to its own, are gathered per row: ``slots`` (P, R*block), ``seen``
+    marks the positions it has."""
+
+    block: int
+    shared: int
+    full: Tensor  # (P, shared) bool
+    slots: Tensor  # (P, R*block) long
+    seen: Tensor  # (P, R*block) bool
+    rows: int  # the product row tile
+
+
+def plan_keys(mask: Tensor, positions: Tensor, padded: int, block: int, rows: int) -> KeyPlan:
+    """The :class:`KeyPlan` for ``mask`` (T, L) bool and ``positions`` (T,), the pass padded to ``padded`` rows
+    (padding rows see slot 0 only). Each row must see exactly one slot per position 0..positions[r], in
+    increasing slot order (causal prefill, a tree's ancestry over a committed prefix)."""
+    T, L = mask.shape
+    dev = mask.device
+    pos = torch.zeros(padded, dtype=torch.long, device=dev)
+    pos[:T] = positions
+    m = torch.zeros(padded, L, dtype=torch.bool, device=dev)
+    m[:T] = mask
+    m[T:, 0] = True
+    cols = torch.arange(L, device=dev)
+    # slots [0, V) hold positions [0, V) for every row (what it sees there is exactly positions <= its own)
+    bad = (m != (cols[None, :] <= pos[:, None])).any(0)
+    V = int(bad.to(torch.uint8).argmax()) if bool(bad.any()) else L
+    shared = V // block
+    own = pos // block
+    first = own.clamp(max=shared)
+    R = int((own - first).max()) + 1
+    j = first[:, None] * block + torch.arange(R * block, device=dev)[None, :]  # (P, R*block) positions
+    seen = j <= pos[:, None]
+    slots = j.clone()
+    if V < L:  # positions >= V: the row's visible slots >= V, in order
+        beyond = torch.where(m[:, V:], cols[V:][None, :], L + cols[V:][None, :]).sort(dim=1).values
+        k = (j - V).clamp(0, L - V - 1)
+        slots = torch.where(j < V, j, beyond.gather(1, k))
+    slots = torch.where(seen, slots, torch.zeros_like(slots))
+    full = torch.arange(shared, device=dev)[None, :] < own[:, None]
+    return KeyPlan(block, shared, full, slots, seen, rows)
+
+
+def _pad_rows(x: Tensor, rows: int, dim: int) -> Tensor:
+    """Zero rows appended along ``dim`` up to a multiple of ``rows``."""
+    n = x.shape[dim]
+    p = -(-n // rows) * rows
+    if p == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = p - n
+    return torch.cat((x, x.new_zeros(shape)), dim=dim)
+
+
+def _fold(x: Tensor, dim: int) -> Tensor:
+    """The sum along ``dim`` in index order, one term after another (a CPU cumsum is sequential); terms that are
+    exact zeros leave it unchanged."""
+    if x.device.type == "cpu":
+        return x.cumsum(dim).select(dim, -1)
+    out = x.select(dim, 0).clone()
+    for i in range(1, x.shape[dim]):
+        out += x.select(dim, i)
+    return out
+
+
+def blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
+    """Shape-invariant attention (see the module docstring). q (P, H, hd) for the pass's padded rows; keys/values
+    (KVH, slots, hd): the layer's cache after this pass's writes -> (P, H*hd) in q's dtype."""
+    P, H, hd = q.shape
+    KVH = keys.shape[0]
+    G = H // KVH
+    B = plan.block
+    scale = 1.0 / math.sqrt(hd)
+    qf = q.float().view(P, KVH, G, hd).transpose(0, 1)  # (KVH, P, G, hd)
+    # each row's own blocks, gathered in position order: (KVH, P, R, B, hd)
+    R = plan.slots.shape[1] // B
+    kr = keys[:, plan.slots].float().view(KVH, P, R, B, hd)
+    vr = values[:, plan.slots].float().view(KVH, P, R, B, hd)
+    qr = _pad_rows(qf, plan.rows, 2)[:, :, None].expand(-1, -1, R, -1, -1)  # (KVH, P, R, Gp, hd)
+    sr = torch.matmul(qr, kr.transpose(-1, -2)).mul_(scale)  # (KVH, P, R, Gp, B)
+    sr.masked_fill_(~plan.seen.view(1, P, R, 1, B), float("-inf"))
+    top = sr.amax((2, 4))[..., :G]  # (KVH, P, G)
+    ss = None
+    if plan.shared:
+        S = plan.shared
+        ks = keys[:, : S * B].float().view(KVH, S, B, hd)
+        vs = values[:, : S * B].float().view(KVH, S, B, hd)
+        qs = _pad_rows(qf.reshape(KVH, P * G, hd), plan.rows, 1)  # (KVH, M, hd), rows (r, g)
+        ss = torch.matmul(qs[:, None].expand(-1, S, -1, -1), ks.transpose(-1, -2)).mul_(scale)  # (KVH, S, M, B)
+        out_of_reach = ~plan.full.T[:, :, None].expand(-1, -1, G).reshape(S, P * G)  # (S, P*G)
+        ss[:, :, : P * G].masked_fill_(out_of_reach[None, :, :, None], float("-inf"))
+        top = torch.maximum(top, ss[:, :, : P * G].amax((1, 3)).view(KVH, P, G))
+    # every row sees at least its own position, so ``top`` is finite
+    er = torch.exp(sr[..., :G, :] - top[:, :, None, :, None])  # (KVH, P, R, G, B)
+    lr = er.sum(-1)  # (KVH, P, R, G)
+    orr = torch.matmul(_pad_rows(er, plan.rows, 3), vr)[..., :G, :]  # (KVH, P, R, G, hd)
+    l_parts = [lr.permute(0, 1, 3, 2)]  # (KVH, P, G, R)
+    o_parts = [orr.permute(0, 1, 3, 2, 4)]  # (KVH, P, G, R, hd)
+    if ss is not None:
+        S = plan.shared
+        topm = _pad_rows(top.reshape(KVH, P * G), plan.rows, 1)  # (KVH, M)
+        es = torch.exp(ss - topm[:, None, :, None])  # (KVH, S, M, B)
+        ls = es.sum(-1)[:, :, : P * G].view(KVH, S, P, G).permute(0, 2, 3, 1)  # (KVH, P, G, S)
+        os_ = torch.matmul(es, vs)[:, :, : P * G].view(KVH, S, P, G, hd).permute(0, 2, 3, 1, 4)
+        l_parts.insert(0, ls)
+        o_parts.insert(0, os_)
+    # blocks in position order: the shared ones, then the row's own (a row's own first block follows its last
+    # shared one it sees; shared blocks it does not see hold exact zeros)
+    denom = _fold(torch.cat(l_parts, dim=-1), -1)  # (KVH, P, G)
+    num = _fold(torch.cat(o_parts, dim=-2), -2)  # (KVH, P, G, hd)
+    out = num / denom[..., None]
+    return out.transpose(0, 1).reshape(P, H * hd).to(q.dtype)
