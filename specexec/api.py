@@ -110,6 +110,10 @@ def load(
     dev = parse_device(device)
     found = _find(target, draft, progress, home)
     context = min(context, found.target_cfg.max_position_embeddings)
+    window = found.target_cfg.sliding_window
+    if window is not None and context > window:  # past the window our attention (full) would not be the model's
+        log.warning("context capped at the model's attention window: %d tokens (was %d)", window, context)
+        context = window
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
     mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
     # the draft first: it stays resident, and the target's memory plan accounted for it

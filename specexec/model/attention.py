@@ -119,9 +119,31 @@ def _fold(x: Tensor, dim: int) -> Tensor:
     return out
 
 
+CHUNK_ELEMENTS = 1 << 24  # a row chunk's largest working tensor, in fp32 elements (64 MB)
+
+
 def blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
     """Shape-invariant attention (see the module docstring). q (P, H, hd) for the pass's padded rows; keys/values
-    (KVH, slots, hd): the layer's cache after this pass's writes -> (P, H*hd) in q's dtype."""
+    (KVH, slots, hd): the layer's cache after this pass's writes -> (P, H*hd) in q's dtype.
+
+    Rows run in chunks of whole row tiles so that the working tensors stay near :data:`CHUNK_ELEMENTS` (a big
+    tree over a long prefix would otherwise score every row against every block at once); a row's result does
+    not depend on the chunk it is in (the products give every row of a whole number of tiles the same bits)."""
+    P, H, hd = q.shape
+    blocks = plan.shared + plan.slots.shape[1] // plan.block
+    per_row = H * blocks * max(plan.block, hd)
+    c = max(plan.rows, CHUNK_ELEMENTS // max(per_row, 1) // plan.rows * plan.rows)
+    if c >= P:
+        return _blocked(q, keys, values, plan)
+    out = []
+    for a in range(0, P, c):
+        part = KeyPlan(plan.block, plan.shared, plan.full[a : a + c], plan.slots[a : a + c], plan.seen[a : a + c],
+                       plan.rows)  # fmt: skip
+        out.append(_blocked(q[a : a + c], keys, values, part))
+    return torch.cat(out)
+
+
+def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
     P, H, hd = q.shape
     KVH = keys.shape[0]
     G = H // KVH

@@ -51,6 +51,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     model_type: str = "llama"
+    # Mistral-style sliding-window attention: each position attends to at most this many latest positions. The
+    # model attends to everything, so a context is capped at the window (where the two agree); None: no window.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -87,7 +90,17 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             model_type=model_type,
+            sliding_window=_window(cfg),
         )
+
+
+def _window(cfg: Mapping[str, Any]) -> int | None:
+    """The attention window an HF config sets (Mistral's ``sliding_window``; Qwen2's only when
+    ``use_sliding_window``), or None."""
+    w = cfg.get("sliding_window")
+    if not w or cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2") is False:
+        return None
+    return int(w)
 
 
 class LayerProvider(Protocol):

@@ -87,6 +87,20 @@ def test_a_pass_larger_than_the_checked_size_runs_as_consecutive_passes(tiny_mod
     assert torch.equal(out, ar)
 
 
+def test_attention_in_row_chunks_gives_the_same_bits(tiny_models, monkeypatch):
+    """A big pass's attention runs in chunks of row tiles (bounded memory); a row's logits do not depend on it."""
+    from specexec.model import attention
+
+    model = load_model(tiny_models["mistral"], CPU, torch.float32)
+    invariance.apply(model)
+    ids = torch.randint(3, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(len(ids))
+    whole = model.forward(ids, pos, pos, pos[None, :] <= pos[:, None], model.new_cache(96))
+    monkeypatch.setattr(attention, "CHUNK_ELEMENTS", 1)  # one row tile a chunk
+    chunked = model.forward(ids, pos, pos, pos[None, :] <= pos[:, None], model.new_cache(96))
+    assert torch.equal(whole, chunked)
+
+
 class _ShapeDependent:
     """A weight whose kernel rounds differently for passes that are not a whole number of 4-row tiles (what a BLAS
     with a one-row and an edge kernel does)."""

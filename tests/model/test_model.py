@@ -139,3 +139,39 @@ def test_a_drafts_fused_norm_only_moves_logits_by_rounding(tiny_models, family):
     a = m.forward(ids, t, t, _causal(0, 12, 12), m.new_cache(16))
     b = m.forward(ids, t, t, _causal(0, 12, 12), m.new_cache(16), fused_norm=True)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sliding_window_caps_the_context_so_attention_never_passes_it(tmp_path, caplog):
+    """Mistral's sliding window: our attention sees every earlier position, which is the model's own attention only
+    while the sequence fits in the window. So the context is capped at the window (with a warning), a longer
+    prompt is refused with one message, and inside the window the output is transformers' greedy output."""
+    import json
+
+    from specexec.api import load
+    from specexec.errors import InvalidPrompt
+    from tests.conftest import make_tiny
+
+    path = make_tiny(tmp_path / "m", "mistral")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 24}))
+    with caplog.at_level("WARNING"):
+        engine = load(str(path), device="cpu", context=64, progress=False)
+    assert engine.context == 24 and "attention window" in caplog.text
+    with pytest.raises(InvalidPrompt):
+        engine.generate(list(range(3, 33)), 4)
+    ids = [1, 5, 9, 17, 33, 40, 41, 42]
+    ours = engine.generate(ids, 12, method="ar").tokens
+    hf = _hf(path)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, attention_mask=torch.ones(1, 8))
+    assert ours == theirs[0, 8:].tolist()[: len(ours)]
+
+
+def test_qwen2_windows_count_only_when_enabled():
+    from specexec.model.transformer import ModelConfig
+
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 32768}).sliding_window is None
+    on = {**base, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}
+    assert ModelConfig.from_hf(on).sliding_window == 4096
+    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
