@@ -230,7 +230,7 @@ def test_cli_generate_specexec_matches_ar():
 def test_specexec_auto_budget_equals_ar(engine, ar_outputs):
     """The default --budget auto (cost measurement + online choice, so tree shapes follow measured timings) is
     exact too, and two runs of the same prompt give the same tokens."""
-    for p in PROMPTS:
+    for p in PROMPTS[:2]:
         for _ in range(2):
             engine.reset()
             r = engine.generate(p, 48, tree=TreeConfig(budget=16, auto=True, max_budget=256, max_depth=12))

@@ -98,7 +98,8 @@ class Tiling:
     one call (``loop`` False: this machine's library gives every row of a padded pass the same result whatever
     the pass's size) or one fixed-shape call per tile of ``rows`` (``loop`` True: it does not, but a fixed shape
     always gets the same kernel). ``transposed``: the calls are ``w @ x.T`` (CPU). Attention reads each row's
-    keys in blocks of ``key_block`` positions (:func:`specexec.model.attention.blocked`). Passes of more than
+    keys in blocks of ``key_block`` positions (:func:`specexec.model.attention.blocked`), its products padded to
+    ``attn_rows`` (its own tile: it computes in fp32 whatever the model's dtype). Passes of more than
     ``max_rows`` rows run as consecutive passes of at most that many (the row counts the invariance was checked
     up to).
     """
@@ -108,6 +109,7 @@ class Tiling:
     loop: bool = False
     key_block: int = 64
     max_rows: int = 256
+    attn_rows: int = 4  # the row tile of the attention's products (their rows: a pass's queries, head by head)
 
     def pad(self, n: int) -> int:
         """``n`` rows rounded up to whole tiles."""
@@ -115,7 +117,7 @@ class Tiling:
 
     def describe(self) -> str:
         how = f"{'w @ x.T' if self.transposed else 'F.linear'}, {'a call per tile' if self.loop else 'one call'}"
-        return f"row tile {self.rows} ({how}), key block {self.key_block}"
+        return f"row tile {self.rows} ({how}), attention row tile {self.attn_rows}, key block {self.key_block}"
 
 
 def _mm(x: Tensor, w: Any, transposed: bool) -> Tensor:

@@ -10,7 +10,8 @@ reduction differently round differently. Which row counts share a kernel differs
 builds and GPUs, so nothing here is assumed: for the model's own layer and head shapes, in its dtype, on its
 device, :func:`choose` tries row tiles (:class:`~specexec.formats.dense.Tiling`) from the smallest up and keeps
 the first tile, per orientation, under which a probe row gives the same bits at every pass size and place it
-checks (1 row to ``max_rows``); then the attention, under key blocks, the same way. Among the tilings that pass
+checks (1 row to ``max_rows``); then the smallest row tile for the attention's products (fp32 whatever the
+model's dtype) under which a probe query agrees across one-token, prefill and tree layouts. Among the tilings that pass
 it keeps the fastest for a one-token step plus a 16-row tree pass (CPU) or plus a 256-row one (GPU). When
 nothing passes (no tiling makes this machine's kernels agree), the target runs its fastest kernels and a
 warning says that greedy speculation may then differ from plain decoding at near-ties.
@@ -28,7 +29,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,7 @@ def attention_invariant(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
             q[at] = probe
             P = tiling.pad(T)
             qp = torch.cat((q, q.new_zeros(P - T, H, hd))).to(device)
-            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.rows)
+            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.attn_rows)
             out = blocked(qp, keys.to(device), values.to(device), plan)[at].cpu()
             if ref is None:
                 ref = out
@@ -167,18 +168,33 @@ def attention_invariant(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     return True
 
 
-def _rows(tile: int, device: torch.device) -> int:
-    """Rows a pass is padded to a multiple of: the tile, and on a CPU also a multiple of the thread count, so that
-    elementwise kernels split every tensor between threads at whole rows (a thread's ragged remainder would run
-    a scalar routine that may round differently from the vector one)."""
+def _rows(tile: int, device: torch.device, cfg: ModelConfig | None = None) -> int:
+    """Rows a pass is padded to a multiple of: the tile, and on a CPU enough rows that elementwise kernels split
+    every tensor between threads at whole vectors (a thread's ragged remainder would run a scalar routine that may
+    round differently from the vector one). Rows whose widths are all multiples of 64 * threads need nothing
+    more; otherwise a multiple of the thread count does it."""
+    if device.type != "cpu":
+        return tile
+    threads = torch.get_num_threads()
+    widths = [] if cfg is None else [w for s in head_shapes(cfg)[:4] for w in s]
+    if cfg is not None:
+        widths.append((cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim)  # RoPE's rows
+    if widths and all(w % 64 == 0 for w in widths):
+        g = math.gcd(*(w // 64 for w in widths))
+        return math.lcm(tile, threads // math.gcd(threads, g))
+    return math.lcm(tile, threads)
+
+
+def _attn_rows(tile: int, device: torch.device) -> int:
+    """The attention products' row tile: on a CPU also a multiple of the thread count (their elementwise steps)."""
     return math.lcm(tile, torch.get_num_threads()) if device.type == "cpu" else tile
 
 
-def _candidates(device: torch.device) -> list[Tiling]:
+def _candidates(device: torch.device, cfg: ModelConfig | None = None) -> list[Tiling]:
     rows = CPU_MAX_ROWS if device.type == "cpu" else CUDA_MAX_ROWS
     if device.type == "cpu":
-        return [Tiling(_rows(r, device), tr, False, KEY_BLOCK, rows) for tr in (False, True) for r in CPU_TILES]
-    return [Tiling(r, False, False, KEY_BLOCK, rows) for r in CUDA_TILES]
+        return [Tiling(_rows(r, device, cfg), tr, False, KEY_BLOCK, rows, r) for tr in (False, True) for r in CPU_TILES]
+    return [Tiling(r, False, False, KEY_BLOCK, rows, r) for r in CUDA_TILES]
 
 
 def _pass_ms(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, tiling: Tiling) -> float:
@@ -212,22 +228,26 @@ def find(
     shapes = head_shapes(cfg)
     found: list[Tiling] = []
     tried_orient: set[bool] = set()
-    for t in _candidates(device):
+    for t in _candidates(device, cfg):
         if t.transposed in tried_orient:
             continue  # the smallest invariant tile of an orientation is kept; larger ones only cost more
         if linear_invariant(shapes, dtype, device, t):
             found.append(t)
             tried_orient.add(t.transposed)
     if not found:  # no padded single call agrees with itself: one fixed-shape call per tile always does
-        fixed = Tiling(_rows(16, device) if device.type == "cpu" else 128, False, True, KEY_BLOCK, CUDA_MAX_ROWS)
-        fixed = Tiling(fixed.rows, False, True, KEY_BLOCK, _candidates(device)[0].max_rows)
+        tile = 16 if device.type == "cpu" else 128
+        fixed = Tiling(_rows(tile, device, cfg), False, True, KEY_BLOCK, _candidates(device)[0].max_rows, tile)
         if linear_invariant(shapes, dtype, device, fixed):
             found.append(fixed)
     if not found:
         return None, {}, "no row tiling makes this machine's matrix kernels agree across pass sizes"
-    kept = [t for t in found if attention_invariant(cfg, dtype, device, t)]
-    if not kept:
-        return None, {}, "this machine's attention kernel gives different results for different pass shapes"
+    # the attention computes in fp32 whatever the model's dtype: its own tile, the smallest that agrees
+    tiles = CPU_TILES if device.type == "cpu" else CUDA_TILES
+    with_attn = [replace(found[0], attn_rows=_attn_rows(a, device)) for a in tiles]
+    attn = next((t.attn_rows for t in with_attn if attention_invariant(cfg, dtype, device, t)), None)
+    if attn is None:
+        return None, {}, "this machine's attention products give different results for different pass shapes"
+    kept = [replace(t, attn_rows=attn) for t in found]
     if len(kept) == 1 or not timed:
         return kept[0], {}, ""
     ms = {t.describe(): _pass_ms(shapes, dtype, device, t) for t in kept}
@@ -235,9 +255,12 @@ def find(
     return best, ms, ""
 
 
+CHECK_VERSION = 2  # bumped when what the check covers changes: older cached choices are checked again
+
+
 def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
     return (
-        f"{_device_name(device)}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
+        f"v{CHECK_VERSION}|{_device_name(device)}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
         f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
     )
 

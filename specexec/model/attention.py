@@ -169,9 +169,10 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
         ss[:, :, : P * G].masked_fill_(out_of_reach[None, :, :, None], float("-inf"))
         top = torch.maximum(top, ss[:, :, : P * G].amax((1, 3)).view(KVH, P, G))
     # every row sees at least its own position, so ``top`` is finite
-    er = torch.exp(sr[..., :G, :] - top[:, :, None, :, None])  # (KVH, P, R, G, B)
-    lr = er.sum(-1)  # (KVH, P, R, G)
-    orr = torch.matmul(_pad_rows(er, plan.rows, 3), vr)[..., :G, :]  # (KVH, P, R, G, hd)
+    # exp over whole padded tiles (a multiple of the thread count on a CPU: see Tiling), padding rows at 0
+    er = torch.exp(sr - _pad_rows(top, plan.rows, 2)[:, :, None, :, None])  # (KVH, P, R, Gp, B)
+    lr = er[..., :G, :].sum(-1)  # (KVH, P, R, G)
+    orr = torch.matmul(er, vr)[..., :G, :]  # (KVH, P, R, G, hd)
     l_parts = [lr.permute(0, 1, 3, 2)]  # (KVH, P, G, R)
     o_parts = [orr.permute(0, 1, 3, 2, 4)]  # (KVH, P, G, R, hd)
     if ss is not None:

@@ -311,7 +311,7 @@ class Transformer:
             x = torch.cat((x, x.new_zeros(P - T, x.shape[1])))
             pos = torch.cat((positions, positions.new_zeros(P - T)))
         cos, sin = rope_tables(pos, self.inv_freq, self.dtype)
-        plan = plan_keys(mask, positions, P, t.key_block, t.rows)
+        plan = plan_keys(mask, positions, P, t.key_block, t.attn_rows)
 
         def attend(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
             return blocked(q, keys, values, plan)
