@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=DRAFT)
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--prompts-per-set", type=int, default=20)
+    p.add_argument("--first", type=int, default=0, help="skip this many prompts of each set (resume a long run)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ar", type=int, default=1, help="prompts per set also decoded with --method ar and compared")
     p.add_argument("--repeat", action="store_true", help="run the default twice per prompt and compare")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = load(args.target, args.draft, device="cpu", dtype=args.dtype, progress=False)
     print(f"target {engine.target.dtype}, invariant tiling: {engine.target.tiling}", flush=True)
-    prompts = build_prompts(tuple(args.sets.split(",")), args.prompts_per_set)
+    prompts = {k: v[args.first :] for k, v in build_prompts(tuple(args.sets.split(",")), args.prompts_per_set).items()}
     bad = 0
     rows = []
     print("| set | prompts | tokens | not the target's greedy choice | equal to --method ar | repeat equal | tok/s |")

@@ -318,7 +318,12 @@ def choose(
             "checking which kernels keep the target's passes shape-invariant (once; cached in %s)", cache_path(home)
         )
     t0 = time.perf_counter()
-    tiling, ms, note = find(cfg, dtype, device, timed=big)
+    try:
+        tiling, ms, note = find(cfg, dtype, device, timed=big)
+    except torch.cuda.OutOfMemoryError:  # the check's full-size random weights did not fit beside the model
+        torch.cuda.empty_cache()
+        note = "not enough free GPU memory to run the check (it needs about one output head's size)"
+        return Choice(key, None, {}, round(time.perf_counter() - t0, 2), note)  # not cached: try again next load
     choice = Choice(key, asdict(tiling) if tiling else None, ms, round(time.perf_counter() - t0, 2), note)
     if big:
         _write(choice, home)

@@ -166,3 +166,19 @@ def test_cuda_passes_are_invariant(tiny_models, dtype):
     for n0, rows in ((30, 10), (20, 64)):
         logits, path = _tree_pass(model, ids.cpu(), n0, rows, gen)
         assert torch.equal(logits[path].cpu(), ar[n0 : n0 + len(path)].cpu())
+
+
+def test_a_check_that_runs_out_of_gpu_memory_leaves_the_fast_kernels_uncached(tmp_path, monkeypatch):
+    from specexec.model.transformer import ModelConfig
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=64)  # fmt: skip
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(invariance, "find", oom)
+    choice = invariance.choose(cfg, torch.float16, CPU)
+    assert choice.get() is None and "memory" in choice.note
+    assert not (tmp_path / invariance.CACHE_FILE).exists()
