@@ -118,6 +118,11 @@ def load(
     mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = _load_draft(found, dev, d_dt, mem, draft_vocab)
+    if invariant and mem.offload is None:
+        # the invariance check allocates full-size weights of the target's shapes: before the target, not beside it
+        from specexec.loading import invariance
+
+        invariance.choose(found.target_cfg, resolve_dtype(dtype, dev, found.target_cfg), dev, home=hub.cache_home(home))
     t_model = _load_target(found, dev, dtype, mem, offload)
     engine = Engine(
         t_model,
