@@ -12,8 +12,12 @@ pair's 151,936 tokens, where loading the 1.5B target through transformers in fp3
 The output is exactly what transformers' own GGUF loader gives (``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=...)`` in fp32, each tensor then cast to the storage dtype), which transformers itself then refuses to
 ``save_pretrained``: the same dequantization function, the same Q/K row un-permutation for llama-architecture
-files, the same fp32 -> dtype cast (torch's), the same names, and the config and tokenizer built by
-transformers from the GGUF metadata. Only the weights bypass transformers.
+files, the same ``w - 1`` (in fp32) for Gemma 2/3 norms that llama.cpp stores as ``w + 1``, Phi-3's fused
+``qkv_proj``/``gate_up_proj`` kept fused, the same fp32 -> dtype cast (torch's), the same names (the ``gguf``
+package's table), and the config and tokenizer built by transformers from the GGUF metadata. Only the weights
+bypass transformers. Where transformers' loader reads a split GGUF's first part only or ignores a stated key, the
+conversion corrects the config (see :func:`_save_config`). Architectures: :data:`ARCHITECTURES`; tensor types:
+:data:`QUANT_TYPES`. A GGUF split by llama.cpp's gguf-split converts from any of its parts.
 
 Layout: ``config.json``, ``generation_config.json``, tokenizer files, and ``model.safetensors`` when the weights
 fit in one shard of :data:`SHARD_BYTES`, else ``model-0000i-of-0000n.safetensors`` shards (a new one starts
@@ -40,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from io import BufferedReader, BufferedWriter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,29 +62,25 @@ SHARD_BYTES = 2 * 10**9
 CHUNK_ELEMENTS = 1 << 24
 """Values dequantized at once (64 MB of fp32): rows of a tensor are converted in chunks of about this size."""
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 """GGUF ``general.architecture`` values converted here (Mistral files are ``llama``)."""
+
+QUANT_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4",
+)  # fmt: skip
+"""The ggml tensor types converted (those ``gguf.quants`` dequantizes): a GGUF "Q4_K_M" or "IQ4_XS" file is made
+of these. Others (Q8_1, Q8_K, integer and F64 tensors) are refused with one line."""
+
+_NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
+"""llama.cpp stores these architectures' RMSNorm weights as ``w + 1`` (Gemma's norm scales by ``1 + w``)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
-# GGUF tensor name -> HF name (llama.cpp's names for the llama / mistral / qwen2 decoder).
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+"""llama.cpp gguf-split's part names: ``<stem>-00001-of-00003.gguf``."""
 
 # safetensors' names of the storage dtypes
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -91,15 +92,18 @@ OnTensor = Callable[[str, int, int], None]
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
     """One GGUF tensor and where it goes: ``shape`` in torch order (GGUF lists dimensions fastest first);
-    ``offset``: where its data starts in the GGUF file; ``heads``: llama.cpp permuted its rows within each of
-    ``heads`` head blocks (llama-architecture q/k), which the conversion undoes; None when it did not."""
+    ``path``: the GGUF file (the part of a split GGUF) holding it; ``offset``: where its data starts there;
+    ``heads``: llama.cpp permuted its rows within each of ``heads`` head blocks (llama-architecture q/k), which
+    the conversion undoes; None when it did not. ``shift``: llama.cpp stored ``w + shift`` (Gemma's norms)."""
 
     gguf_name: str
     hf_name: str
     qtype: int
     shape: tuple[int, ...]
+    path: Path
     offset: int
     heads: int | None = None
+    shift: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -111,9 +115,21 @@ class _Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Gguf:
+    """What the GGUF's headers say: ``architecture``; ``metadata`` of its first part (numbers and strings as
+    they are, arrays as their length: the vocabulary is never parsed here); ``tensors`` of all its parts, in
+    order (``hf_name`` still empty)."""
+
+    path: Path
+    architecture: str
+    metadata: dict[str, Any]
+    tensors: list[_Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class _ModelSpec:
-    """The weights the model class expects: ``shapes`` {hf name: shape} of the stored (untied) ones, and the
-    attention's query and key/value head counts.
+    """The weights the model class expects: ``shapes`` {hf name: shape} of the stored (untied) ones, the
+    attention's query and key/value head counts, and its layer count.
 
     A llama GGUF without ``head_count_kv`` has as many key/value heads as query heads (llama.cpp reads it so);
     transformers' own loader then leaves q/k permuted, a bug not copied here.
@@ -122,11 +138,33 @@ class _ModelSpec:
     shapes: dict[str, tuple[int, ...]]
     heads: int
     kv_heads: int
+    layers: int
 
 
 def is_complete(model_dir: Path) -> bool:
     """True when ``model_dir`` is a finished conversion (the marker file exists)."""
     return (Path(model_dir) / COMPLETE_MARKER).is_file()
+
+
+def split_parts(gguf_path: Path) -> list[Path]:
+    """The files of the GGUF ``gguf_path`` names, in order: ``[gguf_path]``, or for any part of a GGUF split by
+    llama.cpp's gguf-split (``<stem>-00002-of-00003.gguf``) all its parts, the first one first.
+
+    A missing part raises :class:`ModelFormatError`.
+    """
+    gguf_path = Path(gguf_path)
+    m = _SPLIT_NAME.fullmatch(gguf_path.name)
+    if m is None:
+        return [gguf_path]
+    count = int(m["count"])
+    parts = [gguf_path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelFormatError(
+            f"{gguf_path.name} is one of {count} parts of a split GGUF, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing from {gguf_path.parent}"
+        )
+    return parts
 
 
 def gguf_to_hf_dir(
@@ -138,11 +176,12 @@ def gguf_to_hf_dir(
 ) -> Path:
     """Convert ``gguf_path`` into a Hugging Face directory at ``out_dir`` and return ``out_dir``.
 
-    The weights are dequantized tensor by tensor and stored as ``dtype`` (config.json records it as
-    ``dtype``/``torch_dtype``). The tokenizer (incl. chat template), config and generation config come from the
-    GGUF metadata, through transformers. An existing ``out_dir`` is replaced only after the new directory is
-    complete. ``progress``: a rich progress display on stderr. A GGUF this cannot convert (another
-    architecture, a ggml type ``gguf`` cannot dequantize, missing tensors) raises :class:`ModelFormatError`
+    ``gguf_path`` may name any part of a split GGUF (``-00001-of-00003.gguf``): all parts are read. The weights
+    are dequantized tensor by tensor and stored as ``dtype`` (config.json records it as ``dtype``/``torch_dtype``).
+    The tokenizer (incl. chat template), config and generation config come from the GGUF metadata, through
+    transformers. An existing ``out_dir`` is replaced only after the new directory is complete. ``progress``: a
+    rich progress display on stderr. A GGUF this cannot convert (corrupt or truncated, another architecture, a
+    ggml type not in :data:`QUANT_TYPES`, no tokenizer, missing tensors) raises :class:`ModelFormatError`
     before anything is written.
     """
     if dtype not in _ST_DTYPE:
@@ -151,7 +190,8 @@ def gguf_to_hf_dir(
     out_dir = Path(out_dir).expanduser().resolve()
     if not gguf_path.is_file():
         raise SpecexecError(f"GGUF file not found: {gguf_path}")
-    architecture, tensors = _read_tensor_table(gguf_path)
+    source = _read_gguf(gguf_path)
+    first = source.path
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp_dir.exists():
@@ -160,137 +200,178 @@ def gguf_to_hf_dir(
     start = time.perf_counter()
     try:
         with _display(progress) as show:
-            show.stage(f"reading the tokenizer from {gguf_path.name}")
-            _save_tokenizer(gguf_path, tmp_dir)
-            show.stage(f"reading the config from {gguf_path.name}")
-            model = _save_config(gguf_path, dtype, tmp_dir)
-            plan = _plan(gguf_path, architecture, tensors, model)
+            show.stage(f"reading the tokenizer from {first.name}")
+            _save_tokenizer(first, tmp_dir)
+            show.stage(f"reading the config from {first.name}")
+            model = _save_config(source, dtype, tmp_dir)
+            plan = _plan(source, model)
             show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
-            _write_weights(gguf_path, plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
+            _write_weights(plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
         _check_layout(tmp_dir)
         _make_readable(tmp_dir)
-        _write_marker(tmp_dir, gguf_path, dtype)
+        _write_marker(tmp_dir, first, dtype)
         _move_into_place(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    logger.info("converted %s -> %s in %.1f s", gguf_path.name, out_dir, time.perf_counter() - start)
+    logger.info("converted %s -> %s in %.1f s", first.name, out_dir, time.perf_counter() - start)
     return out_dir
 
 
 # ---------------------------------------------------------------------------------------------- the GGUF
 
 
-def _read_tensor_table(gguf_path: Path) -> tuple[str, list[_Tensor]]:
-    """(``general.architecture``, the tensors in file order, named in GGUF terms: ``hf_name`` still empty).
+def _read_gguf(gguf_path: Path) -> _Gguf:
+    """The headers of ``gguf_path`` (all parts of a split GGUF): refuses, before any work, files this module cannot
+    convert (corrupt, truncated, another architecture, a tensor type not in :data:`QUANT_TYPES`, no tokenizer).
 
-    Refuses, before any work, files this module cannot convert. Only the header is read, and of the metadata only
-    the architecture and the alignment: every other value (the vocabulary, the merges) is skipped unparsed, where
-    ``gguf.GGUFReader`` would build an object per value (tens of seconds and ~0.5 GB for a 150k-token vocabulary).
+    Only the headers are read, and of the metadata only numbers and strings: arrays (the vocabulary, the merges) are
+    skipped unparsed, where ``gguf.GGUFReader`` would build an object per value (tens of seconds and ~0.5 GB for a
+    150k-token vocabulary).
     """
-    try:
-        with open(gguf_path, "rb") as f:
-            architecture, alignment, entries, table_end = _parse_header(f, gguf_path.name)
-    except (struct.error, UnicodeDecodeError, OSError) as err:
-        raise ModelFormatError(f"{gguf_path.name} is not a readable GGUF file: {err}") from None
+    parts = split_parts(gguf_path)
+    headers = [_read_header(part) for part in parts]
+    metadata = headers[0][0]
+    name = parts[0].name
+    count = metadata.get("split.count", 1)
+    if count != len(parts):
+        raise ModelFormatError(
+            f"{name} says it is the first of {count} parts of a split GGUF; name the parts "
+            f"<name>-00001-of-{count:05d}.gguf ... as llama.cpp's gguf-split does, then pass the first one"
+        )
+    for i, (part, (meta, _)) in enumerate(zip(parts, headers)):
+        if meta.get("split.no", 0) != i:
+            raise ModelFormatError(f"{part.name} is part {meta.get('split.no', 0) + 1} of its split GGUF, not {i + 1}")
+    architecture = metadata.get("general.architecture", "?")
     if architecture not in ARCHITECTURES:
         raise ModelFormatError(
-            f"{gguf_path.name}: GGUF architecture {architecture!r} is not supported "
+            f"{name}: GGUF architecture {architecture!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)}; Mistral files are llama)"
         )
+    if "tokenizer.ggml.model" not in metadata or "tokenizer.ggml.tokens" not in metadata:
+        raise ModelFormatError(
+            f"{name} has no tokenizer metadata (tokenizer.ggml.*); use a GGUF written with its tokenizer "
+            f"(llama.cpp's convert_hf_to_gguf writes it)"
+        )
+    tensors = [t for _, part_tensors in headers for t in part_tensors]
+    expected = metadata.get("split.tensors.count", len(tensors))
+    names = {t.gguf_name for t in tensors}
+    if len(names) != len(tensors) or expected != len(tensors):
+        raise ModelFormatError(f"{name}: its parts hold {len(tensors)} tensors ({len(names)} names), not {expected}")
+    return _Gguf(parts[0], architecture, metadata, tensors)
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], list[_Tensor]]:
+    """(metadata, tensors) of one GGUF file, each tensor checked to be convertible and inside the file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            metadata, entries, table_end = _parse_header(f, path.name, size)
+    except (struct.error, UnicodeDecodeError, OSError, MemoryError, OverflowError) as err:
+        raise ModelFormatError(f"{path.name} is not a readable GGUF file: {err}") from None
+    alignment = metadata.get("general.alignment", 32)  # llama.cpp's default alignment
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ModelFormatError(f"{path.name} is not a readable GGUF file: alignment {alignment!r}")
     data_start = -(-table_end // alignment) * alignment  # the tensor data begins at the next aligned offset
-    size = gguf_path.stat().st_size
     tensors = []
     for name, dims, qtype, offset in entries:
         # GGUF lists dimensions fastest-varying first, torch the other way round
-        t = _Tensor(gguf_name=name, hf_name="", qtype=qtype, shape=tuple(reversed(dims)), offset=data_start + offset)
-        end = t.offset + t.rows * _check_dequantizable(gguf_path, t)
+        t = _Tensor(name, "", qtype, tuple(reversed(dims)), path, data_start + offset)
+        end = t.offset + t.rows * _check_dequantizable(path, t)
         if end > size:
-            raise ModelFormatError(f"truncated GGUF file {gguf_path}: tensor {name} ends at byte {end} of {size}")
+            raise ModelFormatError(f"truncated GGUF file {path}: tensor {name} ends at byte {end} of {size}")
         tensors.append(t)
-    return architecture, tensors
+    return metadata, tensors
 
 
-# fixed-size GGUF metadata value types -> bytes (uint8, int8, uint16, int16, uint32, int32, float32, bool, uint64,
-# int64, float64); 8 is a string, 9 an array
-_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types: fixed-size ones -> struct format (uint8, int8, uint16, int16, uint32, int32, float32,
+# bool, uint64, int64, float64); 8 is a string, 9 an array
+_VALUE_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def _parse_header(f: BufferedReader, name: str) -> tuple[str, int, list[tuple[str, tuple[int, ...], int, int]], int]:
-    """(architecture, alignment, [(tensor name, GGUF dims, ggml type, data offset)], end of the tensor table)
-    from an open GGUF file (versions 2 and 3, little-endian)."""
+def _parse_header(
+    f: BufferedReader, name: str, size: int
+) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(metadata, [(tensor name, GGUF dims, ggml type, data offset)], end of the tensor table) from an open GGUF
+    file of ``size`` bytes (versions 2 and 3, little-endian). Metadata arrays are given as their length.
+
+    Every length read is checked against the file's size, so a corrupt header fails here instead of asking for
+    an absurd allocation.
+    """
 
     def unpack(fmt: str) -> tuple:
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+        data = f.read(struct.calcsize(fmt))
+        return struct.unpack(fmt, data)
+
+    def length(what: str, item_bytes: int = 1) -> int:
+        (n,) = unpack("<Q")
+        if n * item_bytes > size - f.tell():
+            raise ModelFormatError(
+                f"{name} is corrupt or truncated: a {what} of {n} items runs past the end of the file"
+            )
+        return n
 
     def string() -> str:
-        (length,) = unpack("<Q")
-        return f.read(length).decode()
+        return f.read(length("string")).decode()
 
-    def skip(value_type: int) -> None:
-        if value_type in _VALUE_BYTES:
-            f.seek(_VALUE_BYTES[value_type], os.SEEK_CUR)
-        elif value_type == 8:
-            (length,) = unpack("<Q")
-            f.seek(length, os.SEEK_CUR)
-        elif value_type == 9:
-            item_type, count = unpack("<IQ")
-            if item_type in _VALUE_BYTES:
-                f.seek(count * _VALUE_BYTES[item_type], os.SEEK_CUR)
+    def value(value_type: int) -> Any:
+        if value_type in _VALUE_FORMAT:
+            return unpack(_VALUE_FORMAT[value_type])[0]
+        if value_type == 8:
+            return string()
+        if value_type == 9:
+            (item_type,) = unpack("<I")
+            fixed = struct.calcsize(_VALUE_FORMAT[item_type]) if item_type in _VALUE_FORMAT else 0
+            count = length("metadata array", max(fixed, 1 if item_type != 8 else 8))
+            if fixed:
+                f.seek(count * fixed, os.SEEK_CUR)
             else:
                 for _ in range(count):
-                    skip(item_type)
-        else:
-            raise ModelFormatError(f"{name}: GGUF metadata value of unknown type {value_type}")
+                    value(item_type)
+            return count
+        raise ModelFormatError(f"{name}: GGUF metadata value of unknown type {value_type}")
 
-    magic, version, tensor_count, kv_count = unpack("<4sIQQ")
+    magic, version = unpack("<4sI")
     if magic != b"GGUF":
         raise ModelFormatError(f"{name} is not a GGUF file (it does not start with GGUF)")
     if version & 0xFFFF == 0:
         raise ModelFormatError(f"{name} is a big-endian GGUF; only little-endian files are converted")
     if version not in (2, 3):
         raise ModelFormatError(f"{name} is GGUF version {version}; versions 2 and 3 are read")
-    architecture, alignment = "?", 32  # llama.cpp's default alignment
+    tensor_count = length("tensor table", 24)  # each entry takes at least 24 bytes
+    kv_count = length("metadata table", 12)
+    metadata: dict[str, Any] = {}
     for _ in range(kv_count):
         key = string()
         (value_type,) = unpack("<I")
-        if key == "general.architecture" and value_type == 8:
-            architecture = string()
-        elif key == "general.alignment" and value_type == 4:
-            (alignment,) = unpack("<I")
-        else:
-            skip(value_type)
+        metadata[key] = value(value_type)
     entries = []
     for _ in range(tensor_count):
         tensor = string()
         (ndim,) = unpack("<I")
+        if not 1 <= ndim <= 4:
+            raise ModelFormatError(f"{name} is corrupt: tensor {tensor!r} has {ndim} dimensions")
         dims = unpack(f"<{ndim}Q")
         qtype, offset = unpack("<IQ")
         entries.append((tensor, tuple(dims), qtype, offset))
-    return architecture, alignment, entries, f.tell()
+    return metadata, entries, f.tell()
 
 
 def _check_dequantizable(gguf_path: Path, tensor: _Tensor) -> int:
-    """Bytes per row of ``tensor``; ModelFormatError unless ``gguf.quants`` can dequantize its ggml type (probed
-    on one zero block, so a gguf release that adds a type is picked up as it is)."""
+    """Bytes per row of ``tensor``; ModelFormatError unless its ggml type is one of :data:`QUANT_TYPES`."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
     try:
         qtype = GGMLQuantizationType(tensor.qtype)
     except ValueError:
+        qtype = None
+    if qtype is None or qtype.name not in QUANT_TYPES:
+        kind = qtype.name if qtype is not None else f"number {tensor.qtype} (unknown to the installed gguf package)"
         raise ModelFormatError(
-            f"{gguf_path.name}: tensor {tensor.gguf_name} has the unknown ggml type {tensor.qtype} "
-            f"(a GGUF newer than the installed gguf package?)"
-        ) from None
+            f"{gguf_path.name}: tensor {tensor.gguf_name} is stored as ggml type {kind}, which is not converted; "
+            f"supported types: {', '.join(QUANT_TYPES)}"
+        )
     block, block_bytes = GGML_QUANT_SIZES[qtype]
-    try:
-        dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
-    except NotImplementedError:
-        raise ModelFormatError(
-            f"{gguf_path.name}: tensor {tensor.gguf_name} is stored as ggml type {qtype.name}, which the "
-            f"installed gguf package cannot dequantize; use a GGUF quantized differently (e.g. Q4_K_M, Q8_0, F16)"
-        ) from None
     if tensor.cols % block:
         raise ModelFormatError(
             f"{gguf_path.name}: tensor {tensor.gguf_name} has rows of {tensor.cols} values, not a multiple of "
@@ -299,43 +380,56 @@ def _check_dequantizable(gguf_path: Path, tensor: _Tensor) -> int:
     return tensor.cols // block * block_bytes
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a llama / mistral / qwen2 GGUF tensor, or None for names without one."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+def _hf_names(architecture: str, model: _ModelSpec) -> dict[str, str]:
+    """{GGUF tensor name: HF parameter name} for the model's parameters, from the ``gguf`` package's own name
+    table (llama.cpp's), built the way transformers' GGUF loader builds it."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+    table = get_tensor_name_map(arch, model.layers)
+    names = {}
+    for hf_name in model.shapes:
+        base, dot, suffix = hf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = hf_name, "", ""
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names[gguf_name + dot + suffix] = hf_name
+    return names
 
 
-def _plan(gguf_path: Path, architecture: str, tensors: list[_Tensor], model: _ModelSpec) -> list[_Tensor]:
-    """The tensors to write, in file order, each with its HF name (and, for llama q/k, its head count).
+def _plan(source: _Gguf, model: _ModelSpec) -> list[_Tensor]:
+    """The tensors to write, in file order, each with its HF name and what undoes llama.cpp's changes to it (the
+    llama q/k row permutation, Gemma's norm offset).
 
     Like transformers' loader, GGUF tensors the model has no parameter for are skipped (llama 3's
-    ``rope_freqs``, a bias the config does not use). Every parameter of
-    the model must come from the file with its shape, else ModelFormatError.
+    ``rope_freqs``, a bias the config does not use). Every parameter of the model must come from the file with
+    its shape, else ModelFormatError.
     """
     expected = model.shapes
+    names = _hf_names(source.architecture, model)
     heads = {"attn_q": model.heads, "attn_k": model.kv_heads}
     plan, skipped = [], []
-    for t in tensors:
-        name = _hf_name(t.gguf_name)
-        if name is None or name not in expected:
+    for t in source.tensors:
+        name = names.get(t.gguf_name)
+        if name is None:
             skipped.append(t.gguf_name)
             continue
         if t.shape != expected[name]:
             raise ModelFormatError(
-                f"{gguf_path.name}: tensor {t.gguf_name} has shape {list(t.shape)}, the config gives "
+                f"{source.path.name}: tensor {t.gguf_name} has shape {list(t.shape)}, the config gives "
                 f"{name} the shape {list(expected[name])}"
             )
         kind = t.gguf_name.split(".")[2] if t.gguf_name.startswith("blk.") else ""
-        permuted = architecture == "llama" and kind in heads
-        plan.append(dataclasses.replace(t, hf_name=name, heads=heads[kind] if permuted else None))
+        permuted = source.architecture == "llama" and kind in heads
+        offset = source.architecture in _NORM_OFFSET_ARCHITECTURES and "norm.weight" in t.gguf_name
+        plan.append(
+            dataclasses.replace(t, hf_name=name, heads=heads[kind] if permuted else None, shift=1.0 if offset else 0.0)
+        )
     missing = sorted(set(expected) - {t.hf_name for t in plan})
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ModelFormatError(f"{gguf_path.name} lacks weights its config needs: {shown}")
+        raise ModelFormatError(f"{source.path.name} lacks weights its config needs: {shown}")
     if skipped:
         logger.info("convert: %d GGUF tensors have no model parameter and are skipped: %s", len(skipped), skipped)
     return plan
@@ -352,16 +446,25 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _save_config(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> _ModelSpec:
+def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec:
     """Write config.json and generation_config.json as transformers builds them from the GGUF metadata, and
     return what the weights must be. Their names and shapes come from the model class built on the meta device
     (no memory).
+
+    Two corrections where transformers reads only the first file or ignores a key: ``tie_word_embeddings`` from
+    the tensors of all parts of a split GGUF, and ``head_dim`` from ``<arch>.attention.key_length`` where the file
+    states it (transformers' Qwen3 config otherwise keeps its class default of 128).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    gguf_path = source.path
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
+    config.tie_word_embeddings = all(t.gguf_name != "output.weight" for t in source.tensors)
+    key_length = source.metadata.get(f"{source.architecture}.attention.key_length")
+    if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
+        config.head_dim = key_length
     config.dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -373,7 +476,8 @@ def _save_config(gguf_path: Path, dtype: torch.dtype, out_dir: Path) -> _ModelSp
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)  # the embedding itself; save_pretrained does not store it either
     heads = config.num_attention_heads
-    return _ModelSpec(shapes, heads, getattr(config, "num_key_value_heads", None) or heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return _ModelSpec(shapes, heads, kv_heads, config.num_hidden_layers)
 
 
 def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:
@@ -403,7 +507,6 @@ def _shards(plan: list[_Tensor], itemsize: int) -> list[list[_Tensor]]:
 
 
 def _write_weights(
-    gguf_path: Path,
     plan: list[_Tensor],
     dtype: torch.dtype,
     out_dir: Path,
@@ -419,12 +522,15 @@ def _write_weights(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     done = 0
-    with open(gguf_path, "rb") as src:
+    with contextlib.ExitStack() as stack:
+        sources: dict[Path, BufferedReader] = {}  # one open file per GGUF part
         for name, shard in zip(names, shards):
             with open(out_dir / name, "wb") as dst:
                 dst.write(_safetensors_header(shard, dtype, itemsize))
                 for t in shard:
-                    _write_tensor(src, dst, t, dtype)
+                    if t.path not in sources:
+                        sources[t.path] = stack.enter_context(open(t.path, "rb"))
+                    _write_tensor(sources[t.path], dst, t, dtype)
                     dst.flush()  # a reported tensor is in the file
                     advance(t.hf_name)
                     if on_tensor is not None:
@@ -457,13 +563,16 @@ def _safetensors_header(shard: list[_Tensor], dtype: torch.dtype, itemsize: int)
 
 
 def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: torch.dtype) -> None:
-    """Dequantize ``t`` from ``src`` a chunk of rows at a time and append it to ``dst`` as ``dtype``.
+    """Dequantize ``t`` from ``src`` a chunk of rows at a time and append it to ``dst`` as ``dtype`` (less
+    ``t.shift``, subtracted in float32 as transformers does).
 
     A chunk holds whole head blocks of a permuted q/k weight, so its un-permutation never crosses chunks; a 1-d
     tensor (a norm, a bias) is one chunk.
     """
     if len(t.shape) == 1:
         values = _read_rows(src, t, 0, 1).reshape(-1)
+        if t.shift:
+            values = values - np.float32(t.shift)
         _append(dst, t, _unpermute(values, t.heads) if t.heads is not None else values, dtype)
         return
     group = t.rows // t.heads if t.heads is not None else 1  # rows per head block
@@ -471,6 +580,8 @@ def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: t
     for first in range(0, t.rows, step):
         count = min(step, t.rows - first)
         values = _read_rows(src, t, first, count)
+        if t.shift:
+            values = values - np.float32(t.shift)
         _append(dst, t, _unpermute(values, count // group) if t.heads is not None else values, dtype)
 
 

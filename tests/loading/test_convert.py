@@ -79,25 +79,40 @@ def write_gguf(
     heads: int = 4,
     kv_heads: int = 2,
     intermediate: int = 256,
+    head_dim: int | None = None,
     tied: bool = False,
     qkv_bias: bool = False,
     qtypes: dict[str, Q] | None = None,
     skip: tuple[str, ...] = (),
     alignment: int | None = None,
     seed: int = 0,
+    tokenizer: bool = True,
+    split_max_tensors: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF with a byte-level BPE tokenizer at ``path``; return the HF-layout float32 weights
-    it was made from (before the llama permutation and quantization), keyed by HF name.
+    it was made from (before llama.cpp's changes: the llama permutation, Gemma's norm offset, quantization), keyed
+    by HF name.
 
-    ``qtypes``: ggml type by GGUF tensor name (``blk.0.attn_q.weight``) or kind (``attn_q``); F32 otherwise.
-    ``skip``: GGUF tensor names left out of the file. ``alignment``: of the tensor data (llama.cpp's default 32).
+    ``arch``: llama, qwen2, qwen3 (q/k norms), gemma2 (four norms a layer), gemma3 (also q/k norms) or phi3 (fused
+    qkv and gate-up). ``qtypes``: ggml type by GGUF tensor name (``blk.0.attn_q.weight``) or kind (``attn_q``); F32
+    otherwise. ``skip``: GGUF tensor names left out of the file. ``alignment``: of the tensor data (llama.cpp's
+    default 32). ``head_dim``: written as ``attention.key_length`` when given. ``split_max_tensors``: write a split
+    GGUF as gguf-split does (``path`` then names ``<stem>-00001-of-0000N.gguf`` and its siblings).
     """
     rng = np.random.default_rng(seed)
     qtypes = qtypes or {}
+    sentencepiece = arch.startswith("gemma") or arch == "phi3"  # their GGUFs carry SentencePiece vocabularies
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = _byte_level_symbols() + ["he", "ll"] + specials
+    if sentencepiece:  # <unk> <s> </s>, 256 byte tokens, pieces with scores, then the specials
+        pieces = ["▁", *"helowrd", "▁h", "he", "ll", "▁w", "or"]
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, *specials]
+        types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3] * len(specials)
+    else:
+        tokens = _byte_level_symbols() + ["he", "ll"] + specials
+        types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)
     vocab = len(tokens)
-    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = head_dim or hidden // heads
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_name(name)
     if alignment is not None:
         writer.add_custom_alignment(alignment)
@@ -107,28 +122,44 @@ def write_gguf(
     writer.add_feed_forward_length(intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if head_dim != hidden // heads or arch.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (vocab - len(specials)) + [3] * len(specials))
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_bos_token_id(vocab - 3)
-    writer.add_eos_token_id(vocab - 1)
-    writer.add_pad_token_id(vocab - 3)
-    writer.add_add_bos_token(False)
+    if tokenizer and sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0] * len(specials))
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(vocab - 1)
+        writer.add_pad_token_id(vocab - 3)
+        writer.add_add_bos_token(True)
+    elif tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(["h e", "l l"])
+        writer.add_bos_token_id(vocab - 3)
+        writer.add_eos_token_id(vocab - 1)
+        writer.add_pad_token_id(vocab - 3)
+        writer.add_add_bos_token(False)
 
     original: dict[str, np.ndarray] = {}
-    head_dim = hidden // heads
 
     def add(gguf_name: str, hf_name: str, *shape: int, std: float = 0.2, n_head: int | None = None) -> None:
         values = (rng.standard_normal(shape) * std).astype(np.float32)
-        if gguf_name.endswith("norm.weight"):
-            values += 1.0
+        norm = gguf_name.endswith("norm.weight")
+        if norm and not arch.startswith("gemma"):
+            values += 1.0  # Gemma's norms scale by 1 + w: their HF weights sit near 0
         original[hf_name] = values
         stored = _permute(values, n_head) if arch == "llama" and n_head is not None else values
+        if norm and arch.startswith("gemma"):
+            stored = stored + np.float32(1.0)  # llama.cpp's convert_hf_to_gguf stores Gemma norms as w + 1
         kind = gguf_name.split(".")[-2]
         qtype = qtypes.get(gguf_name, qtypes.get(kind, Q.F32)) if stored.ndim == 2 else Q.F32
         data, raw_dtype = _encode(stored, qtype, rng)
@@ -136,20 +167,35 @@ def write_gguf(
             writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
 
     add("token_embd.weight", "model.embed_tokens.weight", vocab, hidden, std=1.0)
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         g, h = f"blk.{i}.", f"model.layers.{i}."
         add(g + "attn_norm.weight", h + "input_layernorm.weight", hidden, std=0.05)
-        add(g + "attn_q.weight", h + "self_attn.q_proj.weight", heads * head_dim, hidden, n_head=heads)
-        add(g + "attn_k.weight", h + "self_attn.k_proj.weight", kv_heads * head_dim, hidden, n_head=kv_heads)
-        add(g + "attn_v.weight", h + "self_attn.v_proj.weight", kv_heads * head_dim, hidden)
+        if arch == "phi3":
+            add(g + "attn_qkv.weight", h + "self_attn.qkv_proj.weight", q_rows + 2 * kv_rows, hidden)
+        else:
+            add(g + "attn_q.weight", h + "self_attn.q_proj.weight", q_rows, hidden, n_head=heads)
+            add(g + "attn_k.weight", h + "self_attn.k_proj.weight", kv_rows, hidden, n_head=kv_heads)
+            add(g + "attn_v.weight", h + "self_attn.v_proj.weight", kv_rows, hidden)
         if qkv_bias:
-            add(g + "attn_q.bias", h + "self_attn.q_proj.bias", heads * head_dim, n_head=heads)
-            add(g + "attn_k.bias", h + "self_attn.k_proj.bias", kv_heads * head_dim, n_head=kv_heads)
-            add(g + "attn_v.bias", h + "self_attn.v_proj.bias", kv_heads * head_dim)
-        add(g + "attn_output.weight", h + "self_attn.o_proj.weight", hidden, heads * head_dim)
-        add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", hidden, std=0.05)
-        add(g + "ffn_gate.weight", h + "mlp.gate_proj.weight", intermediate, hidden)
-        add(g + "ffn_up.weight", h + "mlp.up_proj.weight", intermediate, hidden)
+            add(g + "attn_q.bias", h + "self_attn.q_proj.bias", q_rows, n_head=heads)
+            add(g + "attn_k.bias", h + "self_attn.k_proj.bias", kv_rows, n_head=kv_heads)
+            add(g + "attn_v.bias", h + "self_attn.v_proj.bias", kv_rows)
+        if arch in ("qwen3", "gemma3"):
+            add(g + "attn_q_norm.weight", h + "self_attn.q_norm.weight", head_dim, std=0.05)
+            add(g + "attn_k_norm.weight", h + "self_attn.k_norm.weight", head_dim, std=0.05)
+        add(g + "attn_output.weight", h + "self_attn.o_proj.weight", hidden, q_rows)
+        if arch.startswith("gemma"):
+            add(g + "post_attention_norm.weight", h + "post_attention_layernorm.weight", hidden, std=0.05)
+            add(g + "ffn_norm.weight", h + "pre_feedforward_layernorm.weight", hidden, std=0.05)
+            add(g + "post_ffw_norm.weight", h + "post_feedforward_layernorm.weight", hidden, std=0.05)
+        else:
+            add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", hidden, std=0.05)
+        if arch == "phi3":
+            add(g + "ffn_up.weight", h + "mlp.gate_up_proj.weight", 2 * intermediate, hidden)
+        else:
+            add(g + "ffn_gate.weight", h + "mlp.gate_proj.weight", intermediate, hidden)
+            add(g + "ffn_up.weight", h + "mlp.up_proj.weight", intermediate, hidden)
         add(g + "ffn_down.weight", h + "mlp.down_proj.weight", hidden, intermediate)
     add("output_norm.weight", "model.norm.weight", hidden, std=0.05)
     if not tied:
@@ -197,7 +243,21 @@ CASES = {
         },
     ),
     "mistral": dict(arch="llama", name="mistral", alignment=64, qtypes={"attn_q": Q.F16, "attn_k": Q.Q8_0}),
+    # qwen3: q/k norms, head_dim 128 (stated as key_length, and transformers' Qwen3 default) != hidden / heads.
+    "qwen3": dict(
+        arch="qwen3",
+        head_dim=128,
+        qtypes={"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_down": Q.Q6_K},
+    ),
+    # gemma2 / gemma3: four norms a layer (and gemma3 q/k norms) stored as w + 1, tied embeddings, no permutation.
+    "gemma2": dict(arch="gemma2", tied=True, head_dim=16, qtypes={"attn_q": Q.Q8_0, "ffn_down": Q.Q4_K}),
+    "gemma3": dict(arch="gemma3", tied=True, head_dim=32, qtypes={"attn_k": Q.Q5_1, "ffn_up": Q.Q8_0}),
+    # phi3: fused qkv_proj and gate_up_proj.
+    "phi3": dict(arch="phi3", heads=4, kv_heads=4, qtypes={"attn_qkv": Q.Q8_0, "ffn_up": Q.Q4_1, "output": Q.Q5_0}),
 }
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers reads a gemma3 GGUF as its text model
+CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+CLASSES |= {"gemma3": "Gemma3", "phi3": "Phi3"}
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +322,8 @@ def test_matches_transformers_gguf_load(ggufs, case, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == "float16"
     assert "quantization_config" not in config and "_model_name_or_path" not in config
-    assert config["model_type"] == case
-    assert config["architectures"] == [{"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[case] + "ForCausalLM"]
+    assert config["model_type"] == MODEL_TYPES.get(case, case)
+    assert config["architectures"] == [CLASSES[case] + "ForCausalLM"]
     reloaded = AutoConfig.from_pretrained(out).to_dict()
     for key in ("architectures", "dtype", "transformers_version", "_name_or_path", "_model_name_or_path"):
         reloaded.pop(key, None), want_config.pop(key, None)
@@ -279,7 +339,34 @@ def test_matches_transformers_gguf_load(ggufs, case, tmp_path):
     gguf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     text = "hello world<|im_end|>"
     assert tokenizer(text).input_ids == gguf_tokenizer(text).input_ids
-    assert tokenizer.decode(tokenizer("hello world").input_ids) == "hello world"
+    assert tokenizer.decode(tokenizer("hello world").input_ids, skip_special_tokens=True) == "hello world"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_undoes_llama_cpp_changes(case, tmp_path):
+    """Independently of transformers: a file of F32 tensors converts back to the HF weights it was made from
+    (llama.cpp's llama q/k permutation and Gemma's w + 1 norms undone, Phi-3's fused tensors kept fused)."""
+    path = tmp_path / f"{case}.gguf"
+    original = write_gguf(path, **{**CASES[case], "qtypes": {}})  # type: ignore[arg-type]
+    got = stored_tensors(convert.gguf_to_hf_dir(path, tmp_path / "out", dtype=torch.float32, progress=False))
+    assert sorted(got) == sorted(name for name in original if not (CASES[case].get("tied") and "lm_head" in name))
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, torch.from_numpy(original[name]), atol=1e-6, rtol=0, msg=name)
+
+
+def test_qwen3_head_dim_comes_from_the_file(tmp_path):
+    """A Qwen3 file whose heads are not 128 wide (transformers' Qwen3 default, which its GGUF loader keeps):
+    ``attention.key_length`` sets head_dim, so the weights fit and convert."""
+    path = tmp_path / "qwen3.gguf"
+    original = write_gguf(path, arch="qwen3", head_dim=32, heads=4, kv_heads=2)
+    out = convert.gguf_to_hf_dir(path, tmp_path / "out", dtype=torch.float32, progress=False)
+    assert json.loads((out / "config.json").read_text())["head_dim"] == 32
+    got = stored_tensors(out)
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (128, 64)
+    assert torch.equal(
+        got["model.layers.1.self_attn.k_norm.weight"],
+        torch.from_numpy(original["model.layers.1.self_attn.k_norm.weight"]),
+    )
 
 
 def test_llama_rows_are_unpermuted(tmp_path):
@@ -340,8 +427,7 @@ def test_tensors_are_written_one_at_a_time(ggufs, tmp_path):
         seen.append((name, index, count, written))
 
     out = convert.gguf_to_hf_dir(gguf_path, tmp_path / "out", progress=False, on_tensor=on_tensor)
-    reader = gguf.GGUFReader(gguf_path)
-    order = [convert._hf_name(t.name) for t in reader.tensors]
+    order = list(ggufs["qwen2"][1])  # write_gguf adds the tensors in this order
     assert [name for name, *_ in seen] == order
     assert [index for _, index, _, _ in seen] == list(range(len(order)))
     assert {count for _, _, count, _ in seen} == {len(order)}
@@ -379,7 +465,8 @@ def test_tensor_table_agrees_with_gguf_reader(ggufs):
     """The header reader finds what gguf.GGUFReader finds: architecture, and per tensor its name, ggml type,
     shape (torch order) and absolute data offset, custom alignment included."""
     for path, _ in ggufs.values():
-        architecture, table = convert._read_tensor_table(path)
+        header = convert._read_gguf(path)
+        architecture, table = header.architecture, header.tensors
         reader = gguf.GGUFReader(path)
         assert architecture == reader.fields["general.architecture"].contents()
         assert [(t.gguf_name, t.qtype, t.shape, t.offset) for t in table] == [
@@ -393,7 +480,7 @@ def test_truncated_or_foreign_files_are_refused(ggufs, tmp_path):
     with pytest.raises(ModelFormatError, match=r"truncated GGUF file .*cut\.gguf: tensor output\.weight ends"):
         convert.gguf_to_hf_dir(tmp_path / "cut.gguf", tmp_path / "out", progress=False)
     (tmp_path / "header.gguf").write_bytes(data[:5000])
-    with pytest.raises(ModelFormatError, match=r"header\.gguf is not a readable GGUF file"):
+    with pytest.raises(ModelFormatError, match=r"header\.gguf is (not a readable GGUF file|corrupt or truncated)"):
         convert.gguf_to_hf_dir(tmp_path / "header.gguf", tmp_path / "out", progress=False)
     (tmp_path / "json.gguf").write_text('{"not": "a GGUF file at all"}')
     with pytest.raises(ModelFormatError, match=r"json\.gguf is not a GGUF file"):
@@ -401,7 +488,76 @@ def test_truncated_or_foreign_files_are_refused(ggufs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# ---------------------------------------------------------------------------------------------- split GGUFs
+
+
+@pytest.mark.parametrize("named", [1, 2, 3])
+def test_split_gguf_converts_from_any_part(tmp_path, named):
+    """A GGUF split by gguf-split into three parts (metadata in the first, tensors spread over all) converts to
+    the same directory as the whole file, whichever part is named; tie_word_embeddings comes from all parts."""
+    whole = tmp_path / "whole" / "m.gguf"
+    whole.parent.mkdir()
+    kwargs = dict(arch="qwen2", layers=3, qkv_bias=True, qtypes={"attn_q": Q.Q8_0, "ffn_down": Q.Q4_K})
+    write_gguf(whole, **kwargs)  # type: ignore[arg-type]
+    split = tmp_path / "split" / "m.gguf"
+    split.parent.mkdir()
+    write_gguf(split, split_max_tensors=14, **kwargs)  # type: ignore[arg-type]
+    parts = sorted(p.name for p in split.parent.iterdir())
+    assert parts == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert "output.weight" not in [t.name for t in gguf.GGUFReader(split.parent / parts[0]).tensors]
+
+    want = convert.gguf_to_hf_dir(whole, tmp_path / "want", progress=False)
+    got = convert.gguf_to_hf_dir(split.parent / parts[named - 1], tmp_path / "got", progress=False)
+    assert_same_tensors(stored_tensors(got), stored_tensors(want))
+    assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
+    assert convert.split_parts(split.parent / parts[named - 1]) == [split.parent / p for p in parts]
+
+
+def test_split_gguf_with_a_missing_part_is_refused(tmp_path):
+    split = tmp_path / "m.gguf"
+    write_gguf(split, layers=3, qkv_bias=True, split_max_tensors=14)
+    (tmp_path / "m-00002-of-00003.gguf").unlink()
+    with pytest.raises(
+        ModelFormatError, match=r"one of 3 parts of a split GGUF, but m-00002-of-00003\.gguf is missing"
+    ):
+        convert.gguf_to_hf_dir(tmp_path / "m-00001-of-00003.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_quant_types_are_what_gguf_dequantizes():
+    """Every type in QUANT_TYPES dequantizes with the installed gguf package (one zero block each)."""
+    from gguf.quants import dequantize
+
+    for name in convert.QUANT_TYPES:
+        qtype = Q[name]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((1, block_bytes), dtype=np.uint8)
+        if qtype in (Q.F32, Q.F16):
+            raw = raw.view(np.float32 if qtype == Q.F32 else np.float16)
+        assert dequantize(raw, qtype).shape == (1, block), name
+
+
+def test_gguf_without_tokenizer_is_refused(tmp_path):
+    path = tmp_path / "bare.gguf"
+    write_gguf(path, tokenizer=False)
+    with pytest.raises(ModelFormatError, match=r"bare\.gguf has no tokenizer metadata"):
+        convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.gguf"]
+
+
+def test_corrupt_header_is_one_error(ggufs, tmp_path):
+    """A header whose lengths are garbage (here the first key's length) fails as a corrupt file, without trying
+    to read or allocate what the garbage asks for."""
+    data = bytearray(ggufs["qwen2"][0].read_bytes())
+    data[24:32] = (1 << 62).to_bytes(8, "little")  # after magic, version, tensor count, kv count
+    path = tmp_path / "garbled.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match=r"garbled\.gguf is corrupt or truncated: a string of"):
+        convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path):
@@ -414,20 +570,23 @@ def test_unsupported_tensor_type_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelFormatError, match=r"token_embd\.weight is stored as ggml type I8, which the installed"):
+    with pytest.raises(
+        ModelFormatError,
+        match=r"token_embd\.weight is stored as ggml type I8, which is not converted; supported types: F32, F16",
+    ):
         convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i8.gguf"]
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
     writer.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelFormatError, match="GGUF architecture 'phi3' is not supported"):
+    with pytest.raises(ModelFormatError, match="GGUF architecture 'falcon' is not supported"):
         convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
 
 
