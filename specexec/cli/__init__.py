@@ -32,8 +32,8 @@ from specexec.cli.cache import app as _cache_app  # noqa: E402
 
 app.add_typer(_cache_app, name="cache", help="List and remove specexec's caches (models, layer caches, wheels).")
 
-# commands that live in their own modules: chat, doctor, bench, serve (each module defines one function of that name)
-for _name in ("chat", "doctor", "bench", "serve"):
+# commands that live in their own modules (each module defines one function of that name)
+for _name in ("chat", "doctor", "bench", "serve", "export"):
     try:
         _mod = __import__(f"specexec.cli.{_name}", fromlist=[_name])
     except ModuleNotFoundError as _e:  # not written yet
