@@ -40,7 +40,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from specexec.errors import SpecexecError
+from specexec.errors import ModelNotFound, SpecexecError
 from specexec.home import cache_home, writable_dir
 
 logger = logging.getLogger(__name__)
@@ -234,13 +234,17 @@ def list_models(home: Path | None = None) -> list[dict]:
 
 
 def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: Path | None = None) -> Path:
-    """Turn a model spec into a local path: an alias, an existing path, or an HF id ``owner/name``.
+    """Turn a model spec into a local path: an alias, an existing path, a store name, or an HF id ``owner/name``.
 
     Aliases are pulled if missing (``pull_missing``). Existing paths (a directory, a .gguf file, ...) are returned
-    as they are; the loader validates their contents. HF ids come from the HF cache, downloading if needed.
-    Anything else raises SpecexecError with a one-line explanation. ``home``: the cache root (default
-    :func:`cache_home`).
+    as they are (a part of a split GGUF as its first part); the loader validates their contents. Store names of
+    :mod:`specexec.loading.stores` (``ollama:qwen2.5:7b``, ``lmstudio:publisher/repo``) give the GGUF they name.
+    A GGUF file without the .gguf suffix (an Ollama blob) is converted here, once (see :func:`pull_gguf`), and its
+    converted directory returned. HF ids come from the HF cache, downloading if needed. Anything else raises
+    SpecexecError with a one-line explanation. ``home``: the cache root (default :func:`cache_home`).
     """
+    from specexec.loading import stores
+
     table = aliases()
     if spec in table:
         if is_present(spec, home):
@@ -248,16 +252,104 @@ def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: P
         if not pull_missing:
             raise SpecexecError(f"model {spec!r} is not downloaded yet; run `specexec models pull {spec}`")
         return pull(spec, progress=progress, home=home)
+    if spec.startswith(STORE_PREFIXES):
+        found = stores.find(spec)
+        if found is None:
+            raise ModelNotFound(f"no model {spec!r} on this machine; `specexec models list` shows the models found")
+        return _local_file(found, pull_missing, progress, home)
     path = Path(spec).expanduser()
     if path.exists():
-        return path.resolve()
+        return _local_file(path.resolve(), pull_missing, progress, home) if path.is_file() else path.resolve()
     if _looks_like_path(spec):
         raise SpecexecError(f"model path not found: {spec}")
     if _HF_ID.match(spec):
+        cached = stores.hf_snapshot(spec)
+        if cached is not None:
+            return cached
         return fetch_hf(spec, download=pull_missing, progress=progress)
     raise SpecexecError(
-        f"unknown model alias {spec!r}; known aliases: {', '.join(table)} (or pass a local path or an HF id owner/name)"
+        f"unknown model alias {spec!r}; known aliases: {', '.join(table)} (or pass a local path, a name "
+        f"`specexec models list` shows, or an HF id owner/name)"
     )
+
+
+STORE_PREFIXES = ("ollama:", "lmstudio:")
+"""Prefixes of the store names :func:`resolve` accepts (see :mod:`specexec.loading.stores`)."""
+
+
+def _local_file(path: Path, pull_missing: bool, progress: bool, home: Path | None) -> Path:
+    """A local model file as the loader takes it: a GGUF named .gguf as its first part; a GGUF named otherwise
+    (an Ollama blob) as its converted directory; any other file as it is."""
+    from specexec.loading.convert import split_parts
+
+    if path.suffix == ".gguf":
+        return split_parts(path)[0]
+    if not _is_gguf(path):
+        return path
+    out = converted_gguf_dir(path, home)
+    if pull_missing or _is_converted(out):
+        return pull_gguf(path, progress=progress, home=home)
+    raise SpecexecError(f"{path} is not converted yet; run `specexec models pull {path}`")
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _is_converted(model_dir: Path) -> bool:
+    from specexec.loading.convert import is_complete
+
+    return is_complete(model_dir)
+
+
+# ---------------------------------------------------------------------------------------------- local GGUF files
+
+
+def converted_gguf_dir(gguf_path: Path, home: Path | None = None) -> Path:
+    """Where a local GGUF is converted, once: ``cache_home()/converted/<name>-<key>``, the key hashing the file's
+    absolute path, size and modification time (a changed file converts again). Any part of a split GGUF gives its
+    first part's directory. The same place whether the GGUF comes through ``specexec models pull FILE.gguf`` or
+    ``--target FILE.gguf`` (:func:`specexec.loading.checkpoint.model_dir`)."""
+    from specexec.loading.convert import split_parts
+
+    path = split_parts(Path(gguf_path).expanduser())[0].resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_home(home) / "converted" / f"{path.stem}-{key}"
+
+
+def pull_gguf(gguf_path: Path, progress: bool = True, home: Path | None = None) -> Path:
+    """Convert a local GGUF (any part of a split one) into :func:`converted_gguf_dir`, unless already there; return
+    the converted directory. Nothing is loaded for generation."""
+    from specexec.loading.convert import gguf_to_hf_dir, is_complete
+
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"GGUF file not found: {path}")
+    out = converted_gguf_dir(path, home)
+    if is_complete(out):
+        return out
+    writable_dir(cache_home(home), f"the conversion of {path.name}")
+    logger.info("converting %s into %s (once)", path, out)
+    return gguf_to_hf_dir(path, out, progress=progress)
+
+
+def local_gguf(spec: str) -> Path | None:
+    """The GGUF file ``spec`` names, if it names one: an existing .gguf file, an existing file starting with the
+    GGUF magic (an Ollama blob), or a store name of a GGUF (``ollama:...``, ``lmstudio:...``). None otherwise."""
+    from specexec.loading import stores
+
+    if spec.startswith(STORE_PREFIXES):
+        found = stores.find(spec)
+        if found is None:
+            raise ModelNotFound(f"no model {spec!r} on this machine; `specexec models list` shows the models found")
+        return found
+    path = Path(spec).expanduser()
+    return path if path.is_file() and (path.suffix == ".gguf" or _is_gguf(path)) else None
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -41,9 +41,13 @@ REQUIRED_ALIASES = {
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path, monkeypatch, request):
-    """Every fast test gets its own empty SPECEXEC_HOME (the slow test uses the real default cache)."""
+    """Every fast test gets its own empty SPECEXEC_HOME (the slow test uses the real default cache), and an empty
+    home folder with no model stores, so that `models list` never looks at the real ones."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HOME", str(tmp_path / "user"))
+        for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "OLLAMA_MODELS", "SPECEXEC_MODEL_DIRS"):
+            monkeypatch.delenv(name, raising=False)
 
 
 # ---------------------------------------------------------------------------------------------- alias table
@@ -101,7 +105,7 @@ def test_resolve_unknown_alias():
     message = str(info.value)
     assert message.startswith("unknown model alias 'foo'; known aliases: ")
     assert "llama-70b" in message and "qwen2.5-coder-1.5b" in message
-    assert message.endswith("(or pass a local path or an HF id owner/name)")
+    assert message.endswith("or an HF id owner/name)") and "specexec models list" in message
     assert "\n" not in message
 
 
