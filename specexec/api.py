@@ -28,12 +28,11 @@ import torch
 from specexec.config import TreeConfig
 from specexec.decoding.engine import Engine
 from specexec.errors import ConfigError, OutOfMemory, setting
-from specexec.loading import draft_choice, hub, memory
+from specexec.loading import draft_choice, hub, memory, pairing
 from specexec.loading.checkpoint import (
     DEFAULT_DRAFT_VOCAB,
     SELF_DRAFT,
     TokenizerInfo,
-    check_tokenizers_match,
     draft_format,
     draft_vocab_ids,
     load_model,
@@ -45,6 +44,7 @@ from specexec.loading.checkpoint import (
 )
 from specexec.model import sizes
 from specexec.model.transformer import ModelConfig, Transformer
+from specexec.propose.draft_model import limit_draft
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,11 @@ def load(
         target: an alias, HF id, local directory or GGUF file.
         draft: the same for the draft model; None: no draft (plain decoding). ``"self"``: the target's own
             checkpoint loaded a second time in low bit (SubSpec-style), resident beside the target; it reads the
-            committed tokens' keys and values from the target's cache (``share_prefix``).
+            committed tokens' keys and values from the target's cache (``share_prefix``). ``"auto"``: the draft of
+            the target's known pair, else a smaller model of its family on this machine, else none
+            (:func:`specexec.loading.pairing.choose_draft`; the choice is logged). A draft's tokenizer must agree
+            with the target's on the ids it can propose; the few ids where it does not are never proposed
+            (:func:`specexec.loading.pairing.check_pair`).
         device: ``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda[:N]``.
         dtype: the compute dtype: ``auto`` (bf16 on CUDA; on a CPU fp32 or bf16, whichever a cached measurement of
             this machine finds faster, :mod:`specexec.loading.cpu_probe`), ``fp32``, ``bf16`` or ``fp16``.
@@ -108,12 +112,15 @@ def load(
     if offload is not None and home is not None and offload.cache_dir is None:
         offload = replace(offload, cache_dir=home)
     dev = parse_device(device)
+    if draft == pairing.AUTO:
+        choice = pairing.choose_draft(target, home)
+        log.info("%s", choice.line)
+        draft = choice.draft
     found = _find(target, draft, progress, home)
-    context = min(context, found.target_cfg.max_position_embeddings)
-    window = found.target_cfg.sliding_window
-    if window is not None and context > window:  # past the window our attention (full) would not be the model's
-        log.warning("context capped at the model's attention window: %d tokens (was %d)", window, context)
-        context = window
+    limit = found.target_cfg.max_position_embeddings
+    if context > limit:
+        log.warning("context capped at the model's %d positions (was %d)", limit, context)
+        context = limit
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
     mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
     # the draft first: it stays resident, and the target's memory plan accounted for it
@@ -154,23 +161,25 @@ class _Found:
     draft_cfg: ModelConfig | None
     draft_tokenizer: TokenizerInfo
     self_draft: bool
+    paired: pairing.Pairing | None = None  # the ids the draft never proposes (None: a self draft or none)
 
 
 def _find(target: str, draft: str | None, progress: bool, home: Path | None) -> _Found:
-    """Resolve both models to HF-format directories and read their configs and tokenizers (which must match)."""
+    """Resolve both models to HF-format directories and read their configs and tokenizers (which must pair:
+    :func:`specexec.loading.pairing.check_pair`)."""
     t_path = model_dir(hub.resolve(target, progress=progress, home=home))
     t_tok = load_tokenizer(t_path)
+    t_cfg = read_config(t_path)
     self_draft = draft == SELF_DRAFT
-    d_path, d_tok = None, t_tok
+    d_path, d_tok, d_cfg, paired = None, t_tok, None, None
     if self_draft:
-        d_path = t_path  # the same checkpoint, loaded in a low-bit format
+        d_path, d_cfg = t_path, t_cfg  # the same checkpoint, loaded in a low-bit format
     elif draft is not None:
         d_path = model_dir(hub.resolve(draft, progress=progress, home=home))
         d_tok = load_tokenizer(d_path)
-        check_tokenizers_match(t_tok.tokenizer, d_tok.tokenizer, target, draft)
-    t_cfg = read_config(t_path)
-    d_cfg = read_config(d_path) if d_path is not None else None
-    return _Found(t_path, t_cfg, t_tok, d_path, d_cfg, d_tok, self_draft)
+        d_cfg = read_config(d_path)
+        paired = pairing.check_pair(t_tok.tokenizer, d_tok.tokenizer, t_cfg.vocab_size, d_cfg.vocab_size, target, draft)
+    return _Found(t_path, t_cfg, t_tok, d_path, d_cfg, d_tok, self_draft, paired)
 
 
 def _draft_format(
@@ -277,11 +286,16 @@ def _load_draft(
     if vocab is None and dev.type == "cpu" and fmt != "nf4" and d_cfg.vocab_size > 2 * DEFAULT_DRAFT_VOCAB:
         vocab = DEFAULT_DRAFT_VOCAB
     head = draft_vocab_ids(found.draft_tokenizer, d_cfg.vocab_size, vocab) if vocab else None
+    excluded = found.paired.excluded if found.paired is not None else None
+    if head is not None and excluded is not None and excluded.numel():  # never score rows it may not propose
+        head = head[~torch.isin(head, excluded)]
     what = "self-derived draft (the target's weights)" if found.self_draft else f"draft {found.draft.name}"
     log.info("loading the %s: %s weights, %.2f GB, computing in %s", what, fmt, (mem.draft_weights or 0) / 1e9, d_dt)
     model = _load(found.draft, dev, d_dt, fmt=fmt, head_ids=head)
     if found.self_draft:  # its layer i is the target's layer i: it can read the target's prefix
         model.source_layers = tuple(range(found.target_cfg.num_layers))
+    if excluded is not None:  # ids whose tokens differ from the target's, or rows that are no token: never proposed
+        model = limit_draft(model, excluded)
     return model
 
 
@@ -313,7 +327,7 @@ class ModelOptions:
     """Which models to load and how: :func:`load`'s model arguments, as the command line collects them."""
 
     target: str
-    draft: str | None = None
+    draft: str | None = None  # an alias, id or path, "self", "auto" (see :func:`load`), or None: no draft
     device: str = "auto"
     dtype: str = "auto"
     draft_dtype: str | None = None
@@ -322,6 +336,7 @@ class ModelOptions:
     cache_dir: Path | None = None  # specexec's cache root; None: $SPECEXEC_HOME, else ~/.cache/specexec
     draft_vocab: int | None = None  # the draft's head: N frequent ids, 0: all; None: load's default
     invariant: bool = True  # shape-invariant target passes (False: fastest kernels, for benchmarks)
+    draft_choice: str | None = None  # how draft="auto" chose the draft: the line the command line shows
 
 
 def load_engine(
@@ -334,10 +349,13 @@ def load_engine(
     ``status(message)``: the command line passes a spinner there, and two live displays cannot nest."""
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
     d_path: Path | str | None = None
-    if opts.draft == SELF_DRAFT:
+    draft = opts.draft
+    if draft == pairing.AUTO:  # the command line resolves auto before (and says which); other callers here
+        draft = pairing.choose_draft(opts.target, opts.cache_dir).draft
+    if draft == SELF_DRAFT:
         d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
-    elif opts.draft:
-        d_path = hub.resolve(opts.draft, progress=progress, home=opts.cache_dir)
+    elif draft:
+        d_path = hub.resolve(draft, progress=progress, home=opts.cache_dir)
     with (status or (lambda _msg: nullcontext()))("loading models"):
         return load(
             str(t_path),

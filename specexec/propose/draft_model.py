@@ -11,11 +11,17 @@ and never runs the prompt or an accepted token itself. After each step the entri
 are copied from the target's cache (their own layers; a partial draft's layer i is the target's layer
 ``layers[i]``); the draft still writes its tree nodes into its own cache, so its tree slots never collide with
 the target's. What the draft proposes changes; the output never does.
+
+A draft whose tokenizer differs from the target's in a few ids (or that has embedding rows which are no token) is a
+:class:`LimitedDraft`: its logits at those ids are -inf, so no proposer ever proposes them, greedy or sampled (its
+sampling distribution q renormalises over the rest). See :mod:`specexec.loading.pairing`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +30,31 @@ from specexec.model.graphs import StaticPasses
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
 from specexec.propose.captured import LevelSpace
+
+
+@dataclass
+class LimitedDraft(Transformer):
+    """A draft model that never proposes the ``excluded`` ids: every pass's logits are -inf there (after the
+    model's own soft-capping, so a capped model's masked logits stay -inf). Every proposer reads the draft's logits
+    from :meth:`forward` (eager, padded static or captured passes), so none can propose them."""
+
+    excluded: Tensor | None = None  # (k,) long, on the model's device
+
+    @torch.inference_mode()
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        logits = super().forward(*args, **kwargs)
+        if self.excluded is None:
+            return logits
+        return logits.index_fill_(-1, self.excluded, float("-inf"))
+
+
+def limit_draft(model: Transformer, excluded: Tensor) -> Transformer:
+    """``model`` as a :class:`LimitedDraft` that never proposes ``excluded`` (token ids); ``model`` itself when
+    there is nothing to exclude. The weights are shared, not copied."""
+    if excluded.numel() == 0:
+        return model
+    same = {f.name: getattr(model, f.name) for f in fields(model) if f.init and f.name != "excluded"}
+    return LimitedDraft(**same, excluded=excluded.to(model.device, torch.long))
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
