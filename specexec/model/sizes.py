@@ -5,8 +5,8 @@ The one place where memory arithmetic lives. The load checks (:mod:`specexec.loa
 ``specexec doctor`` and the offload planner (:mod:`offload.plan`) all call these functions; none re-derives a size.
 
 - **weights**: parameter counts of the Llama-family layout used by :mod:`specexec.model.transformer` (fused q/k/v [+
-bias],
-  gated MLP, two norms a layer; embedding, final norm and lm_head once when tied), and what a checkpoint stores
+  bias], gated MLP, two norms a layer, four for Gemma 2/3, q/k head norms for Qwen3 and Gemma 3; embedding, final
+  norm and lm_head once when tied), and what a checkpoint stores
   (:func:`stored_weights` reads the safetensors headers: element counts and stored dtypes, no weight is read).
 - **KV caches**: ``2 x layers x kv_heads x slots x head_dim`` elements each, sized exactly as the engine sizes
   them (:func:`target_cache_slots`, :func:`draft_cache_slots`).
@@ -60,13 +60,28 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, 
 # ---------------------------------------------------------------------------------------------- weights
 
 
+# families whose layers norm the attention and MLP outputs too (four hidden-size norms a layer, not two)
+SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+# families that RMS-norm each query and key head (one head_dim weight each for q and k)
+QK_NORMS = ("qwen3", "gemma3", "gemma3_text")
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    """Norm weights of one decoder layer: two hidden-size norms (Llama, Mistral, Qwen2, Phi-3); four for Gemma 2/3
+    (pre- and post-norms around attention and MLP); plus q/k head norms for Qwen3 and Gemma 3."""
+    d = cfg.hidden_size
+    n = (4 if cfg.model_type in SANDWICH_NORMS else 2) * d
+    return n + (2 * cfg.head_dim if cfg.model_type in QK_NORMS else 0)
+
+
 def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one decoder layer: attention (q, k, v, o [+ qkv bias]), gated MLP, two norms."""
+    """Parameters of one decoder layer: attention (q, k, v, o [+ qkv bias]), gated MLP, norms (:func:`norm_params`).
+    Phi-3's fused qkv and gate/up tensors hold the same counts as separate ones."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     attn = d * (q + 2 * kv) + q * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
     mlp = 3 * d * cfg.intermediate_size
-    return attn + mlp + 2 * d
+    return attn + mlp + norm_params(cfg)
 
 
 def global_params(cfg: ModelConfig) -> int:
@@ -96,8 +111,8 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
         return 4 * n
     if kind != "nf4":
         raise ValueError(f"unknown weight format {kind!r}")
-    d, hd = cfg.hidden_size, cfg.head_dim
-    small = 2 * d + (((cfg.num_heads + 2 * cfg.num_kv_heads) * hd) if cfg.qkv_bias else 0)
+    hd = cfg.head_dim
+    small = norm_params(cfg) + (((cfg.num_heads + 2 * cfg.num_kv_heads) * hd) if cfg.qkv_bias else 0)
     return int((n - small) * NF4_BYTES_PER_PARAM) + 2 * small
 
 
@@ -126,7 +141,7 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     d, hd, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     linears = ((q + 2 * kv, d), (d, q), (2 * cfg.intermediate_size, d), (d, cfg.intermediate_size))
-    small = 2 * d + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    small = norm_params(cfg) + ((q + 2 * kv) if cfg.qkv_bias else 0)
     layer = sum(_linear_bytes(o, i, fmt) for o, i in linears) + small * itemsize
     head = _linear_bytes(v, d, fmt)
     embed = 0 if fmt == "int8" and cfg.tie_word_embeddings else v * d * itemsize

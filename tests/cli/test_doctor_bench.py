@@ -52,6 +52,47 @@ def test_sizes_match_design_numbers_and_real_checkpoints(pair):
     assert param_count(tiny) == sum(t.numel() for t in load_file(pair[0] / "model.safetensors").values())
 
 
+# tiny configs of the families whose layers differ from Llama's: Qwen3's q/k head norms (and a q width that is not
+# the hidden size), Gemma 2's four norms a layer, Gemma 3's four norms and q/k head norms, Phi-3's fused tensors
+TINY_FAMILIES = {
+    "qwen3": dict(head_dim=48, tie_word_embeddings=False),
+    "gemma2": dict(head_dim=32, query_pre_attn_scalar=32, tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, tie_word_embeddings=True),
+    "phi3": dict(tie_word_embeddings=False, pad_token_id=0, eos_token_id=1),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES))
+def test_parameter_counts_of_other_families_match_transformers(model_type):
+    """param_count (what doctor and the memory checks plan with) equals the parameters transformers builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(
+        model_type=model_type,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **TINY_FAMILIES[model_type],
+    )
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hf.get("head_dim", 16),
+        tie_word_embeddings=hf["tie_word_embeddings"],
+        model_type=model_type,
+    )
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
 def test_doctor_json_with_a_local_target(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))  # the disk test writes its temp file there
     result = runner.invoke(app, ["doctor", "--json", "--disk-mb", "4", "--target", str(pair[0])])
