@@ -205,7 +205,10 @@ def export(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (as specexec serve's)."),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on (as specexec serve's)."),
     api_key: str | None = typer.Option(
-        None, "--api-key", help="Require 'Authorization: Bearer KEY' (as specexec serve's; printed in the command)."
+        None,
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' (as specexec serve's). Printed in the command, so never read from "
+        "$SPECEXEC_API_KEY: pass it to carry it over.",
     ),
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="The model id clients see (default, as specexec serve's: --target)."

@@ -207,3 +207,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.exit_code == 2 and not result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_the_api_key_is_never_taken_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECEXEC_API_KEY", "from-env")  # serve reads it; a printed command would leak it
+    argv, _ = export("vllm", "--draft", "none")
+    assert "--api-key" not in argv and "from-env" not in argv
