@@ -57,11 +57,17 @@ def speculative_tokens(budget: str) -> int:
 
 
 def model_id(spec: str, what: str) -> str:
-    """An alias -> its HF id; an existing path -> absolute path; an HF id ``owner/name`` as given."""
-    from specexec.loading import hub
+    """An alias -> its HF id; an existing path or a store name (``ollama:...``, ``lmstudio:...``) -> absolute local
+    path; an HF id ``owner/name`` as given."""
+    from specexec.loading import hub, stores
 
     if spec in hub.aliases():
         return hub.get_entry(spec).hf_id
+    if spec.startswith(hub.STORE_PREFIXES):
+        found = stores.find(spec)
+        if found is None:
+            raise SpecexecError(f"{setting(what)}: no model {spec!r} on this machine (see `specexec models list`)")
+        return str(found.resolve())
     path = Path(spec).expanduser()
     if path.exists():
         return str(path.resolve())
@@ -71,9 +77,22 @@ def model_id(spec: str, what: str) -> str:
     if looks_like_path:
         raise SpecexecError(f"{setting(what)}: model path not found: {spec}")
     raise SpecexecError(
-        f"{setting(what)}: unknown model alias {spec!r} (pass an alias from `specexec models list`, a local path "
-        "or an HF id owner/name)"
+        f"{setting(what)}: unknown model alias {spec!r} (pass an alias from `specexec models list`, a local path, "
+        "a store name or an HF id owner/name)"
     )
+
+
+def is_gguf(model: str) -> bool:
+    """Whether ``model`` (an HF id or a local path) is a GGUF file: named .gguf, or a file that starts with the GGUF
+    magic (an Ollama blob)."""
+    path = Path(model)
+    if model.endswith(".gguf"):
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def plan(
@@ -124,7 +143,7 @@ def plan(
             "streamed target pass; the engine verifies a chain on a resident target, where each token costs compute"
         )
     target_id = model_id(target, "target")
-    gguf = target_id.endswith(".gguf")
+    gguf = is_gguf(target_id)
     if offload != "none":
         notes.append(
             "specexec streams offloaded layers ahead of use; the engines' --cpu-offload-gb copies them synchronously "

@@ -213,3 +213,23 @@ def test_the_api_key_is_never_taken_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPECEXEC_API_KEY", "from-env")  # serve reads it; a printed command would leak it
     argv, _ = export("vllm", "--draft", "none")
     assert "--api-key" not in argv and "from-env" not in argv
+
+
+def test_store_names_and_gguf_blobs_are_local_gguf_files(tmp_path, monkeypatch):
+    from specexec.loading import stores
+
+    root = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    blob = root / "blobs" / f"sha256-{'cd' * 32}"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"GGUF" + bytes(60))  # an Ollama blob: a GGUF without the suffix
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "qwen3" / "8b"
+    manifest.parent.mkdir(parents=True)
+    layer = {"mediaType": stores.OLLAMA_MODEL_LAYER, "digest": f"sha256:{'cd' * 32}", "size": 64}
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [layer]}))
+    argv, notes = export("vllm", "--target", "ollama:qwen3:8b", "--draft", "none", "--offload", "none")
+    assert argv[2] == str(blob.resolve()) and any("GGUF" in n for n in notes)
+    argv, _ = export("sglang", "--target", str(blob), "--draft", "none", "--offload", "none")
+    assert flags(argv[3:])["--load-format"] == "gguf"
+    result = runner.invoke(app, ["export", "vllm", "--target", "ollama:nothing:here"])
+    assert result.exit_code == 2 and "no model 'ollama:nothing:here' on this machine" in result.stderr
