@@ -107,6 +107,7 @@ class Recommendation:
     # per draft precision: draft GB, resident target layers, streamed GB and floor per pass (None: does not fit)
     draft_options: list[dict[str, Any]] = field(default_factory=list)
     max_budget: int | None = None  # --budget auto's largest tree when load must lower --max-budget to fit (GPU)
+    draft_choice: str | None = None  # which draft --draft auto loads beside this target, and why (one line)
 
 
 @dataclass
@@ -568,9 +569,17 @@ def run_doctor(
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
     root (``--cache-dir``; default :func:`specexec.loading.hub.cache_home`), where models are looked up and whose disk
     is
-    measured unless ``disk_dir`` is given."""
-    from specexec.loading import hub
+    measured unless ``disk_dir`` is given. Without ``draft`` (or with ``"auto"``) the recommendation says which
+    draft ``--draft auto`` would load (:func:`specexec.loading.pairing.choose_draft`); ``"auto"`` also charges it
+    to the plan."""
+    from specexec.loading import hub, pairing
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
-    rec = recommend(target, system, context, home, draft) if target else None
+    if not target:
+        return DoctorReport(system=system)
+    choice = pairing.choose_draft(target, home) if draft in (None, pairing.AUTO) else None
+    planned = choice.draft if draft == pairing.AUTO and choice is not None else draft
+    rec = recommend(target, system, context, home, planned)
+    if choice is not None:
+        rec.draft_choice = choice.line
     return DoctorReport(system=system, recommendation=rec)

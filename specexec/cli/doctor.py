@@ -26,7 +26,8 @@ def doctor(
         "--draft",
         "-d",
         help="Charge this draft to the plan: on a GPU, resident target layers for it in 16-bit, int8 and nf4, and "
-        "which --draft-dtype auto loads. 'self': the target's own weights in nf4 (what --draft self loads on a GPU).",
+        "which --draft-dtype auto loads. 'self': the target's own weights in nf4 (what --draft self loads on a GPU). "
+        "'auto': the draft --draft auto picks. Without it the report still says which draft auto would pick.",
     ),
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
@@ -92,6 +93,8 @@ def _print_recommendation(console, r) -> None:
     table = Table(title=f"recommendation for {r.target}", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
+    if r.draft_choice:
+        table.add_row("draft (auto)", r.draft_choice.removeprefix("draft: "))
     if r.params is None:
         table.add_row("", r.note or "no recommendation")
         console.print(table)

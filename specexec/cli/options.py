@@ -50,6 +50,7 @@ from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 if TYPE_CHECKING:
     from specexec.api import ModelOptions
     from specexec.decoding.engine import Engine
+    from specexec.loading.pairing import DraftChoice
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_DRAFT = "qwen2.5-coder-0.5b"
@@ -111,12 +112,14 @@ class Shared:
     # the main panel: the choices a user makes
     target: str = _option(DEMO_TARGET, "--target", "-t", help="Target model: alias, HF id or local path.")
     draft: str | None = _option(
-        None,
+        "auto",
         "--draft",
         "-d",
-        help=f"Draft model (alias, HF id or path); 'none' for no draft (plain decoding); 'self' for the target's "
-        "own weights loaded a second time in low bit (--draft-dtype), reading the target's KV prefix: the draft for "
-        f"a target that has no compatible small model. Default: {DEMO_DRAFT} with the default target, else none.",
+        help="Draft model (alias, HF id or path); 'auto': the draft of the target's known pair in configs/, else the "
+        "largest model of its family already on this machine with its tokenizer and at most half its size, else "
+        "none (one line says which); 'none' for no draft (plain decoding); 'self' for the target's own weights "
+        "loaded a second time in low bit (--draft-dtype), reading the target's KV prefix: the draft for a target "
+        f"that has no compatible small model. With the default target auto picks {DEMO_DRAFT}.",
     )
     budget: str = _option(
         "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
@@ -259,7 +262,7 @@ class Shared:
             raise ConfigError("context", self.context, "must be >= 8 tokens")
         _check_dtype_names(self.dtype, self.draft_dtype)
         vocab = draft_vocab_size(self.draft_vocab)
-        draft = resolve_draft(self.target, self.draft, self.method)
+        draft, choice = draft_and_choice(self.target, self.draft, self.method, self.cache_dir)
         _check_self_draft(draft, self.draft_dtype)
         model = ModelOptions(
             target=self.target,
@@ -272,8 +275,9 @@ class Shared:
             cache_dir=self.cache_dir,
             draft_vocab=vocab,
             invariant=self.invariant,
+            draft_choice=choice.line if choice is not None and not self.quiet else None,
         )
-        check_method(self.method, model.draft)
+        check_method(self.method, model.draft, choice.reason if choice is not None else None)
         check_max_new_tokens(self.max_new_tokens, self.context)
         return model
 
@@ -348,12 +352,28 @@ def shared_options(
 # ------------------------------------------------------------------------------------------------ builders
 
 
-def resolve_draft(target_: str, draft_: str | None, method_: str | None = None) -> str | None:
-    """The draft to load: the demo draft for the demo target when none is given (unless ``--method ar`` or
-    ``ngram``, which need none); ``none`` means no draft."""
-    if draft_ is None:
-        return DEMO_DRAFT if target_ == DEMO_TARGET and method_ not in ("ar", "ngram") else None
-    return None if draft_.strip().lower() == "none" else draft_
+def resolve_draft(target_: str, draft_: str | None, method_: str | None = None, home: Path | None = None) -> str | None:
+    """The draft to load (None: none); see :func:`draft_and_choice`."""
+    return draft_and_choice(target_, draft_, method_, home)[0]
+
+
+def draft_and_choice(
+    target_: str, draft_: str | None, method_: str | None = None, home: Path | None = None
+) -> tuple[str | None, DraftChoice | None]:
+    """The draft to load, and how ``auto`` chose it (None when not chosen): ``none`` means no draft; ``auto`` (or
+    no value) asks :func:`specexec.loading.pairing.choose_draft`, unless ``--method ar`` or ``ngram``, which need
+    none."""
+    from specexec.loading import pairing
+
+    text = (draft_ or pairing.AUTO).strip()
+    if text.lower() == "none":
+        return None, None
+    if text.lower() != pairing.AUTO:
+        return draft_, None
+    if method_ in ("ar", "ngram"):
+        return None, None
+    choice = pairing.choose_draft(target_, home)
+    return choice.draft, choice
 
 
 def ngram_limit(value: str | int | None) -> int | None:
@@ -438,17 +458,19 @@ def _check_self_draft(draft_: str | None, draft_dtype_: str | None) -> None:
         check_self_draft_dtype(draft_dtype_)
 
 
-def check_method(method_: str | None, draft_: str | None) -> None:
-    """An unknown method, or one that needs a draft when there is none, is refused before anything loads."""
+def check_method(method_: str | None, draft_: str | None, auto_none: str | None = None) -> None:
+    """An unknown method, or one that needs a draft when there is none, is refused before anything loads.
+    ``auto_none``: why ``--draft auto`` found none, when it did not."""
     if method_ is None:
         return
     check_method_name(method_)
     if method_ in NEEDS_DRAFT and draft_ is None:
+        why = f" and {setting('draft', 'auto')} found none ({auto_none})" if auto_none else ""
         raise ConfigError(
             "method",
             method_,
             "needs a draft model",
-            f"{setting('method', method_)} needs a draft model: pass {setting('draft')}",
+            f"{setting('method', method_)} needs a draft model{why}: pass {setting('draft')}",
         )
 
 
@@ -505,7 +527,10 @@ def notice(message: str) -> None:
 
 
 def notices_before_load(model: ModelOptions) -> None:
-    """Say (one line each) which given options will have no effect, before the slow load."""
+    """Say (one line each) which draft ``--draft auto`` chose and which given options will have no effect, before
+    the slow load."""
+    if model.draft_choice:
+        typer.echo(model.draft_choice, err=True)
     if model.draft is None and model.draft_vocab:
         notice(f"--draft-vocab {model.draft_vocab} has no effect without a draft model")
     off = model.offload

@@ -187,14 +187,16 @@ def _clip(x: Any, n: int = 40) -> Any:
 
 @dataclass(frozen=True)
 class DraftChoice:
-    """What ``draft="auto"`` loads: ``draft`` (an alias or a local path; None: no draft, plain decoding) and why."""
+    """What ``draft="auto"`` loads: ``draft`` (an alias or a local path; None: no draft, plain decoding) and why;
+    ``name``: how the line names it (default ``draft``)."""
 
     draft: str | None
     reason: str
+    name: str | None = None
 
     @property
     def line(self) -> str:
-        return f"draft: {self.draft or 'none'} ({self.reason})"
+        return f"draft: {self.name or self.draft or 'none'} ({self.reason})"
 
 
 def local_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | None, Path | None]:
@@ -209,10 +211,14 @@ def local_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | Non
             return _read(directory), directory
         known = hub.known_config(spec)
         return (_parse(dict(known)) if known is not None else None), None
-    try:
-        path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
-    except SpecexecError:
-        return None, None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if _looks_like_path(spec):
+            return None, None
+        try:  # an HF id in the HF cache, or a name the hub knows locally
+            path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
+        except SpecexecError:
+            return None, None
     directory = path.parent if path.is_file() else path
     return _read(directory), directory if (directory / "config.json").is_file() else None
 
@@ -284,6 +290,17 @@ def _local_models(home: Path | None) -> list[tuple[str, Path]]:
     return out
 
 
+def _loadable(name: str, path: Path, home: Path | None) -> str:
+    """``name`` when it resolves to ``path`` without a download, else the path itself."""
+    from specexec.loading import hub
+
+    try:
+        found = hub.resolve(name, pull_missing=False, progress=False, home=home)
+    except SpecexecError:
+        return str(path)
+    return name if found.resolve() == path.resolve() or found.resolve().parent == path.resolve() else str(path)
+
+
 def _smaller_local_model(target: str, cfg: ModelConfig, directory: Path, home: Path | None) -> DraftChoice | None:
     """The largest local model of ``cfg``'s family with at most :data:`MAX_DRAFT_SHARE` of its parameters whose
     tokenizer pairs with the target's."""
@@ -300,7 +317,10 @@ def _smaller_local_model(target: str, cfg: ModelConfig, directory: Path, home: P
         candidates.append((sizes.param_count(d_cfg), name, path, d_cfg))
     if not candidates:
         return None
-    t_tok = load_tokenizer(directory).tokenizer
+    try:
+        t_tok = load_tokenizer(directory).tokenizer
+    except SpecexecError:  # no usable tokenizer: loading the target reports it
+        return None
     for params, name, path, d_cfg in sorted(candidates, key=lambda c: -c[0]):
         try:
             d_tok = load_tokenizer(path).tokenizer
@@ -310,6 +330,8 @@ def _smaller_local_model(target: str, cfg: ModelConfig, directory: Path, home: P
             continue
         share = params / sizes.param_count(cfg)
         return DraftChoice(
-            name, f"a {cfg.model_type} model on this machine with the target's tokenizer, {share:.0%} of its size"
+            _loadable(name, path, home),
+            f"a {cfg.model_type} model on this machine with the target's tokenizer, {share:.0%} of its size",
+            name,
         )
     return None

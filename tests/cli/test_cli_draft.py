@@ -143,3 +143,139 @@ def test_draft_vocab_without_a_draft_is_a_notice(tiny_pair):
     r = runner.invoke(app, [*cmd, "--draft-vocab", "4096"])
     assert r.exit_code == 0, r.output
     assert "note: --draft-vocab 4096 has no effect without a draft model" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- --draft auto
+
+
+def _draft_lines(r: Any) -> list[str]:
+    return [line for line in r.stderr.splitlines() if line.startswith("draft:")]
+
+
+@pytest.fixture
+def stop_at_load(monkeypatch) -> list[Any]:
+    """api.load_engine records the ModelOptions it gets and stops (one ``error: stop here`` line)."""
+    import specexec.api
+    from specexec.errors import SpecexecError
+
+    seen: list[Any] = []
+
+    def capture(model: Any, tree: Any, progress: bool = True, status: Any = None) -> Any:
+        seen.append(model)
+        raise SpecexecError("stop here")
+
+    monkeypatch.setattr(specexec.api, "load_engine", capture)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+@pytest.mark.parametrize("given", [(), ("--draft", "auto"), ("-d", "AUTO")])
+def test_auto_picks_the_demo_draft_for_the_demo_target(stop_at_load, command, given):
+    """The default (and an explicit auto) picks the demo pair's draft and says so in one line before loading."""
+    from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET
+
+    cmd = [command, "--target", DEMO_TARGET, "--device", "cpu", *given]
+    r = runner.invoke(app, cmd + (["-p", "hi"] if command == "generate" else []))
+    assert r.exit_code == 2 and "stop here" in r.stderr, r.output
+    assert [m.draft for m in stop_at_load] == [DEMO_DRAFT]
+    lines = _draft_lines(r)
+    assert len(lines) == 1 and lines[0].startswith(f"draft: {DEMO_DRAFT} (the known pair 'demo'"), lines
+
+
+def test_auto_is_silent_when_quiet_and_unused_by_ar(stop_at_load):
+    from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET
+
+    r = runner.invoke(app, ["generate", "--target", DEMO_TARGET, "--device", "cpu", "-q", "-p", "hi"])
+    assert not _draft_lines(r) and [m.draft for m in stop_at_load] == [DEMO_DRAFT]
+    r = runner.invoke(app, ["generate", "--target", DEMO_TARGET, "--device", "cpu", "--method", "ar", "-p", "hi"])
+    assert not _draft_lines(r) and stop_at_load[-1].draft is None
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory) -> dict[str, Any]:
+    """A tiny llama target and the models "on this machine" around it: a smaller llama with its tokenizer (the
+    one auto must pick), a still smaller one, a llama of over half its size, a small mistral and a small llama with
+    another tokenizer."""
+    from tests.conftest import make_tiny
+    from tests.loading.test_pairing import save_tokenizer, symbols
+
+    root = tmp_path_factory.mktemp("family")
+    target = make_tiny(root / "target", "llama", seed=21)
+    models = {
+        "small": make_tiny(root / "small", "llama", seed=21, layers=1, hidden=32),
+        "smaller": make_tiny(root / "smaller", "llama", seed=22, layers=1, hidden=16),
+        "too-big": make_tiny(root / "too-big", "llama", seed=23, layers=1, hidden=64),
+        "mistral": make_tiny(root / "mistral", "mistral", seed=24, layers=1, hidden=32),
+        "other-tok": make_tiny(root / "other-tok", "llama", seed=25, layers=1, hidden=32),
+    }
+    save_tokenizer(models["other-tok"], symbols(96, word="u"))
+    return {"target": target, **models}
+
+
+def _on_this_machine(monkeypatch, rows: dict[str, Any]) -> None:
+    """hub.list_models reports these models as present (what a user has in the cache)."""
+    from specexec.loading import hub
+
+    listed = [{"alias": k, "source": "test", "path": str(p), "present": True} for k, p in rows.items()]
+    monkeypatch.setattr(hub, "list_models", lambda home=None: listed)
+
+
+def test_auto_picks_the_largest_smaller_model_of_the_family(family, monkeypatch, loads):
+    """No known pair: the largest local model of the target's model_type, at most half its size, whose tokenizer
+    pairs with the target's; it runs, and the output is the target's greedy decoding."""
+    _on_this_machine(monkeypatch, {k: v for k, v in family.items() if k != "target"})
+    cmd = ["generate", "--target", str(family["target"]), "--device", "cpu", "--dtype", "fp32", "--json"]
+    cmd += ["-p", "t10 t11 t12", "-n", "12", "--budget", "8"]
+    r = runner.invoke(app, cmd)
+    assert r.exit_code == 0, r.output
+    lines = _draft_lines(r)
+    assert len(lines) == 1 and lines[0].startswith("draft: small (a llama model on this machine"), lines
+    d = loads[-1]["engine"].draft
+    assert (d.cfg.hidden_size, d.cfg.num_layers) == (32, 1)  # "small", not "smaller" (16) nor "other-tok"
+    got = json.loads(r.stdout)["tokens"]
+    ref = runner.invoke(app, [*cmd, "--draft", "none"])
+    assert ref.exit_code == 0 and len(got) == 12 and json.loads(ref.stdout)["tokens"] == got
+
+
+def test_auto_without_a_candidate_decodes_plainly_and_says_so(family, monkeypatch, loads):
+    _on_this_machine(monkeypatch, {"too-big": family["too-big"], "mistral": family["mistral"]})
+    cmd = ["generate", "--target", str(family["target"]), "--device", "cpu", "-p", "t10", "-n", "2"]
+    r = runner.invoke(app, cmd)
+    assert r.exit_code == 0, r.output
+    lines = _draft_lines(r)
+    assert len(lines) == 1 and lines[0].startswith("draft: none (no known pair for"), lines
+    assert "no smaller llama model with its tokenizer on this machine: plain decoding" in lines[0]
+    assert loads[-1]["engine"].draft is None
+
+
+def test_auto_finding_none_for_a_method_that_needs_a_draft_is_one_error_line(family, monkeypatch, no_load):
+    _on_this_machine(monkeypatch, {})
+    cmd = ["generate", "--target", str(family["target"]), "--device", "cpu", "-q", "-p", "t10", "--method", "chain"]
+    r = runner.invoke(app, cmd)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].startswith("error: --method chain needs a draft model and --draft auto found none (no known pair")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_draft_from_another_family_is_one_error_line(family, command):
+    cmd = [command, "--target", str(family["target"]), "--draft", str(family["other-tok"]), "--device", "cpu"]
+    r = runner.invoke(app, cmd + (["-p", "t10"] if command == "generate" else []), input="t10\n")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert len(lines) == 1 and lines[0].startswith("error: draft "), lines
+    assert "use different tokenizers: 93 of 96 token ids differ (id 3: 't3' vs 'u3'" in lines[0]
+
+
+def test_doctor_shows_the_auto_choice(monkeypatch, tmp_path):
+    from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    r = runner.invoke(app, ["doctor", "--json", "--disk-mb", "0", "--target", DEMO_TARGET])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)["recommendation"]
+    assert rec["draft_choice"].startswith(f"draft: {DEMO_DRAFT} (the known pair 'demo'") and rec["draft"] is None
+    text = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--target", DEMO_TARGET], env={"COLUMNS": "200"})
+    assert text.exit_code == 0 and "draft (auto)" in text.stdout and DEMO_DRAFT in text.stdout
+    charged = runner.invoke(app, ["doctor", "--json", "--disk-mb", "0", "--target", DEMO_TARGET, "--draft", "auto"])
+    assert json.loads(charged.stdout)["recommendation"]["draft"] == DEMO_DRAFT
