@@ -233,3 +233,13 @@ def test_store_names_and_gguf_blobs_are_local_gguf_files(tmp_path, monkeypatch):
     assert flags(argv[3:])["--load-format"] == "gguf"
     result = runner.invoke(app, ["export", "vllm", "--target", "ollama:nothing:here"])
     assert result.exit_code == 2 and "no model 'ollama:nothing:here' on this machine" in result.stderr
+
+
+def test_draft_auto_takes_the_targets_known_pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no model of the family on this machine: the pair decides
+    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "OLLAMA_MODELS", "SPECEXEC_MODEL_DIRS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    for target, draft in (("qwen3-32b", "Qwen/Qwen3-0.6B"), ("gemma-2-27b", "google/gemma-2-2b-it")):
+        argv, _ = export("vllm", "--target", target)
+        assert json.loads(flags(argv[3:])["--speculative-config"])["model"] == draft
