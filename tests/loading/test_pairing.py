@@ -182,6 +182,27 @@ def test_padded_pair_greedy_equals_the_targets_own_decoding(padded_pair):
     assert tree.stats.tokens_per_step > 1.2
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_padded_pair_on_cuda_with_captured_draft_passes(padded_pair):
+    """On a GPU the draft's passes run as CUDA graphs (padded static shapes, captured growth levels): the mask is
+    part of every captured pass, no tree holds an excluded id, and greedy SpecExec and chain give the AR tokens."""
+    engine = api.load(*map(str, padded_pair), device="cuda", dtype="fp32", context=256, tree=TreeConfig.fixed(16))
+    assert isinstance(engine.draft, LimitedDraft)
+    want = engine.generate(PROMPT, 40, method="ar").tokens
+    for budget in (8, 64):
+        got = engine.generate(PROMPT, 40, method="specexec", tree=TreeConfig.fixed(budget, early_stop=False))
+        assert got.tokens == want, budget
+    assert engine.generate(PROMPT, 40, method="chain", chain=ChainConfig(gamma=4)).tokens == want
+    dm = engine.draft_model
+    assert dm is not None and dm.static is not None  # the graphed path ran
+    rows = torch.tensor([5, 9, 17, 33], device="cuda")
+    pos = torch.arange(4, device="cuda") + 200
+    mask = torch.arange(204, device="cuda")[None, :] <= pos[:, None]
+    logits = dm.forward(rows, pos, pos, mask)
+    assert torch.isneginf(logits[:, 120:]).all() and torch.isfinite(logits[:, :120]).all()
+
+
 def test_draft_vocab_head_combines_with_the_mask(padded_pair):
     """A reduced draft head (--draft-vocab) scores no excluded row, and the greedy output stays the target's."""
     engine = api.load(
