@@ -451,9 +451,10 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     return what the weights must be. Their names and shapes come from the model class built on the meta device
     (no memory).
 
-    Two corrections where transformers reads only the first file or ignores a key: ``tie_word_embeddings`` from
-    the tensors of all parts of a split GGUF, and ``head_dim`` from ``<arch>.attention.key_length`` where the file
-    states it (transformers' Qwen3 config otherwise keeps its class default of 128).
+    Corrections where transformers reads only the first file or ignores a key: ``tie_word_embeddings`` from
+    the tensors of all parts of a split GGUF, ``head_dim`` from ``<arch>.attention.key_length`` where the file
+    states it (transformers' Qwen3 config otherwise keeps its class default of 128), linear RoPE scaling (see
+    :func:`_set_rope_scaling`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -465,6 +466,7 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     key_length = source.metadata.get(f"{source.architecture}.attention.key_length")
     if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
         config.head_dim = key_length
+    _set_rope_scaling(config, source)
     config.dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -478,6 +480,27 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return _ModelSpec(shapes, heads, kv_heads, config.num_hidden_layers)
+
+
+def _set_rope_scaling(config: Any, source: _Gguf) -> None:
+    """Linear RoPE scaling as the GGUF states it (``<arch>.rope.scaling.type`` / ``.factor``), which transformers'
+    GGUF config ignores: Gemma 3 4B and up scale their global layers' positions by 8. On a config with RoPE
+    parameters per layer type (Gemma 3) it applies to the full-attention layers only, as in llama.cpp. Other
+    scaling types are logged and left out (llama 3's scaling lives in a ``rope_freqs`` tensor, not read here)."""
+    kind = source.metadata.get(f"{source.architecture}.rope.scaling.type")
+    factor = source.metadata.get(f"{source.architecture}.rope.scaling.factor")
+    if kind in (None, "none") or factor in (None, 1.0):
+        return
+    if kind != "linear":
+        logger.warning("%s: RoPE scaling %r is not converted; the model runs unscaled", source.path.name, kind)
+        return
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    scaled = {"rope_type": "linear", "factor": float(factor)}
+    if isinstance(rope.get("full_attention"), dict):
+        rope["full_attention"] = {**rope["full_attention"], **scaled}
+    else:
+        rope.update(scaled)
+    config.rope_parameters = rope
 
 
 def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:

@@ -88,6 +88,8 @@ def write_gguf(
     seed: int = 0,
     tokenizer: bool = True,
     split_max_tensors: int = 0,
+    rope_linear: float | None = None,
+    rope_base: float = 10000.0,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF with a byte-level BPE tokenizer at ``path``; return the HF-layout float32 weights
     it was made from (before llama.cpp's changes: the llama permutation, Gemma's norm offset, quantization), keyed
@@ -98,6 +100,7 @@ def write_gguf(
     otherwise. ``skip``: GGUF tensor names left out of the file. ``alignment``: of the tensor data (llama.cpp's
     default 32). ``head_dim``: written as ``attention.key_length`` when given. ``split_max_tensors``: write a split
     GGUF as gguf-split does (``path`` then names ``<stem>-00001-of-0000N.gguf`` and its siblings).
+    ``rope_linear``: a linear RoPE scaling factor stated in the metadata.
     """
     rng = np.random.default_rng(seed)
     qtypes = qtypes or {}
@@ -125,7 +128,10 @@ def write_gguf(
     if head_dim != hidden // heads or arch.startswith("gemma"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_base)
+    if rope_linear is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_linear)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(vocab)
     if tokenizer and sentencepiece:
@@ -486,6 +492,17 @@ def test_truncated_or_foreign_files_are_refused(ggufs, tmp_path):
     with pytest.raises(ModelFormatError, match=r"json\.gguf is not a GGUF file"):
         convert.gguf_to_hf_dir(tmp_path / "json.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_linear_rope_scaling_reaches_the_config(tmp_path):
+    """Gemma 3 4B+ GGUFs state a linear RoPE factor for the global layers, which transformers' GGUF config drops:
+    the converted config scales the full-attention layers only, as llama.cpp does."""
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(path, **{**CASES["gemma3"], "rope_linear": 8.0, "rope_base": 1e6})  # type: ignore[arg-type]
+    out = convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
 
 
 # ---------------------------------------------------------------------------------------------- split GGUFs
