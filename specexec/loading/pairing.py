@@ -87,12 +87,11 @@ class Pairing:
 
 
 def _tokens(tok: Any, rows: int) -> list[str | None]:
-    """Each id's token string below ``rows`` (None: no token, e.g. an embedding's padding row)."""
-    out: list[str | None] = [None] * rows
-    for s, i in tok.get_vocab().items():
-        if 0 <= i < rows:
-            out[i] = s
-    return out
+    """Each id's token string below ``rows`` as the tokenizer maps ids to tokens (an added token's content before a
+    base-vocabulary entry of the same id; None: no token, e.g. an embedding's padding row)."""
+    n = min(rows, len(tok))
+    out: list[str | None] = list(tok.convert_ids_to_tokens(list(range(n))))
+    return out + [None] * (rows - n)
 
 
 def _fingerprint(tok: Any) -> str | None:
