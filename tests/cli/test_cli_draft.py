@@ -1,7 +1,9 @@
-"""The draft's CLI options end to end on tiny models: ``--draft-vocab`` (FR-Spec head) and ``--draft-dtype int8``.
+"""The draft's CLI options end to end on tiny models: ``--draft-vocab`` (FR-Spec head), ``--draft-dtype int8`` and
+``--draft auto`` (the default: which draft, said in one line; doctor shows the choice).
 
 Each goes from every command's options to ``api.load`` unchanged; a bad value is one ``error:`` line before any
-load; a cheaper draft never changes the greedy output.
+load; a cheaper draft never changes the greedy output. The models "on this machine" that auto scans are what
+``hub.list_models`` reports, set per test.
 """
 
 from __future__ import annotations
