@@ -264,8 +264,11 @@ def choose_draft(target: str, home: Path | None = None) -> DraftChoice:
         return DraftChoice(draft, f"the known pair {name!r} in configs/models.toml{where}")
     cfg, directory = local_config(target, home)
     if cfg is None or directory is None:
-        why = "is not on this machine yet" if not _looks_like_path(target) else "was not found"
-        return DraftChoice(None, f"no known pair for {target}, which {why}: plain decoding; name one with --draft")
+        if Path(target).expanduser().exists():
+            why = "whose architecture is not readable before it loads"
+        else:
+            why = "which was not found" if _looks_like_path(target) else "which is not on this machine yet"
+        return DraftChoice(None, f"no known pair for {target}, {why}: plain decoding; name one with --draft")
     found = _smaller_local_model(target, cfg, directory, home)
     if found is not None:
         return found

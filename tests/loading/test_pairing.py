@@ -145,6 +145,22 @@ def test_text_that_encodes_differently_is_refused():
         pairing.check_pair(word_tokenizer(syms), word_tokenizer(syms, lowercase=True), 300, 300)
 
 
+def test_auto_choice_says_why(tmp_path, monkeypatch):
+    """choose_draft's one line: a known pair (downloaded on first use when absent), and why there is no draft for
+    an HF id not downloaded, a missing path and a GGUF file not converted yet. Nothing is downloaded."""
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    c = pairing.choose_draft("qwen2.5-coder-1.5b")
+    assert c.draft == "qwen2.5-coder-0.5b"
+    assert c.line == (
+        "draft: qwen2.5-coder-0.5b (the known pair 'demo' in configs/models.toml; downloaded on first use)"
+    )
+    assert "not on this machine yet" in pairing.choose_draft("nobody-xyz/not-a-model").line
+    assert pairing.choose_draft("nobody-xyz/not-a-model").draft is None
+    assert "which was not found" in pairing.choose_draft(str(tmp_path / "missing")).line
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert "not readable before it loads" in pairing.choose_draft(str(tmp_path / "model.gguf")).line
+
+
 # ---------------------------------------------------------------------------------------------- the limited draft
 
 
