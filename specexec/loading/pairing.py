@@ -195,7 +195,9 @@ class DraftChoice:
 
     @property
     def line(self) -> str:
-        return f"draft: {self.name or self.draft or 'none'} ({self.reason})"
+        if self.draft is None:
+            return f"draft: none ({self.reason}): plain decoding; name a draft with --draft"
+        return f"draft: {self.name or self.draft} ({self.reason})"
 
 
 def local_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | None, Path | None]:
@@ -268,14 +270,13 @@ def choose_draft(target: str, home: Path | None = None) -> DraftChoice:
             why = "whose architecture is not readable before it loads"
         else:
             why = "which was not found" if _looks_like_path(target) else "which is not on this machine yet"
-        return DraftChoice(None, f"no known pair for {target}, {why}: plain decoding; name one with --draft")
+        return DraftChoice(None, f"no known pair for {target}, {why}")
     found = _smaller_local_model(target, cfg, directory, home)
     if found is not None:
         return found
     return DraftChoice(
         None,
-        f"no known pair for {target} and no smaller {cfg.model_type} model with its tokenizer on this machine: "
-        "plain decoding",
+        f"no known pair for {target} and no smaller {cfg.model_type} model with its tokenizer on this machine",
     )
 
 

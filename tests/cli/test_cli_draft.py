@@ -246,7 +246,9 @@ def test_auto_without_a_candidate_decodes_plainly_and_says_so(family, monkeypatc
     assert r.exit_code == 0, r.output
     lines = _draft_lines(r)
     assert len(lines) == 1 and lines[0].startswith("draft: none (no known pair for"), lines
-    assert "no smaller llama model with its tokenizer on this machine: plain decoding" in lines[0]
+    assert lines[0].endswith(
+        "no smaller llama model with its tokenizer on this machine): plain decoding; name a draft with --draft"
+    )
     assert loads[-1]["engine"].draft is None
 
 
@@ -257,6 +259,7 @@ def test_auto_finding_none_for_a_method_that_needs_a_draft_is_one_error_line(fam
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.exit_code == 2 and len(lines) == 1, r.output
     assert lines[0].startswith("error: --method chain needs a draft model and --draft auto found none (no known pair")
+    assert lines[0].endswith("on this machine): pass --draft"), lines
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
