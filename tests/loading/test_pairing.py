@@ -161,6 +161,23 @@ def test_auto_choice_says_why(tmp_path, monkeypatch):
     assert "not readable before it loads" in pairing.choose_draft(str(tmp_path / "model.gguf")).line
 
 
+def test_load_with_draft_auto(tmp_path, monkeypatch):
+    """api.load(draft="auto") and load_engine with ModelOptions(draft="auto") take the smaller model of the
+    target's family that is on this machine (hub.list_models says what is)."""
+    from specexec.loading import hub
+
+    target = make_tiny(tmp_path / "target", "llama", seed=8)
+    small = make_tiny(tmp_path / "small", "llama", seed=8, layers=1, hidden=32)
+    listed = [{"alias": "small", "source": "test", "path": str(small), "present": True}]
+    monkeypatch.setattr(hub, "list_models", lambda home=None: listed)
+    engine = api.load(str(target), "auto", device="cpu", dtype="fp32", context=64)
+    assert engine.draft is not None and (engine.draft.cfg.hidden_size, engine.draft.cfg.num_layers) == (32, 1)
+    opts = api.ModelOptions(target=str(target), draft="auto", device="cpu", dtype="fp32", context=64)
+    assert api.load_engine(opts, TreeConfig.fixed(4), progress=False).draft is not None
+    monkeypatch.setattr(hub, "list_models", lambda home=None: [])
+    assert api.load(str(target), "auto", device="cpu", dtype="fp32", context=64).draft is None
+
+
 # ---------------------------------------------------------------------------------------------- the limited draft
 
 
