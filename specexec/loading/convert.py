@@ -467,6 +467,7 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
         config.head_dim = key_length
     _set_rope_scaling(config, source)
+    _set_llama3_rope(config, source)
     config.dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -501,6 +502,48 @@ def _set_rope_scaling(config: Any, source: _Gguf) -> None:
     else:
         rope.update(scaled)
     config.rope_parameters = rope
+
+
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The llama 3 RoPE scaling parameters of every published Llama 3.1 / 3.2 / 3.3 config, bar the factor."""
+
+
+def _set_llama3_rope(config: Any, source: _Gguf) -> None:
+    """Llama 3.1+'s RoPE scaling, which llama.cpp stores only as per-frequency factors (the ``rope_freqs`` tensor)
+    and transformers' GGUF config drops. The factors are recomputed with llama.cpp's formula from the published
+    parameters (:data:`_LLAMA3_ROPE`, the factor being the largest one); when they agree the config gets
+    ``rope_type: llama3``, else the file's factors are logged as not understood and the model runs unscaled."""
+    tensor = next((t for t in source.tensors if t.gguf_name == "rope_freqs.weight"), None)
+    if source.architecture != "llama" or tensor is None or len(tensor.shape) != 1:
+        return
+    with open(tensor.path, "rb") as f:
+        stored = _read_rows(f, tensor, 0, 1).reshape(-1).astype(np.float64)
+    base = float(source.metadata.get("llama.rope.freq_base", 10000.0))
+    dim = 2 * len(stored)
+    params = {"factor": float(stored.max()), **_LLAMA3_ROPE}
+    if not np.allclose(stored, _llama3_factors(base, dim, **params), rtol=1e-5, atol=0):
+        logger.warning("%s: rope_freqs is not llama 3's scaling; the model runs unscaled", source.path.name)
+        return
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.update({"rope_type": "llama3", **params})
+    config.rope_parameters = rope
+
+
+def _llama3_factors(
+    base: float,
+    dim: int,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` (convert_hf_to_gguf, LlamaModel): the divisor of each RoPE frequency."""
+    freqs = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float32).astype(np.float64) / dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    low, high = original_max_position_embeddings / low_freq_factor, original_max_position_embeddings / high_freq_factor
+    return np.where(wavelen < high, 1.0, np.where(wavelen > low, factor, mid))
 
 
 def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:

@@ -90,6 +90,7 @@ def write_gguf(
     split_max_tensors: int = 0,
     rope_linear: float | None = None,
     rope_base: float = 10000.0,
+    rope_freqs: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF with a byte-level BPE tokenizer at ``path``; return the HF-layout float32 weights
     it was made from (before llama.cpp's changes: the llama permutation, Gemma's norm offset, quantization), keyed
@@ -100,7 +101,8 @@ def write_gguf(
     otherwise. ``skip``: GGUF tensor names left out of the file. ``alignment``: of the tensor data (llama.cpp's
     default 32). ``head_dim``: written as ``attention.key_length`` when given. ``split_max_tensors``: write a split
     GGUF as gguf-split does (``path`` then names ``<stem>-00001-of-0000N.gguf`` and its siblings).
-    ``rope_linear``: a linear RoPE scaling factor stated in the metadata.
+    ``rope_linear``: a linear RoPE scaling factor stated in the metadata; ``rope_freqs``: llama.cpp's per-frequency
+    RoPE divisors (llama 3), stored as the ``rope_freqs`` tensor.
     """
     rng = np.random.default_rng(seed)
     qtypes = qtypes or {}
@@ -172,6 +174,8 @@ def write_gguf(
         if gguf_name not in skip:
             writer.add_tensor(gguf_name, data, raw_dtype=raw_dtype)
 
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     add("token_embd.weight", "model.embed_tokens.weight", vocab, hidden, std=1.0)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
@@ -503,6 +507,52 @@ def test_gemma3_linear_rope_scaling_reaches_the_config(tmp_path):
     rope = json.loads((out / "config.json").read_text())["rope_parameters"]
     assert rope["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def llama_cpp_rope_freqs(base: float, dim: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel ``rope_freqs`` for a llama3 ``rope_scaling``, as llama.cpp writes it."""
+    import math
+
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("factor,low,known", [(8.0, 1.0, True), (32.0, 1.0, True), (8.0, 2.0, False)])
+def test_llama3_rope_scaling_comes_from_rope_freqs(tmp_path, factor, low, known):
+    """Llama 3.1+ GGUFs keep their RoPE scaling only as the rope_freqs tensor: the published llama3 parameters that
+    reproduce it reach config.json (transformers' GGUF config drops them); unknown factors leave the config
+    unscaled."""
+    freqs = llama_cpp_rope_freqs(500000.0, 64, factor, low, 4.0, 8192)
+    assert 1.0 < freqs[len(freqs) // 2] < factor or not known  # some frequencies in the smoothed band
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, arch="llama", hidden=256, heads=4, kv_heads=2, rope_base=500000.0, rope_freqs=freqs)
+    out = convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    if known:
+        assert rope == {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        from transformers import AutoConfig
+
+        assert AutoConfig.from_pretrained(out).rope_parameters["rope_type"] == "llama3"  # transformers reads it
+    else:
+        assert rope == {"rope_type": "default", "rope_theta": 500000.0}
+    assert "rope_freqs.weight" not in stored_tensors(out)
 
 
 # ---------------------------------------------------------------------------------------------- split GGUFs
