@@ -201,9 +201,10 @@ class DraftChoice:
 
 
 def local_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | None, Path | None]:
-    """A model's architecture without downloading anything: (config, its local directory or None when not
-    downloaded). An alias not downloaded gives the architecture ``configs/models.toml`` records; a spec that is not
-    on this machine gives (None, None)."""
+    """A model's architecture without downloading or converting anything: (config, its local directory or None when
+    not downloaded). An alias not downloaded gives the architecture ``configs/models.toml`` records; a GGUF (a path
+    or a store name) gives its converted directory's once converted; a spec that is not on this machine gives
+    (None, None)."""
     from specexec.loading import hub
 
     if spec in hub.aliases():
@@ -212,16 +213,34 @@ def local_config(spec: str, home: Path | None = None) -> tuple[ModelConfig | Non
             return _read(directory), directory
         known = hub.known_config(spec)
         return (_parse(dict(known)) if known is not None else None), None
+    try:
+        gguf = hub.local_gguf(spec)
+    except SpecexecError:  # a store name that names nothing here
+        return None, None
+    if gguf is not None:
+        return _converted(gguf, home)
     path = Path(spec).expanduser()
     if not path.exists():
         if _looks_like_path(spec):
             return None, None
-        try:  # an HF id in the HF cache, or a name the hub knows locally
+        try:  # an HF id in the HF cache
             path = hub.resolve(spec, pull_missing=False, progress=False, home=home)
         except SpecexecError:
             return None, None
     directory = path.parent if path.is_file() else path
     return _read(directory), directory if (directory / "config.json").is_file() else None
+
+
+def _converted(gguf: Path, home: Path | None) -> tuple[ModelConfig | None, Path | None]:
+    """The config and directory of a GGUF's conversion, (None, None) before it is converted."""
+    from specexec.loading import hub
+
+    try:
+        directory = hub.converted_gguf_dir(gguf, home)
+    except (OSError, SpecexecError):
+        return None, None
+    cfg = _read(directory)
+    return (cfg, directory) if cfg is not None else (None, None)
 
 
 def _read(directory: Path) -> ModelConfig | None:
@@ -281,8 +300,10 @@ def choose_draft(target: str, home: Path | None = None) -> DraftChoice:
 
 
 def _local_models(home: Path | None) -> list[tuple[str, Path]]:
-    """(name, directory) of every model on this machine that ``hub.list_models`` knows of."""
-    from specexec.loading import hub
+    """(name, directory) of every model on this machine with a readable config: the aliases ``hub.list_models``
+    reports present, the HF cache's checkpoints and the GGUFs of the local stores that were converted
+    (:mod:`specexec.loading.stores`)."""
+    from specexec.loading import hub, stores
 
     out = []
     for row in hub.list_models(home):
@@ -290,6 +311,17 @@ def _local_models(home: Path | None) -> list[tuple[str, Path]]:
             continue
         path = Path(row["path"])
         out.append((str(row.get("alias") or path), path.parent if path.is_file() else path))
+    try:
+        found = stores.discover()
+    except OSError:
+        found = []
+    for f in found:
+        if f.format == "gguf":
+            directory = _converted(f.path, home)[1]
+        else:
+            directory = f.path if f.path.is_dir() else f.path.parent
+        if directory is not None:
+            out.append((f.name, directory))
     return out
 
 

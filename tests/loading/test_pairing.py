@@ -178,6 +178,22 @@ def test_load_with_draft_auto(tmp_path, monkeypatch):
     assert api.load(str(target), "auto", device="cpu", dtype="fp32", context=64).draft is None
 
 
+def test_auto_finds_a_smaller_checkpoint_in_the_hf_cache(tmp_path, monkeypatch):
+    """A smaller model of the family in the Hugging Face cache (found by specexec.loading.stores) is a candidate too;
+    the line names it by its repo id."""
+    from specexec.loading import hub
+
+    monkeypatch.setattr(hub, "list_models", lambda home=None: [])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    target = make_tiny(tmp_path / "target", "llama", seed=8)
+    assert pairing.choose_draft(str(target)).draft is None
+    snap = tmp_path / "hf" / "models--someone--tiny-small" / "snapshots" / "abc123"
+    make_tiny(snap, "llama", seed=8, layers=1, hidden=32)
+    c = pairing.choose_draft(str(target))
+    assert c.draft is not None and Path(c.draft).expanduser() in (snap, Path("someone/tiny-small")), c
+    assert c.line.startswith("draft: someone/tiny-small (a llama model on this machine with the target's tokenizer")
+
+
 # ---------------------------------------------------------------------------------------------- the limited draft
 
 
