@@ -19,9 +19,10 @@ different ids (different merges, pre-tokenizers or normalizers: the draft would 
 trained on).
 
 **Auto.** :func:`choose_draft`: a target alias with a known pair in ``configs/models.toml`` takes its draft; else
-the largest model already on this machine of the target's family (same ``model_type``) with at most half its
-parameters whose tokenizer pairs with the target's; else no draft (plain decoding). The choice reads configs and
-tokenizers only, and says which and why in one line (:meth:`DraftChoice.line`).
+the largest model already on this machine (the cache's aliases, the HF cache's checkpoints, converted GGUFs of the
+local stores) of the target's family (same ``model_type``) with at most half its parameters whose tokenizer pairs
+with the target's; else no draft (plain decoding). The choice reads configs and tokenizers only (nothing is
+downloaded or converted), and says which and why in one line (:meth:`DraftChoice.line`).
 """
 
 from __future__ import annotations
