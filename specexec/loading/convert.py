@@ -468,6 +468,7 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
         config.head_dim = key_length
     _set_rope_scaling(config, source)
     _set_llama3_rope(config, source)
+    _set_longrope(config, source)
     config.dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -526,6 +527,30 @@ def _set_llama3_rope(config: Any, source: _Gguf) -> None:
         return
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope.update({"rope_type": "llama3", **params})
+    config.rope_parameters = rope
+
+
+def _set_longrope(config: Any, source: _Gguf) -> None:
+    """Phi-3's LongRoPE (the 128k-context Phi-3 / Phi-3.5 models), which llama.cpp stores as the
+    ``rope_factors_long`` / ``rope_factors_short`` tensors and ``phi3.rope.scaling.original_context_length``, and
+    transformers' GGUF config drops: they become ``rope_type: longrope`` with the two factor lists."""
+    tensors = {t.gguf_name: t for t in source.tensors if t.gguf_name.startswith("rope_factors_")}
+    original = source.metadata.get(f"{source.architecture}.rope.scaling.original_context_length")
+    if source.architecture != "phi3" or not tensors:
+        return
+    if set(tensors) != {"rope_factors_long.weight", "rope_factors_short.weight"} or not isinstance(original, int):
+        logger.warning(
+            "%s: incomplete LongRoPE scaling (%s); the model runs unscaled", source.path.name, sorted(tensors)
+        )
+        return
+    factors = {}
+    for kind in ("long", "short"):
+        t = tensors[f"rope_factors_{kind}.weight"]
+        with open(t.path, "rb") as f:
+            factors[f"{kind}_factor"] = _read_rows(f, t, 0, 1).reshape(-1).tolist()
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.update({"rope_type": "longrope", **factors, "original_max_position_embeddings": original})
+    config.original_max_position_embeddings = original
     config.rope_parameters = rope
 
 

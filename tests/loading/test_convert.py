@@ -91,6 +91,7 @@ def write_gguf(
     rope_linear: float | None = None,
     rope_base: float = 10000.0,
     rope_freqs: np.ndarray | None = None,
+    longrope: tuple[np.ndarray, np.ndarray, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF with a byte-level BPE tokenizer at ``path``; return the HF-layout float32 weights
     it was made from (before llama.cpp's changes: the llama permutation, Gemma's norm offset, quantization), keyed
@@ -102,7 +103,8 @@ def write_gguf(
     default 32). ``head_dim``: written as ``attention.key_length`` when given. ``split_max_tensors``: write a split
     GGUF as gguf-split does (``path`` then names ``<stem>-00001-of-0000N.gguf`` and its siblings).
     ``rope_linear``: a linear RoPE scaling factor stated in the metadata; ``rope_freqs``: llama.cpp's per-frequency
-    RoPE divisors (llama 3), stored as the ``rope_freqs`` tensor.
+    RoPE divisors (llama 3), stored as the ``rope_freqs`` tensor; ``longrope``: Phi-3's (long factors, short
+    factors, original context length), stored as llama.cpp stores them.
     """
     rng = np.random.default_rng(seed)
     qtypes = qtypes or {}
@@ -176,6 +178,10 @@ def write_gguf(
 
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    if longrope is not None:
+        writer.add_tensor("rope_factors_long.weight", longrope[0].astype(np.float32))
+        writer.add_tensor("rope_factors_short.weight", longrope[1].astype(np.float32))
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", longrope[2])
     add("token_embd.weight", "model.embed_tokens.weight", vocab, hidden, std=1.0)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
@@ -553,6 +559,24 @@ def test_llama3_rope_scaling_comes_from_rope_freqs(tmp_path, factor, low, known)
     else:
         assert rope == {"rope_type": "default", "rope_theta": 500000.0}
     assert "rope_freqs.weight" not in stored_tensors(out)
+
+
+def test_phi3_longrope_comes_from_its_tensors(tmp_path):
+    """A 128k Phi-3 GGUF keeps LongRoPE as two factor tensors and the original context: they reach config.json as
+    transformers reads a Phi-3 longrope config (its GGUF config drops them), and are not weights."""
+    from transformers import AutoConfig
+
+    long, short = np.linspace(1.0, 40.0, 8), np.linspace(1.0, 1.2, 8)
+    path = tmp_path / "phi3.gguf"
+    write_gguf(path, **{**CASES["phi3"], "longrope": (long, short, 4096)})  # type: ignore[arg-type]
+    out = convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    config = AutoConfig.from_pretrained(out)
+    assert config.original_max_position_embeddings == 4096
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 4096
+    assert rope["long_factor"] == long.astype(np.float32).tolist()
+    assert rope["short_factor"] == short.astype(np.float32).tolist()
+    assert not any("rope_factors" in name for name in stored_tensors(out))
 
 
 # ---------------------------------------------------------------------------------------------- split GGUFs
