@@ -93,6 +93,10 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qkv_bias:
         shapes["bqkv"] = (qkv,)
+    if cfg.qk_norm:
+        shapes["q_norm"] = shapes["k_norm"] = (hd,)
+    if cfg.sandwich_norm:
+        shapes["post_attn_norm"] = shapes["post_mlp_norm"] = (D,)
     return shapes
 
 

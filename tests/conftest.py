@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "llama_tied")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "llama_tied", "mistral_window", "qwen3", "gemma2", "gemma3", "phi3")
+WINDOW = 8  # the sliding window of the tiny windowed families: shorter than the tests' prompts
 
 
 def make_tiny(
@@ -24,7 +25,16 @@ def make_tiny(
 
     The init std is raised so next-token distributions are peaked (meaningful greedy tests).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=vocab,
@@ -61,10 +71,39 @@ def make_tiny(
         cfg = MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     elif family == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=False)
+    elif family == "mistral_window":
+        cfg = MistralConfig(**common, tie_word_embeddings=False, sliding_window=WINDOW)
+    elif family == "qwen3":  # head_dim * heads != hidden
+        cfg = Qwen3Config(**common, tie_word_embeddings=False, head_dim=24)
+    elif family == "gemma2":  # soft-capped scores and logits, a sliding layer then a global one
+        cfg = Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=2.0,
+            final_logit_softcapping=6.0, hidden_activation="gelu_pytorch_tanh",
+        )  # fmt: skip
+    elif family == "gemma3":  # sliding layers with a RoPE base of their own, linear scaling on the global one
+        cfg = Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"][:layers] + ["sliding_attention"] * (layers - 2),
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+        )  # fmt: skip
+    elif family == "phi3":  # LongRoPE (short factors within the original context)
+        half = hidden // 4 // 2
+        cfg = Phi3Config(
+            **{**common, "max_position_embeddings": 8192}, tie_word_embeddings=False,
+            original_max_position_embeddings=2048,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                          "long_factor": [2.0 + 0.1 * i for i in range(half)]},
+        )  # fmt: skip
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family in ("qwen3", "gemma2", "gemma3"):  # norms that start at 1 (or 0: Gemma's 1 + w) test nothing
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    t.add_(torch.randn(t.shape) * 0.1)
     if family == "qwen2":  # give the qkv biases some size
         with torch.no_grad():
             for layer in model.model.layers:

@@ -274,6 +274,13 @@ class _Shards:
             base, header = _read_header(f)
             for name, info in header.items():
                 self.where[name] = (f, base, info)
+        # a multimodal checkpoint (Gemma 3 4B+) holds its text decoder under a prefix of its own
+        for prefix in ("model.language_model.", "language_model.model."):
+            if prefix + "embed_tokens.weight" in self.where:
+                for name in [n for n in self.where if n.startswith(prefix)]:
+                    self.where["model." + name[len(prefix) :]] = self.where.pop(name)
+                if "language_model.lm_head.weight" in self.where:
+                    self.where["lm_head.weight"] = self.where.pop("language_model.lm_head.weight")
 
     def get(self, name: str) -> Tensor:
         """``name`` as a new CPU tensor in its stored dtype, in the allocator's (64-byte aligned) memory."""
@@ -324,25 +331,35 @@ def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
-    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused; every tensor is
-    its own aligned copy (see :func:`_owned`)."""
+    """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused (Phi-3 stores
+    them fused); every tensor is its own aligned copy (see :func:`_owned`)."""
     shards = _Shards(path)
+    gemma = cfg.sandwich_norm
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
         o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
+        fused = shards.has(p + "self_attn.qkv_proj.weight")
         w = {
             "attn_norm": o("input_layernorm.weight"),
-            "wqkv": torch.cat(
+            "wqkv": o("self_attn.qkv_proj.weight") if fused else torch.cat(
                 [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]
             ),
             "wo": o("self_attn.o_proj.weight"),
-            "mlp_norm": o("post_attention_layernorm.weight"),
-            "w13": torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
+            # Gemma's post_attention_layernorm normalizes the attention's output; its MLP norm is pre_feedforward
+            "mlp_norm": o("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"),
+            "w13": o("mlp.gate_up_proj.weight") if shards.has(p + "mlp.gate_up_proj.weight") else torch.cat(
+                [g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]
+            ),
             "w2": o("mlp.down_proj.weight"),
-        }
+        }  # fmt: skip
         if cfg.qkv_bias:
             w["bqkv"] = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
+        if cfg.qk_norm:
+            w["q_norm"], w["k_norm"] = o("self_attn.q_norm.weight"), o("self_attn.k_norm.weight")
+        if gemma:
+            w["post_attn_norm"] = o("post_attention_layernorm.weight")
+            w["post_mlp_norm"] = o("post_feedforward_layernorm.weight")
         yield i, w
 
 
@@ -514,4 +531,3 @@ def load_tokenizer(path: Path) -> TokenizerInfo:
         elif isinstance(val, list):
             eos.update(int(v) for v in val)
     return TokenizerInfo(tokenizer=tok, eos_ids=frozenset(eos))
-

@@ -119,6 +119,7 @@ def _layouts(p: int, gen: torch.Generator) -> list[tuple[int, int, list[int]]]:
     out = [(p, 1, list(range(p + 1)))]
     for n0 in sorted({max(0, p - 2), max(0, p - 9), max(0, p - 40)}):
         out.append((n0, p - n0 + 3, list(range(p + 1))))  # prefill or chain: contiguous
+
         depth = p - n0  # tree: the row sits deeper in the pass than its depth, ancestors spread out
         T = depth + 1 + int(torch.randint(1, 30, (1,), generator=gen))
         if depth:
@@ -131,7 +132,17 @@ def _layouts(p: int, gen: torch.Generator) -> list[tuple[int, int, list[int]]]:
 
 def attention_invariant(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tiling: Tiling) -> bool:
     """Does a probe query get the same attention output at the same position in every layout of pass (one-token
-    step, prefill, tree rows with scattered ancestors; other rows random)?"""
+    step, prefill, tree rows with scattered ancestors; other rows random)? With the model's score scale and
+    soft-capping, and for a sliding-window model with a window short enough to cut blocks."""
+    windows: list[int | None] = [None]
+    if cfg.sliding_window is not None:
+        windows.append(min(cfg.sliding_window, 2 * tiling.key_block - 3))
+    return all(_attention_agrees(cfg, dtype, device, tiling, w) for w in windows)
+
+
+def _attention_agrees(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tiling: Tiling, window: int | None
+) -> bool:
     gen = torch.Generator().manual_seed(1)
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     B = tiling.key_block
@@ -159,8 +170,8 @@ def attention_invariant(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
             q[at] = probe
             P = tiling.pad(T)
             qp = torch.cat((q, q.new_zeros(P - T, H, hd))).to(device)
-            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.attn_rows)
-            out = blocked(qp, keys.to(device), values.to(device), plan)[at].cpu()
+            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.attn_rows, window)
+            out = blocked(qp, keys.to(device), values.to(device), plan, cfg.attn_scale, cfg.attn_softcap)[at].cpu()
             if ref is None:
                 ref = out
             elif not torch.equal(out, ref):
@@ -255,13 +266,15 @@ def find(
     return best, ms, ""
 
 
-CHECK_VERSION = 2  # bumped when what the check covers changes: older cached choices are checked again
+CHECK_VERSION = 3  # bumped when what the check covers changes: older cached choices are checked again
 
 
 def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
     return (
         f"v{CHECK_VERSION}|{_device_name(device)}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
         f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
+        + (f"|window {cfg.sliding_window}" if cfg.sliding_window is not None else "")
+        + (f"|scale {cfg.attn_scale} cap {cfg.attn_softcap}" if cfg.attn_scale or cfg.attn_softcap else "")
     )
 
 

@@ -36,16 +36,26 @@ def sdpa_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None, None]
 
 
-def sdpa(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """q (T, H, hd) over slots [0, L) of keys/values (KVH, >= L, hd) under ``bias`` (1, 1, T, L) -> (T, H*hd)."""
+def sdpa(
+    q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float | None = None, cap: float | None = None
+) -> Tensor:
+    """q (T, H, hd) over slots [0, L) of keys/values (KVH, >= L, hd) under ``bias`` (1, 1, T, L) -> (T, H*hd).
+    ``scale``: the scores' scale (default 1/sqrt(hd)); ``cap``: tanh soft-capping of the scores (Gemma 2), which
+    the fused kernel cannot do, so those scores are computed explicitly."""
     T, H, hd = q.shape
     L = bias.shape[-1]
     keys, values = keys[:, :L], values[:, :L]
     if keys.shape[0] != H:  # expand KV heads: SDPA's GQA mode falls back to the slow math kernel when a mask is given
         keys = keys.repeat_interleave(H // keys.shape[0], dim=0)
         values = values.repeat_interleave(H // values.shape[0], dim=0)
+    qh = q.transpose(0, 1)  # (H, T, hd)
+    if cap is not None:
+        s = torch.matmul(qh, keys.transpose(-1, -2)) * (scale if scale is not None else hd**-0.5)
+        s = torch.tanh(s / cap) * cap + bias[0]
+        o = torch.matmul(s.softmax(-1, dtype=torch.float32).to(q.dtype), values)
+        return o.transpose(0, 1).reshape(T, H * hd)
     with sdpa_kernel(_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias)
+        o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=bias, scale=scale)
     return o[0].transpose(0, 1).reshape(T, H * hd)
 
 
@@ -66,10 +76,16 @@ class KeyPlan:
     rows: int  # the product row tile
 
 
-def plan_keys(mask: Tensor, positions: Tensor, padded: int, block: int, rows: int) -> KeyPlan:
+def plan_keys(
+    mask: Tensor, positions: Tensor, padded: int, block: int, rows: int, window: int | None = None
+) -> KeyPlan:
     """The :class:`KeyPlan` for ``mask`` (T, L) bool and ``positions`` (T,), the pass padded to ``padded`` rows
     (padding rows see slot 0 only). Each row must see exactly one slot per position 0..positions[r], in
-    increasing slot order (causal prefill, a tree's ancestry over a committed prefix)."""
+    increasing slot order (causal prefill, a tree's ancestry over a committed prefix).
+
+    ``window``: the rows attend only to their latest ``window`` positions (a sliding layer). Every row then
+    gathers its blocks from the one holding its first visible position (no shared blocks): the blocks below it
+    would add exact zeros, and a shared block could not precede a row's gathered ones in position order."""
     T, L = mask.shape
     dev = mask.device
     pos = torch.zeros(padded, dtype=torch.long, device=dev)
@@ -84,9 +100,14 @@ def plan_keys(mask: Tensor, positions: Tensor, padded: int, block: int, rows: in
     shared = V // block
     own = pos // block
     first = own.clamp(max=shared)
+    low = torch.zeros_like(pos)
+    if window is not None:
+        shared = 0
+        low = (pos - window + 1).clamp(min=0)
+        first = low // block
     R = int((own - first).max()) + 1
     j = first[:, None] * block + torch.arange(R * block, device=dev)[None, :]  # (P, R*block) positions
-    seen = j <= pos[:, None]
+    seen = (j <= pos[:, None]) & (j >= low[:, None])
     slots = j.clone()
     if V < L:  # positions >= V: the row's visible slots >= V, in order
         beyond = torch.where(m[:, V:], cols[V:][None, :], L + cols[V:][None, :]).sort(dim=1).values
@@ -119,12 +140,19 @@ def _fold(x: Tensor, dim: int) -> Tensor:
     return out
 
 
+def _cap(s: Tensor, cap: float | None) -> Tensor:
+    return s if cap is None else torch.tanh(s / cap).mul_(cap)
+
+
 CHUNK_ELEMENTS = 1 << 24  # a row chunk's largest working tensor, in fp32 elements (64 MB)
 
 
-def blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
+def blocked(
+    q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: float | None = None, cap: float | None = None
+) -> Tensor:
     """Shape-invariant attention (see the module docstring). q (P, H, hd) for the pass's padded rows; keys/values
-    (KVH, slots, hd): the layer's cache after this pass's writes -> (P, H*hd) in q's dtype.
+    (KVH, slots, hd): the layer's cache after this pass's writes -> (P, H*hd) in q's dtype. ``scale``: the
+    scores' scale (default 1/sqrt(hd)); ``cap``: tanh soft-capping of the scores (elementwise, on whole tiles).
 
     Rows run in chunks of whole row tiles so that the working tensors stay near :data:`CHUNK_ELEMENTS` (a big
     tree over a long prefix would otherwise score every row against every block at once); a row's result does
@@ -134,28 +162,29 @@ def blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
     per_row = H * blocks * max(plan.block, hd)
     c = max(plan.rows, CHUNK_ELEMENTS // max(per_row, 1) // plan.rows * plan.rows)
     if c >= P:
-        return _blocked(q, keys, values, plan)
+        return _blocked(q, keys, values, plan, scale, cap)
     out = []
     for a in range(0, P, c):
         part = KeyPlan(plan.block, plan.shared, plan.full[a : a + c], plan.slots[a : a + c], plan.seen[a : a + c],
                        plan.rows)  # fmt: skip
-        out.append(_blocked(q[a : a + c], keys, values, part))
+        out.append(_blocked(q[a : a + c], keys, values, part, scale, cap))
     return torch.cat(out)
 
 
-def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
+def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: float | None, cap: float | None) -> Tensor:
     P, H, hd = q.shape
     KVH = keys.shape[0]
     G = H // KVH
     B = plan.block
-    scale = 1.0 / math.sqrt(hd)
+    if scale is None:
+        scale = 1.0 / math.sqrt(hd)
     qf = q.float().view(P, KVH, G, hd).transpose(0, 1)  # (KVH, P, G, hd)
     # each row's own blocks, gathered in position order: (KVH, P, R, B, hd)
     R = plan.slots.shape[1] // B
     kr = keys[:, plan.slots].float().view(KVH, P, R, B, hd)
     vr = values[:, plan.slots].float().view(KVH, P, R, B, hd)
     qr = _pad_rows(qf, plan.rows, 2)[:, :, None].expand(-1, -1, R, -1, -1)  # (KVH, P, R, Gp, hd)
-    sr = torch.matmul(qr, kr.transpose(-1, -2)).mul_(scale)  # (KVH, P, R, Gp, B)
+    sr = _cap(torch.matmul(qr, kr.transpose(-1, -2)).mul_(scale), cap)  # (KVH, P, R, Gp, B)
     sr.masked_fill_(~plan.seen.view(1, P, R, 1, B), float("-inf"))
     top = sr.amax((2, 4))[..., :G]  # (KVH, P, G)
     ss = None
@@ -164,7 +193,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan) -> Tensor:
         ks = keys[:, : S * B].float().view(KVH, S, B, hd)
         vs = values[:, : S * B].float().view(KVH, S, B, hd)
         qs = _pad_rows(qf.reshape(KVH, P * G, hd), plan.rows, 1)  # (KVH, M, hd), rows (r, g)
-        ss = torch.matmul(qs[:, None].expand(-1, S, -1, -1), ks.transpose(-1, -2)).mul_(scale)  # (KVH, S, M, B)
+        ss = _cap(torch.matmul(qs[:, None].expand(-1, S, -1, -1), ks.transpose(-1, -2)).mul_(scale), cap)
         out_of_reach = ~plan.full.T[:, :, None].expand(-1, -1, G).reshape(S, P * G)  # (S, P*G)
         ss[:, :, : P * G].masked_fill_(out_of_reach[None, :, :, None], float("-inf"))
         top = torch.maximum(top, ss[:, :, : P * G].amax((1, 3)).view(KVH, P, G))

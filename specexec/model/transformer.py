@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2): pure compute, no I/O.
+"""The decoder of the Llama lineage (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3): pure compute, no I/O.
 
 Modelled on gpt-fast: a small config dataclass, a static preallocated KV cache written by slot index, explicit
 positions and an explicit boolean attention mask, so that tree attention (SpecExec, arXiv 2406.02532) is only a
@@ -11,7 +11,8 @@ H / KVH = query / key-value heads, hd = head dim, V = vocabulary.
 
 Per-layer weight names (a mapping ``str -> Tensor | QuantizedLinear``):
 ``attn_norm`` (D), ``wqkv`` ((H+2*KVH)*hd, D) fused q/k/v, ``bqkv`` optional bias, ``wo`` (D, H*hd),
-``mlp_norm`` (D), ``w13`` (2*I, D) fused gate/up, ``w2`` (D, I).
+``mlp_norm`` (D), ``w13`` (2*I, D) fused gate/up, ``w2`` (D, I); with ``ModelConfig.qk_norm`` also ``q_norm`` and
+``k_norm`` (hd), with ``sandwich_norm`` also ``post_attn_norm`` and ``post_mlp_norm`` (D).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -33,9 +35,27 @@ from specexec.model.kv_cache import KVCache
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
 
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+"""HF ``model_type`` values this decoder runs (a multimodal ``gemma3`` checkpoint runs its ``text_config``)."""
+
+# defaults of the transformers config classes for keys a published config.json may leave out
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "max_position_embeddings": 8192},
+    "gemma3_text": {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True, "max_position_embeddings": 131072},
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (derived from an HF ``config.json``)."""
+    """Architecture of a decoder of the Llama lineage (derived from an HF ``config.json``).
+
+    The base is Llama's: RMSNorm before attention and MLP, fused q/k/v with RoPE, a gated MLP. The families differ
+    by a few switches: Qwen2's q/k/v bias, Qwen3's and Gemma 3's per-head q/k norms, Gemma's norms after
+    attention and MLP (``sandwich_norm``), its ``1 + w`` norm weights, scaled embeddings, GeGLU, attention scale
+    and tanh soft-capping, and sliding-window layers (Mistral, Gemma 2/3, Phi-3)."""
 
     vocab_size: int
     hidden_size: int  # D
@@ -46,40 +66,78 @@ class ModelConfig:
     head_dim: int  # hd
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None  # None, or {"rope_type": "llama3" | "linear", ...}
+    # None, or {"rope_type": "llama3" | "linear" | "longrope", ...}; longrope carries its resolved
+    # ``attention_factor`` (cos/sin scale)
+    rope_scaling: Mapping[str, Any] | None = None
     qkv_bias: bool = False  # Qwen2
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     model_type: str = "llama"
-    # Mistral-style sliding-window attention: each position attends to at most this many latest positions. The
-    # model attends to everything, so a context is capped at the window (where the two agree); None: no window.
+    # sliding-window attention: a position in a sliding layer attends to the latest ``sliding_window`` positions
+    # (itself included); ``sliding_layers`` marks those layers (None: every layer attends to all positions)
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    sandwich_norm: bool = False  # Gemma: a norm on the attention's and the MLP's output before each residual add
+    norm_offset: bool = False  # Gemma's RMSNorm: x * (1 + w), in fp32, then cast
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(D) (in the model's dtype)
+    activation: str = "silu"  # the MLP gate's: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+    attn_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
+            if kind not in ("llama3", "linear", "longrope", "default"):
+                raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear, longrope)")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {self.activation!r} (supported: silu, gelu_pytorch_tanh)")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"{len(self.sliding_layers)} layer types for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: all positions)."""
+        if self.sliding_layers is None or not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Build from an HF config dict (transformers 4.x rope_theta/rope_scaling or 5.x rope_parameters)."""
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2)")
+        if model_type == "gemma3" and isinstance(cfg.get("text_config"), Mapping):  # multimodal: its text decoder
+            tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True))
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text", "tie_word_embeddings": tie}
+            model_type = "gemma3_text"
+        if model_type not in FAMILIES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
+        given = {k: v for k, v in cfg.items() if v is not None or k.endswith("softcapping")}  # null caps: none
+        cfg = {**_DEFAULTS.get(model_type, {}), **given}
         heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-            scaling = None
+        layers = cfg["num_hidden_layers"]
+        gemma = model_type in ("gemma2", "gemma3_text")
+        theta, scaling, local_theta = _rope(cfg, model_type)
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            scaling, max_pos = _longrope(cfg, scaling, max_pos)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act == "swish":
+            act = "silu"
+        if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            act = "gelu_tanh"
+        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        if cfg.get("partial_rotary_factor", rotary) != 1.0:
+            raise ValueError("unsupported partial rotary embedding (partial_rotary_factor != 1)")
+        window, sliding = _windows(cfg, model_type, layers)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
@@ -88,19 +146,77 @@ class ModelConfig:
             rope_scaling=dict(scaling) if scaling else None,
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             model_type=model_type,
-            sliding_window=_window(cfg),
+            sliding_window=window,
+            sliding_layers=sliding,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            sandwich_norm=gemma,
+            norm_offset=gemma,
+            embed_scale=gemma,
+            activation=act,
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=local_theta,
         )
 
 
-def _window(cfg: Mapping[str, Any]) -> int | None:
-    """The attention window an HF config sets (Mistral's ``sliding_window``; Qwen2's only when
-    ``use_sliding_window``), or None."""
+def _rope(cfg: Mapping[str, Any], model_type: str) -> tuple[float, Mapping[str, Any] | None, float | None]:
+    """(theta, scaling or None, the sliding layers' own theta or None) from either config layout."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    local: float | None = None
+    if "full_attention" in rope:  # per layer type (transformers 5's Gemma 3)
+        loc = dict(rope.get("sliding_attention") or {})
+        if loc.get("rope_type", "default") != "default":
+            raise ValueError("unsupported scaled RoPE on sliding layers")
+        local = float(loc.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+        rope = dict(rope["full_attention"])
+    elif model_type == "gemma3_text":
+        local = float(cfg.get("rope_local_base_freq", 10_000.0))
+    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling, local
+
+
+def _longrope(cfg: Mapping[str, Any], scaling: Mapping[str, Any], max_pos: int) -> tuple[dict[str, Any], int]:
+    """Phi-3's LongRoPE, run within its original context (its short factors): transformers switches every
+    position to the long factors once a sequence passes ``original_max_position_embeddings``, which a KV cache
+    cannot follow, so the context stops there. The cos/sin scale is the one for the extended context."""
+    orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    orig = int(orig)
+    factor = scaling.get("factor") or max_pos / orig
+    att = scaling.get("attention_factor")
+    if att is None:
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    out = {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]), "attention_factor": float(att)}
+    return out, min(max_pos, orig)
+
+
+def _windows(cfg: Mapping[str, Any], model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The sliding window and which layers use it, as transformers reads each family's config."""
     w = cfg.get("sliding_window")
-    if not w or cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2") is False:
-        return None
-    return int(w)
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        w = None
+    if not w or model_type == "llama":
+        return None, None
+    types = cfg.get("layer_types")
+    if types is not None:
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif model_type in ("qwen2", "qwen3"):
+        sliding = tuple(i >= cfg.get("max_window_layers", 28) for i in range(layers))
+    elif model_type == "gemma2":
+        sliding = tuple(bool((i + 1) % 2) for i in range(layers))
+    elif model_type == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        sliding = tuple(bool((i + 1) % pattern) for i in range(layers))
+    else:  # mistral, phi3: every layer
+        sliding = (True,) * layers
+    if not any(sliding):
+        return None, None
+    return int(w), sliding
 
 
 class LayerProvider(Protocol):
@@ -144,9 +260,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies (hd/2,), fp32, including llama3 / linear scaling."""
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm: the normalized row times ``1 + weight``, both in fp32, then cast (as HF Gemma does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> Tensor:
+    """Inverse RoPE frequencies (hd/2,), fp32, including llama3 / linear / longrope scaling; ``theta``: an unscaled
+    base of its own (Gemma 3's sliding layers)."""
     hd = cfg.head_dim
+    if theta is not None:
+        return 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     sc = cfg.rope_scaling
     if not sc:
@@ -154,6 +280,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
         return inv / float(sc["factor"])
+    if kind == "longrope":
+        short = torch.tensor(sc["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if kind == "llama3":
         factor = float(sc["factor"])
         low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
@@ -168,6 +297,12 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv
 
 
+def rope_scale(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (LongRoPE's attention factor; 1 otherwise)."""
+    sc = cfg.rope_scaling
+    return float(sc.get("attention_factor", 1.0)) if sc else 1.0
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """Rotate-half RoPE. x (T, heads, hd); cos (T, 1, hd); ``sin_signed`` (T, 1, hd) is sin with its first half
     negated (:func:`rope_tables`), so the rotation is a swap of halves: ``x2 * -sin == -x2 * sin`` exactly."""
@@ -176,8 +311,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + swapped * sin_signed
 
 
-def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sign-folded sin (T, 1, hd) for :func:`apply_rope` at ``positions`` (T,).
+def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin (T, 1, hd) for :func:`apply_rope` at ``positions`` (T,), times ``scale``.
 
     cos and sin run over rows padded to 64 columns: a CPU kernel computes whole vectors with one routine and a
     ragged remainder with another (which may round differently), so the padding keeps every position's values on
@@ -187,6 +322,8 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tupl
     if half % 64:
         freqs = F.pad(freqs, (0, 64 - half % 64))
     cos, sin = freqs.cos()[:, :half], freqs.sin()[:, :half]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
 
@@ -195,6 +332,20 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     :func:`rms_norm` (the weight multiplies before the cast): for a draft, whose numerics only change what it
     proposes, never for a target."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's soft-capping; identity for None)."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def window_mask(mask: Tensor, positions: Tensor, window: int) -> Tensor:
+    """``mask`` (T, L) restricted to each row's latest ``window`` positions. A row sees one slot per position
+    0..p in increasing slot order (causal prefill, a tree's ancestry), so its k-th visible slot holds position k."""
+    rank = mask.cumsum(1) - 1
+    return mask & (rank > positions[:, None] - window)
 
 
 @dataclass
@@ -222,9 +373,23 @@ class Transformer:
     # bit-identical whatever pass computes them. None: each pass takes the fastest kernels for its shape.
     tiling: Tiling | None = None
     inv_freq: Tensor = field(init=False)
+    local_inv_freq: Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.inv_freq = rope_inv_freq(self.cfg).to(self.device)
+        theta = self.cfg.local_rope_theta
+        self.local_inv_freq = None if theta is None else rope_inv_freq(self.cfg, theta).to(self.device)
+
+    def _ropes(self, positions: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """(cos, sin) for the global layers and for the sliding layers (the same tables unless the sliding
+        layers have a RoPE base of their own)."""
+        glob = rope_tables(positions, self.inv_freq, self.dtype, rope_scale(self.cfg))
+        if self.local_inv_freq is None:
+            return glob, glob
+        return glob, rope_tables(positions, self.local_inv_freq, self.dtype)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return softcap(x.float(), self.cfg.final_softcap)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A static KV cache for ``capacity`` slots."""
@@ -255,20 +420,24 @@ class Transformer:
         head = self.globals.lm_head
         if isinstance(head, SubsetHead):
             head.observe(tokens)
-        norm = fused_rms_norm if fused_norm else rms_norm
+        norm = offset_rms_norm if c.norm_offset else fused_rms_norm if fused_norm else rms_norm
         t = self.tiling
         if t is None:
-            x = embed_rows(self.globals.embed, tokens).to(self.dtype)  # (T, D)
-            cos, sin = rope_tables(positions, self.inv_freq, self.dtype)
+            x = self._embed(tokens)  # (T, D)
+            glob, local = self._ropes(positions)
             bias = sdpa_bias(mask, self.dtype)
+            wbias = None
+            if c.sliding_window is not None:
+                wbias = sdpa_bias(window_mask(mask, positions, c.sliding_window), self.dtype)
 
-            def attend(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-                return sdpa(q, keys, values, bias)
+            def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                b = wbias if wbias is not None and c.window(i) else bias
+                return sdpa(q, keys, values, b, c.attn_scale, c.attn_softcap)
 
-            x = self._layers(x, cos, sin, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
+            x = self._layers(x, glob, local, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
             if logits_rows is not None:
                 x = x[logits_rows]
-            return linear(norm(x, self.globals.norm, c.rms_norm_eps), head).float()
+            return self._logits(linear(norm(x, self.globals.norm, c.rms_norm_eps), head))
         # passes larger than the invariance was checked for run as consecutive passes; rows attend only to slots
         # written by earlier rows or passes (causal prefill, tree ancestry), so the result is the same
         T = tokens.shape[0]
@@ -285,7 +454,13 @@ class Transformer:
             tiled_linear(norm(x[a : a + t.max_rows], self.globals.norm, c.rms_norm_eps), head, t)
             for a in range(0, x.shape[0], t.max_rows)
         ]
-        return (out[0] if len(out) == 1 else torch.cat(out)).float()
+        return self._logits(out[0] if len(out) == 1 else torch.cat(out))
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        x = embed_rows(self.globals.embed, tokens).to(self.dtype)
+        if self.cfg.embed_scale:  # Gemma: times sqrt(D) rounded to the model's dtype, as HF Gemma does
+            x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=self.dtype)
+        return x
 
     def _invariant_pass(
         self,
@@ -301,33 +476,38 @@ class Transformer:
 
         The rows are padded to whole row tiles for the whole pass (zero rows at position 0 that see slot 0 and
         write no keys), so every product and every elementwise kernel sees the same tiles in every pass."""
+        c = self.cfg
         t = self.tiling
         assert t is not None
         T = tokens.shape[0]
         P = t.pad(T)
-        x = embed_rows(self.globals.embed, tokens).to(self.dtype)
+        x = self._embed(tokens)
         pos = positions
         if P != T:
             x = torch.cat((x, x.new_zeros(P - T, x.shape[1])))
             pos = torch.cat((positions, positions.new_zeros(P - T)))
-        cos, sin = rope_tables(pos, self.inv_freq, self.dtype)
+        glob, local = self._ropes(pos)
         plan = plan_keys(mask, positions, P, t.key_block, t.attn_rows)
+        wplan = None
+        if c.sliding_window is not None:
+            wplan = plan_keys(mask, positions, P, t.key_block, t.attn_rows, window=c.sliding_window)
 
-        def attend(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-            return blocked(q, keys, values, plan)
+        def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+            p = wplan if wplan is not None and c.window(i) else plan
+            return blocked(q, keys, values, p, c.attn_scale, c.attn_softcap)
 
         def lin(a: Tensor, w: Any) -> Tensor:
             return tiled_linear(a, w, t)
 
-        x = self._layers(x, cos, sin, attend, cache_slots, mask.shape[1], cache, lin, trace, norm)
+        x = self._layers(x, glob, local, attend, cache_slots, mask.shape[1], cache, lin, trace, norm)
         return x[:T]
 
     def _layers(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+        glob: tuple[Tensor, Tensor],
+        local: tuple[Tensor, Tensor],
+        attend: Callable[[int, Tensor, Tensor, Tensor], Tensor],
         cache_slots: Tensor,
         L: int,
         cache: KVCache,
@@ -336,29 +516,39 @@ class Transformer:
         norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm,
     ) -> Tensor:
         """The decoder layers over x (P, D) (the pass's rows, and any padding rows after them); returns the final
-        hidden states (P, D). Rows past ``cache_slots``'s length write no keys."""
+        hidden states (P, D). ``glob`` / ``local``: RoPE tables of the global and the sliding layers. Rows past
+        ``cache_slots``'s length write no keys."""
         c = self.cfg
         P = x.shape[0]
         T = cache_slots.shape[0]
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        q_dim, kv_dim = H * hd, KVH * hd
+        eps = c.rms_norm_eps
+        act = F.silu if c.activation == "silu" else partial(F.gelu, approximate="tanh")
         self.layers.begin()
         if trace is not None:
             trace.append(x[:T])
         for i in range(c.num_layers):
             w = self.layers.layer(i)
-            h = norm(x, w["attn_norm"], c.rms_norm_eps)
+            h = norm(x, w["attn_norm"], eps)
             qkv = lin(h, w["wqkv"])
             if "bqkv" in w:
                 qkv = qkv + w["bqkv"]
+            qk = qkv[:, : q_dim + kv_dim].view(P, H + KVH, hd)
+            if c.qk_norm:  # per head, before RoPE
+                qk = torch.cat((norm(qk[:, :H], w["q_norm"], eps), norm(qk[:, H:], w["k_norm"], eps)), dim=1)
             # RoPE on the queries and keys together (one set of kernels; the same arithmetic per element)
-            qk = apply_rope(qkv[:, : q_dim + kv_dim].view(P, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            v = qkv[:, q_dim + kv_dim :].reshape(P, c.num_kv_heads, c.head_dim)
+            cos, sin = local if c.window(i) else glob
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, q_dim + kv_dim :].reshape(P, KVH, hd)
             keys, values = cache.write(i, cache_slots, k[:T], v[:T], L)
-            x = x + lin(attend(q, keys, values), w["wo"])
-            h = norm(x, w["mlp_norm"], c.rms_norm_eps)
+            a = lin(attend(i, q, keys, values), w["wo"])
+            x = x + (norm(a, w["post_attn_norm"], eps) if c.sandwich_norm else a)
+            h = norm(x, w["mlp_norm"], eps)
             gate, up = lin(h, w["w13"]).chunk(2, dim=-1)
-            x = x + lin(F.silu(gate) * up, w["w2"])
+            m = lin(act(gate) * up, w["w2"])
+            x = x + (norm(m, w["post_mlp_norm"], eps) if c.sandwich_norm else m)
             if trace is not None:
                 trace.append(x[:T])
             self.layers.done(i)

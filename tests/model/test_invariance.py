@@ -19,8 +19,9 @@ def _ar_logits(model, ids: torch.Tensor) -> torch.Tensor:
     cache = model.new_cache(len(ids) + 8)
     out = []
     for i in range(len(ids)):
-        p = torch.tensor([i])
-        out.append(model.forward(ids[i : i + 1], p, p, torch.ones(1, i + 1, dtype=torch.bool), cache))
+        p = torch.tensor([i], device=model.device)
+        one = torch.ones(1, i + 1, dtype=torch.bool, device=model.device)
+        out.append(model.forward(ids[i : i + 1].to(model.device), p, p, one, cache))
     return torch.cat(out)
 
 
@@ -28,8 +29,9 @@ def _tree_pass(model, ids: torch.Tensor, n0: int, rows: int, gen: torch.Generato
     """Prefill ids[:n0], then one pass of ``rows`` tree rows in which ids[n0:] form a path (at random rows, among
     random siblings and distractor branches). Returns (the pass's logits, the path's row indices)."""
     cache = model.new_cache(n0 + rows + 8)
-    pre = torch.arange(n0)
-    model.forward(ids[:n0], pre, pre, pre[None, :] <= pre[:, None], cache)
+    dev = model.device
+    pre = torch.arange(n0, device=dev)
+    model.forward(ids[:n0].to(dev), pre, pre, pre[None, :] <= pre[:, None], cache)
     k = len(ids) - n0
     path = sorted(torch.randperm(rows - 1, generator=gen)[: k - 1].add(1).tolist())
     path = [0, *path]
@@ -51,7 +53,8 @@ def _tree_pass(model, ids: torch.Tensor, n0: int, rows: int, gen: torch.Generato
             anc[r] |= anc[parent[r]]
             depth[r] = depth[parent[r]] + 1
     mask = torch.cat([torch.ones(rows, n0, dtype=torch.bool), anc], dim=1)
-    logits = model.forward(tokens, n0 + depth, n0 + torch.arange(rows), mask, cache)
+    slots = n0 + torch.arange(rows)
+    logits = model.forward(tokens.to(dev), (n0 + depth).to(dev), slots.to(dev), mask.to(dev), cache)
     return logits, path
 
 

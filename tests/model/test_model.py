@@ -141,30 +141,24 @@ def test_a_drafts_fused_norm_only_moves_logits_by_rounding(tiny_models, family):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_a_sliding_window_caps_the_context_so_attention_never_passes_it(tmp_path, caplog):
-    """Mistral's sliding window: our attention sees every earlier position, which is the model's own attention only
-    while the sequence fits in the window. So the context is capped at the window (with a warning), a longer
-    prompt is refused with one message, and inside the window the output is transformers' greedy output."""
-    import json
-
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3"])
+def test_sliding_windows_hold_past_the_window_through_the_cache_and_trees(noisy_pairs, family):
+    """Prompt and generation run far past the window (8): greedy AR and speculative decoding, on the invariant
+    passes and the fast ones, give transformers' own greedy output token for token."""
     from specexec.api import load
-    from specexec.errors import InvalidPrompt
-    from tests.conftest import make_tiny
+    from tests.conftest import WINDOW
 
-    path = make_tiny(tmp_path / "m", "mistral")
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 24}))
-    with caplog.at_level("WARNING"):
-        engine = load(str(path), device="cpu", context=64, progress=False)
-    assert engine.context == 24 and "attention window" in caplog.text
-    with pytest.raises(InvalidPrompt):
-        engine.generate(list(range(3, 33)), 4)
-    ids = [1, 5, 9, 17, 33, 40, 41, 42]
-    ours = engine.generate(ids, 12, method="ar").tokens
-    hf = _hf(path)
+    target, draft = noisy_pairs[family]
+    ids = torch.randint(3, 96, (3 * WINDOW,), generator=torch.Generator().manual_seed(5)).tolist()
+    hf = _hf(target)
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, attention_mask=torch.ones(1, 8))
-    assert ours == theirs[0, 8:].tolist()[: len(ours)]
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, 24))
+    want = ref[0, len(ids) :].tolist()
+    for invariant in (True, False):
+        engine = load(str(target), str(draft), device="cpu", context=128, progress=False, invariant=invariant)
+        for method in ("ar", "specexec"):
+            got = engine.generate(ids, 24, method=method).tokens
+            assert got == want[: len(got)] and len(got) == 24, (invariant, method)
 
 
 def test_qwen2_windows_count_only_when_enabled():
@@ -173,5 +167,30 @@ def test_qwen2_windows_count_only_when_enabled():
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 32768}).sliding_window is None
     on = {**base, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}
-    assert ModelConfig.from_hf(on).sliding_window == 4096
+    assert ModelConfig.from_hf(on).sliding_window is None  # the one layer is below max_window_layers (28)
+    assert ModelConfig.from_hf({**on, "max_window_layers": 0}).sliding_window == 4096
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+
+
+def test_a_multimodal_gemma3_checkpoint_runs_its_text_decoder(tiny_models, tmp_path):
+    """Gemma 3 4B+ ship as image-text checkpoints: ``model_type: gemma3`` with a ``text_config``, the decoder's
+    tensors under ``model.language_model.``. The text decoder loads from it and computes the same logits."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_models["gemma3"]
+    dst = tmp_path / "mm"
+    shutil.copytree(src, dst)
+    text = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(f)
+        save_file({k.replace("model.", "model.language_model.", 1): v for k, v in sd.items()}, f)
+    ref, mm = (load_model(p, torch.device("cpu"), torch.float32) for p in (src, dst))
+    assert mm.cfg == ref.cfg
+    ids = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(1))
+    t = torch.arange(12)
+    mask = t[None, :] <= t[:, None]
+    assert torch.equal(mm.forward(ids, t, t, mask, mm.new_cache(16)), ref.forward(ids, t, t, mask, ref.new_cache(16)))
