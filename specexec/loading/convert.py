@@ -26,13 +26,14 @@ names them.
 
 Crash safety: everything is written into a hidden temporary sibling directory; the marker file
 :data:`COMPLETE_MARKER` is written last and the directory is renamed into place atomically, so a directory at
-``out_dir`` is always complete.
+``out_dir`` is always complete. A temporary directory left by a killed conversion is deleted by the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import logging
 import math
@@ -193,6 +194,7 @@ def gguf_to_hf_dir(
     source = _read_gguf(gguf_path)
     first = source.path
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out_dir)
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
@@ -824,6 +826,34 @@ def _write_marker(model_dir: Path, gguf_path: Path, dtype: torch.dtype) -> None:
 
     info = {"source_gguf": gguf_path.name, "dtype": _dtype_name(dtype), "transformers": transformers.__version__}
     (model_dir / COMPLETE_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Delete temporary and old siblings of ``out_dir`` left by conversions whose process died (killed, power
+    lost): ``.<name>.tmp-<pid>`` / ``.<name>.old-<pid>`` whose pid runs no more. A conversion running
+    concurrently keeps its own."""
+    for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"):
+        kind, _, pid = path.name.removeprefix(f".{out_dir.name}.").partition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        logger.info("removing %s, left by an interrupted conversion", path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """True if a process ``pid`` exists (or may: one of another user's)."""
+    if pid == os.getpid():
+        return False  # a previous conversion of this process, interrupted
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _move_into_place(tmp_dir: Path, out_dir: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -698,6 +699,20 @@ def test_crash_leaves_nothing(ggufs, tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         convert.gguf_to_hf_dir(ggufs["qwen2"][0], tmp_path / "out", progress=False, on_tensor=boom)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_conversion_leaves_nothing_behind(ggufs, tmp_path):
+    """A conversion killed outright (no cleanup ran) leaves a temporary directory; the next conversion of the same
+    output removes it, and keeps one a live process is writing."""
+    gone = subprocess.Popen(["true"])  # a pid that has exited
+    gone.wait()
+    abandoned = tmp_path / f".out.tmp-{gone.pid}"
+    (abandoned / "half.safetensors").parent.mkdir()
+    (abandoned / "half.safetensors").write_bytes(b"partial")
+    live = tmp_path / f".out.tmp-{os.getppid()}"
+    live.mkdir()
+    convert.gguf_to_hf_dir(ggufs["qwen2"][0], tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
 
 
 def test_replaces_an_existing_directory(ggufs, tmp_path):
