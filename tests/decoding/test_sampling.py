@@ -315,6 +315,24 @@ def test_every_method_samples_the_target_distribution(models, tables, name):
     assert not failed, f"{name}: {failed}"
 
 
+@pytest.mark.parametrize("family", ["mistral_window", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_each_family_samples_the_target_distribution(tmp_path_factory, family):
+    """SpecExec over each newer family's target (its soft-caps, norms and RoPE in the logits) and a noisy draft of
+    it samples the target's own distribution over the next 3 tokens."""
+    root = tmp_path_factory.mktemp(f"sampling-{family}")
+    target = make_tiny(root / "target", family, vocab=V, seed=3, std=0.3, layers=2, hidden=32)
+    models = (
+        load_model(target, CPU, torch.float32),
+        load_model(make_noisy_copy(target, root / "d", 0.1), CPU, torch.float32),
+    )
+    tables = Table(models[0], PROMPT), Table(models[1], PROMPT)
+    samp = CONFIGS["T1"]
+    pval = record(
+        family, "specexec budget=16", run_method(models, tables, samp, "specexec", 16), joint(tables[0], samp)
+    )
+    assert pval > ALPHA, (family, pval)
+
+
 @pytest.mark.parametrize("name", ["T1", "T0.5-p0.8"])
 def test_specexec_equals_ar_pathwise(models, tables, name):
     """With the same seeds SpecExec emits exactly AR's samples, at every budget: the target's draw at each output
