@@ -63,9 +63,13 @@ TINY_FAMILIES = {
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_FAMILIES))
-def test_parameter_counts_of_other_families_match_transformers(model_type):
-    """param_count (what doctor and the memory checks plan with) equals the parameters transformers builds."""
+def test_sizes_of_other_families_match_transformers_and_the_loader(model_type, tmp_path):
+    """param_count (what doctor and the memory checks plan with) equals the parameters transformers builds, and
+    model_weight_bytes what the loader holds, dense, int8 and nf4."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specexec.loading.checkpoint import load_model, read_config
+    from tests.loading.test_self_draft import _weight_bytes
 
     hf = dict(
         model_type=model_type,
@@ -79,18 +83,13 @@ def test_parameter_counts_of_other_families_match_transformers(model_type):
         **TINY_FAMILIES[model_type],
     )
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
-    cfg = ModelConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=112,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=hf.get("head_dim", 16),
-        tie_word_embeddings=hf["tie_word_embeddings"],
-        model_type=model_type,
-    )
+    model.save_pretrained(tmp_path)
+    cfg = read_config(tmp_path)
+    assert cfg.model_type == model_type and cfg.head_dim == hf.get("head_dim", 16)
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+    for fmt in ("dense", "int8", "nf4"):
+        ours = load_model(tmp_path, torch.device("cpu"), torch.float32, int8=fmt == "int8", nf4=fmt == "nf4")
+        assert _weight_bytes(ours) == model_weight_bytes(cfg, fmt, 4), fmt
 
 
 def test_doctor_json_with_a_local_target(pair, tmp_path, monkeypatch):
@@ -289,6 +288,64 @@ def test_alias_architectures_match_published_sizes(alias, published):
     cfg = ModelConfig.from_hf(hub.known_config(alias))
     assert param_count(cfg) == pytest.approx(published, rel=2e-3)
     assert hub.known_config(alias)["torch_dtype"] in ("float16", "bfloat16")
+
+
+# Published sizes in billions, to the digits their source gives (a count passes within half a unit of the last
+# digit): the model cards' totals for Qwen3 (0.6B ... 32.8B); the Hub's safetensors counts for Gemma 2, Phi-3, Llama and
+# Mistral (Gemma-2-2B 2.61B ... Phi-3-medium 13.96B); the Gemma 3 technical report's table 1 (embedding +
+# non-embedding parameters, e.g. 12B: 1,012M + 10,759M; the multimodal checkpoints' 417M vision encoder not counted)
+FAMILY_SIZES = [
+    ("qwen3-0.6b", "0.6"),
+    ("qwen3-1.7b", "1.7"),
+    ("qwen3-4b", "4.0"),
+    ("qwen3-8b", "8.2"),
+    ("qwen3-14b", "14.8"),
+    ("qwen3-32b", "32.8"),
+    ("gemma-2-2b", "2.61"),
+    ("gemma-2-9b", "9.24"),
+    ("gemma-2-27b", "27.2"),
+    ("gemma-3-1b", "1.000"),
+    ("gemma-3-4b", "3.88"),
+    ("gemma-3-12b", "11.77"),
+    ("gemma-3-27b", "27.0"),
+    ("phi-3-mini", "3.82"),
+    ("phi-3.5-mini", "3.82"),
+    ("phi-3-medium", "13.96"),
+    ("llama3.3-70b", "70.55"),
+    ("deepseek-r1-distill-llama-70b", "70.55"),
+    ("llama3.2-3b", "3.21"),
+    ("mistral-7b-v0.1", "7.24"),
+]
+
+
+@pytest.mark.parametrize("alias, billions", FAMILY_SIZES)
+def test_family_architectures_match_published_sizes(alias, billions):
+    """The Qwen3, Gemma 2/3, Phi-3, Llama 3.x and Mistral aliases plan with their published parameter counts."""
+    from specexec.loading import hub
+
+    cfg = ModelConfig.from_hf(hub.known_config(alias))
+    digits = len(billions.partition(".")[2])
+    assert param_count(cfg) / 1e9 == pytest.approx(float(billions), abs=0.5 * 10**-digits)
+    assert hub.known_config(alias)["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("pair_name", ["qwen3", "gemma2", "gemma3", "phi3", "llama3.3"])
+def test_doctor_plans_the_new_pairs_without_a_download(pair_name, tmp_path, monkeypatch):
+    """Each new [pairs] entry plans from configs/models.toml alone: no cache, no network, no file written."""
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from specexec.loading import hub
+
+    pair = hub.pairs()[pair_name]
+    assert not hub.is_present(pair.target) and not hub.is_present(pair.draft)
+    rec = recommend(pair.target, _system(24, 128), context=4096, draft=pair.draft)
+    assert rec.present and rec.params == param_count(ModelConfig.from_hf(hub.known_config(pair.target)))
+    assert rec.tier in ("none", "ram") and any("configs/models.toml" in n for n in rec.notes)
+    result = runner.invoke(app, ["doctor", "--json", "--disk-mb", "0", "--target", pair.target, "--draft", pair.draft])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recommendation"]["params"] == rec.params
+    assert not list((tmp_path / "hf").glob("*"))
 
 
 LLAMA2_7B_CFG = dict(
