@@ -88,6 +88,16 @@ def test_streamed_forward_equals_resident(tiny3, tmp_path, mode, resident, looka
     assert st.forwards == 6
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3", "mistral_window"])
+def test_each_family_streams_bit_exactly(tmp_path, family):
+    """Every family's layer tensors (q/k norms, Gemma's extra norms, Phi-3's fused weights) travel through the
+    packed layer layout: a streamed forward gives the resident model's logits bit for bit."""
+    path = make_tiny(tmp_path / family, family, seed=2, layers=3)
+    ref = _passes(load_model(path, CPU, torch.float32))
+    model = _load(path, tmp_path, mode="ram", resident_layers=1)
+    assert isinstance(model.layers, StreamedLayers) and torch.equal(_passes(model), ref)
+
+
 def test_resident_weights_are_aligned_copies(tiny3):
     """The resident loader copies every weight out of the memory-mapped safetensors file (whose zero-copy views
     sit at 4-8 byte offsets): MKL sums differently for differently aligned operands, so unaligned resident
