@@ -60,18 +60,12 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, 
 # ---------------------------------------------------------------------------------------------- weights
 
 
-# families whose layers norm the attention and MLP outputs too (four hidden-size norms a layer, not two)
-SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
-# families that RMS-norm each query and key head (one head_dim weight each for q and k)
-QK_NORMS = ("qwen3", "gemma3", "gemma3_text")
-
-
 def norm_params(cfg: ModelConfig) -> int:
-    """Norm weights of one decoder layer: two hidden-size norms (Llama, Mistral, Qwen2, Phi-3); four for Gemma 2/3
-    (pre- and post-norms around attention and MLP); plus q/k head norms for Qwen3 and Gemma 3."""
-    d = cfg.hidden_size
-    n = (4 if cfg.model_type in SANDWICH_NORMS else 2) * d
-    return n + (2 * cfg.head_dim if cfg.model_type in QK_NORMS else 0)
+    """Norm weights of one decoder layer: two hidden-size norms (Llama, Mistral, Qwen2, Phi-3), four with Gemma's
+    norms on the attention's and MLP's outputs (``sandwich_norm``), plus one head_dim norm each for queries and keys
+    (``qk_norm``: Qwen3, Gemma 3)."""
+    n = (4 if cfg.sandwich_norm else 2) * cfg.hidden_size
+    return n + (2 * cfg.head_dim if cfg.qk_norm else 0)
 
 
 def layer_params(cfg: ModelConfig) -> int:
