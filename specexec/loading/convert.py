@@ -6,8 +6,9 @@ weight is read. Then tensor after tensor, a chunk of rows at a time, the bytes a
 read from the GGUF, dequantized to fp32 with ``gguf.quants.dequantize``, un-permuted where llama.cpp permuted
 them, cast to the storage dtype (fp16 by default) and appended to the shard. The weights never sit in memory
 together: the tensor step holds one chunk (:data:`CHUNK_ELEMENTS` fp32 values) whatever the model's size, and
-the peak is set by the tokenizer and config steps, which parse the GGUF's vocabulary (~0.8 GB RSS for the demo
-pair's 151,936 tokens, where loading the 1.5B target through transformers in fp32 takes ~9 GB).
+the peak is set by the tokenizer step, which parses the GGUF's vocabulary (0.79 GB peak RSS converting the demo
+1.5B target, 151,936 tokens, in 104 s on 2 cores, where loading it through transformers in fp32 takes ~9 GB). The
+config step reads a copy of the metadata without the vocabulary (:func:`_metadata_view`).
 
 The output is exactly what transformers' own GGUF loader gives (``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=...)`` in fp32, each tensor then cast to the storage dtype), which transformers itself then refuses to
@@ -292,10 +293,11 @@ _VALUE_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 
 
 def _parse_header(
-    f: BufferedReader, name: str, size: int
+    f: BufferedReader, name: str, size: int, spans: dict[str, tuple[int, int]] | None = None
 ) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
     """(metadata, [(tensor name, GGUF dims, ggml type, data offset)], end of the tensor table) from an open GGUF
-    file of ``size`` bytes (versions 2 and 3, little-endian). Metadata arrays are given as their length.
+    file of ``size`` bytes (versions 2 and 3, little-endian). Metadata arrays are given as their length. ``spans``,
+    if given, receives each metadata entry's byte range in the file.
 
     Every length read is checked against the file's size, so a corrupt header fails here instead of asking for
     an absurd allocation.
@@ -344,9 +346,12 @@ def _parse_header(
     kv_count = length("metadata table", 12)
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
+        start = f.tell()
         key = string()
         (value_type,) = unpack("<I")
         metadata[key] = value(value_type)
+        if spans is not None:
+            spans[key] = (start, f.tell())
     entries = []
     for _ in range(tensor_count):
         tensor = string()
@@ -460,8 +465,11 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    gguf_path = source.path
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    view = _metadata_view(source, out_dir)
+    try:
+        config = AutoConfig.from_pretrained(view.parent, gguf_file=view.name)
+    finally:
+        view.unlink()
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.tie_word_embeddings = all(t.gguf_name != "output.weight" for t in source.tensors)
@@ -484,6 +492,52 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return _ModelSpec(shapes, heads, kv_heads, config.num_hidden_layers)
+
+
+_VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
+
+
+def _metadata_view(source: _Gguf, directory: Path) -> Path:
+    """A small GGUF in ``directory`` for transformers' config reader: the first part's metadata, byte for byte, minus
+    the vocabulary arrays (with ``<arch>.vocab_size`` stated when the file leaves it to the vocabulary's length, as
+    transformers then counts it), and every tensor of all parts by name, each as one F32 value.
+
+    transformers' GGUF config reads the whole file with ``gguf.GGUFReader``, which builds an object per vocabulary
+    entry (~25 s for a 150k-token vocabulary) to read a few numbers; the config depends only on the metadata kept
+    here and on the tensors' names (a tied lm_head is one without ``output.weight``).
+    """
+    first = source.path
+    spans: dict[str, tuple[int, int]] = {}
+    with open(first, "rb") as f:
+        _parse_header(f, first.name, first.stat().st_size, spans)
+        entries = []
+        for key, (start, end) in spans.items():
+            if key not in _VOCABULARY_KEYS:
+                f.seek(start)
+                entries.append(f.read(end - start))
+    vocab_key = f"{source.architecture}.vocab_size"
+    if vocab_key not in spans and "tokenizer.ggml.tokens" in source.metadata:
+        encoded = vocab_key.encode()
+        entries.append(
+            struct.pack("<Q", len(encoded)) + encoded + struct.pack("<II", 4, source.metadata["tokenizer.ggml.tokens"])
+        )
+    alignment = source.metadata.get("general.alignment", 32)
+    table = b""
+    for i, t in enumerate(source.tensors):
+        encoded = t.gguf_name.encode()
+        table += struct.pack("<Q", len(encoded)) + encoded + struct.pack("<IQIQ", 1, 1, 0, i * alignment)
+    header = struct.pack("<4sIQQ", b"GGUF", 3, len(source.tensors), len(entries)) + b"".join(entries) + table
+    header += b"\0" * (-len(header) % alignment)
+    view = directory / f".metadata-{first.name}"
+    if view.suffix != ".gguf":
+        view = view.with_name(view.name + ".gguf")
+    view.write_bytes(header + b"\0" * (len(source.tensors) * alignment))
+    return view
 
 
 def _set_rope_scaling(config: Any, source: _Gguf) -> None:

@@ -93,6 +93,7 @@ def write_gguf(
     rope_base: float = 10000.0,
     rope_freqs: np.ndarray | None = None,
     longrope: tuple[np.ndarray, np.ndarray, int] | None = None,
+    vocab_size: bool = True,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random GGUF with a byte-level BPE tokenizer at ``path``; return the HF-layout float32 weights
     it was made from (before llama.cpp's changes: the llama permutation, Gemma's norm offset, quantization), keyed
@@ -105,7 +106,8 @@ def write_gguf(
     GGUF as gguf-split does (``path`` then names ``<stem>-00001-of-0000N.gguf`` and its siblings).
     ``rope_linear``: a linear RoPE scaling factor stated in the metadata; ``rope_freqs``: llama.cpp's per-frequency
     RoPE divisors (llama 3), stored as the ``rope_freqs`` tensor; ``longrope``: Phi-3's (long factors, short
-    factors, original context length), stored as llama.cpp stores them.
+    factors, original context length), stored as llama.cpp stores them. ``vocab_size``: state ``<arch>.vocab_size``
+    (else readers count the vocabulary).
     """
     rng = np.random.default_rng(seed)
     qtypes = qtypes or {}
@@ -138,7 +140,8 @@ def write_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_linear)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(vocab)
+    if vocab_size:
+        writer.add_vocab_size(vocab)
     if tokenizer and sentencepiece:
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
@@ -260,10 +263,12 @@ CASES = {
         },
     ),
     "mistral": dict(arch="llama", name="mistral", alignment=64, qtypes={"attn_q": Q.F16, "attn_k": Q.Q8_0}),
-    # qwen3: q/k norms, head_dim 128 (stated as key_length, and transformers' Qwen3 default) != hidden / heads.
+    # qwen3: q/k norms, head_dim 128 (stated as key_length, and transformers' Qwen3 default) != hidden / heads; no
+    # vocab_size key (the vocabulary's length is the config's).
     "qwen3": dict(
         arch="qwen3",
         head_dim=128,
+        vocab_size=False,
         qtypes={"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_down": Q.Q6_K},
     ),
     # gemma2 / gemma3: four norms a layer (and gemma3 q/k norms) stored as w + 1, tied embeddings, no permutation.
