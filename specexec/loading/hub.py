@@ -236,12 +236,13 @@ def list_models(home: Path | None = None) -> list[dict]:
 def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: Path | None = None) -> Path:
     """Turn a model spec into a local path: an alias, an existing path, a store name, or an HF id ``owner/name``.
 
-    Aliases are pulled if missing (``pull_missing``). Existing paths (a directory, a .gguf file, ...) are returned
-    as they are (a part of a split GGUF as its first part); the loader validates their contents. Store names of
-    :mod:`specexec.loading.stores` (``ollama:qwen2.5:7b``, ``lmstudio:publisher/repo``) give the GGUF they name.
-    A GGUF file without the .gguf suffix (an Ollama blob) is converted here, once (see :func:`pull_gguf`), and its
-    converted directory returned. HF ids come from the HF cache, downloading if needed. Anything else raises
-    SpecexecError with a one-line explanation. ``home``: the cache root (default :func:`cache_home`).
+    Aliases are pulled if missing (``pull_missing``). Existing paths (a directory, a safetensors file) are returned
+    as they are; the loader validates their contents. Store names of :mod:`specexec.loading.stores`
+    (``ollama:qwen2.5:7b``, ``lmstudio:publisher/repo``) give the GGUF they name. A GGUF (a .gguf file, any part of
+    a split one, an Ollama blob) gives its converted directory under ``home``, converted here once if missing and
+    ``pull_missing`` (see :func:`pull_gguf`; the same place `specexec models pull FILE.gguf` converts to). HF ids
+    come from the HF cache, downloading if needed. Anything else raises SpecexecError with a one-line explanation.
+    ``home``: the cache root (default :func:`cache_home`).
     """
     from specexec.loading import stores
 
@@ -278,17 +279,22 @@ STORE_PREFIXES = ("ollama:", "lmstudio:")
 
 
 def _local_file(path: Path, pull_missing: bool, progress: bool, home: Path | None) -> Path:
-    """A local model file as the loader takes it: a GGUF named .gguf as its first part; a GGUF named otherwise
-    (an Ollama blob) as its converted directory; any other file as it is."""
+    """A local model file as the loader takes it. A GGUF (named .gguf, any part of a split one, or a file with the
+    GGUF magic such as an Ollama blob): its converted directory under ``home``, converting it now if needed and
+    ``pull_missing``, else (not converted, no pulling) a .gguf file's first part, which the loader converts on first
+    use. Any other file as it is."""
     from specexec.loading.convert import split_parts
 
-    if path.suffix == ".gguf":
-        return split_parts(path)[0]
-    if not _is_gguf(path):
+    if path.suffix != ".gguf" and not _is_gguf(path):
         return path
-    out = converted_gguf_dir(path, home)
-    if pull_missing or _is_converted(out):
-        return pull_gguf(path, progress=progress, home=home)
+    first = split_parts(path)[0]
+    out = converted_gguf_dir(first, home)
+    if _is_converted(out):
+        return out
+    if pull_missing:
+        return pull_gguf(first, progress=progress, home=home)
+    if path.suffix == ".gguf":
+        return first
     raise SpecexecError(f"{path} is not converted yet; run `specexec models pull {path}`")
 
 

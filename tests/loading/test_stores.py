@@ -126,7 +126,9 @@ def test_resolve_store_names(machine, tiny_gguf):
     studio = machine / ".cache" / "lm-studio" / "models" / "pub" / "repo"
     studio.mkdir(parents=True)
     shutil.copyfile(tiny_gguf, studio / "m.gguf")
-    assert hub.resolve("lmstudio:pub/repo") == (studio / "m.gguf").resolve()
+    assert hub.resolve("lmstudio:pub/repo", pull_missing=False) == (studio / "m.gguf").resolve()  # loader converts
+    converted = hub.resolve("lmstudio:pub/repo", progress=False)
+    assert converted == hub.converted_gguf_dir(studio / "m.gguf") and convert.is_complete(converted)
 
     blob = _ollama_model(machine / ".ollama" / "models", tiny_gguf, "tiny", "latest")
     with pytest.raises(SpecexecError, match="is not converted yet; run `specexec models pull"):
@@ -175,7 +177,24 @@ def test_pull_split_gguf_by_any_part(machine, tmp_path):
     write_gguf(tmp_path / "m.gguf", layers=3, qkv_bias=True, split_max_tensors=14)
     first = hub.pull_gguf(tmp_path / "m-00003-of-00003.gguf", progress=False)
     assert first == hub.converted_gguf_dir(tmp_path / "m-00001-of-00003.gguf") and convert.is_complete(first)
-    assert hub.resolve(str(tmp_path / "m-00002-of-00003.gguf")) == tmp_path / "m-00001-of-00003.gguf"
+    assert hub.resolve(str(tmp_path / "m-00002-of-00003.gguf")) == first
+
+
+def test_target_gguf_with_cache_dir_uses_the_pulled_conversion(machine, tiny_gguf, tmp_path, monkeypatch):
+    """`models pull FILE.gguf --cache-dir DIR` and `--target FILE.gguf --cache-dir DIR` (hub.resolve with home=DIR,
+    as the engine resolves its target) share one conversion under DIR."""
+    home = tmp_path / "elsewhere"
+    result = CliRunner().invoke(models_app, ["pull", str(tiny_gguf), "-q", "--cache-dir", str(home)])
+    assert result.exit_code == 0, result.output
+    out = hub.converted_gguf_dir(tiny_gguf, home)
+    assert out.parent == home / "converted" and convert.is_complete(out)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(convert, "gguf_to_hf_dir", no_conversion)
+    assert hub.resolve(str(tiny_gguf), home=home) == out
+    assert checkpoint.model_dir(out) == out
 
 
 @pytest.mark.parametrize(
