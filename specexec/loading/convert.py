@@ -188,7 +188,7 @@ def gguf_to_hf_dir(
     """
     if dtype not in _ST_DTYPE:
         raise ValueError(f"dtype must be one of {list(_ST_DTYPE)}, got {dtype}")
-    gguf_path = Path(gguf_path).resolve()
+    gguf_path = Path(gguf_path).absolute()  # not resolve(): the HF cache links part names to hashed blobs
     out_dir = Path(out_dir).expanduser().resolve()
     if not gguf_path.is_file():
         raise SpecexecError(f"GGUF file not found: {gguf_path}")

@@ -260,7 +260,7 @@ def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: P
         return _local_file(found, pull_missing, progress, home)
     path = Path(spec).expanduser()
     if path.exists():
-        return _local_file(path.resolve(), pull_missing, progress, home) if path.is_file() else path.resolve()
+        return _local_file(path.absolute(), pull_missing, progress, home) if path.is_file() else path.resolve()
     if _looks_like_path(spec):
         raise SpecexecError(f"model path not found: {spec}")
     if _HF_ID.match(spec):

@@ -223,7 +223,7 @@ def _ggufs_under(folder: Path, depth: int) -> Iterator[Path]:
         m = _SPLIT_PART.fullmatch(path.name)
         if m is not None and int(m.group(1)) != 1:
             continue
-        yield path.resolve()
+        yield path.absolute()  # the HF cache links names to hashed blobs: keep the names
 
 
 def _files_under(folder: Path, depth: int) -> Iterator[Path]:

@@ -197,6 +197,24 @@ def test_target_gguf_with_cache_dir_uses_the_pulled_conversion(machine, tiny_ggu
     assert checkpoint.model_dir(out) == out
 
 
+def test_split_gguf_in_the_hf_cache(machine, tmp_path):
+    """A split GGUF in the HF cache, whose part names are links to blobs named by hash, is listed by its first part
+    and converts from it."""
+    write_gguf(tmp_path / "m.gguf", layers=3, qkv_bias=True, split_max_tensors=14)
+    repo = machine / ".cache" / "huggingface" / "hub" / "models--someone--m-GGUF"
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i in (1, 2, 3):
+        blob = repo / "blobs" / f"{i:064x}"
+        shutil.move(tmp_path / f"m-0000{i}-of-00003.gguf", blob)
+        (snap / f"m-0000{i}-of-00003.gguf").symlink_to(blob)
+    found = stores.discover()
+    assert [(f.name, f.format) for f in found] == [(str(snap / "m-00001-of-00003.gguf"), "gguf")]
+    out = hub.resolve(found[0].name, progress=False)
+    assert convert.is_complete(out) and (out / "config.json").is_file()
+
+
 @pytest.mark.parametrize(
     "make,message",
     [
