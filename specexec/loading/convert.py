@@ -460,8 +460,8 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
 
     Corrections where transformers reads only the first file or ignores a key: ``tie_word_embeddings`` from
     the tensors of all parts of a split GGUF, ``head_dim`` from ``<arch>.attention.key_length`` where the file
-    states it (transformers' Qwen3 config otherwise keeps its class default of 128), linear RoPE scaling (see
-    :func:`_set_rope_scaling`).
+    states it (transformers' Qwen3 config otherwise keeps its class default of 128), RoPE scaling (linear, llama 3's,
+    Phi-3's LongRoPE) and Gemma's query scale as llama.cpp reads them.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -479,6 +479,7 @@ def _save_config(source: _Gguf, dtype: torch.dtype, out_dir: Path) -> _ModelSpec
     _set_rope_scaling(config, source)
     _set_llama3_rope(config, source)
     _set_longrope(config, source)
+    _set_query_scale(config, source)
     config.dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -608,6 +609,23 @@ def _set_longrope(config: Any, source: _Gguf) -> None:
     rope.update({"rope_type": "longrope", **factors, "original_max_position_embeddings": original})
     config.original_max_position_embeddings = original
     config.rope_parameters = rope
+
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""Layer counts of Gemma 2 27B and Gemma 3 27B, whose attention scales by hidden / heads, not the head width."""
+
+
+def _set_query_scale(config: Any, source: _Gguf) -> None:
+    """Gemma's ``query_pre_attn_scalar``, which no GGUF key states: llama.cpp scales queries by the head width,
+    except for the 27B models (told apart by their layer count), which use hidden / heads (Gemma 2 27B: 144, Gemma 3
+    27B: 168). transformers' GGUF config keeps its class default of 256 for every size."""
+    layers = _GEMMA_27B_LAYERS.get(source.architecture)
+    if layers is None:
+        return
+    if config.num_hidden_layers == layers:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
 
 
 def _llama3_factors(

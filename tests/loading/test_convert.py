@@ -271,9 +271,10 @@ CASES = {
         vocab_size=False,
         qtypes={"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_down": Q.Q6_K},
     ),
-    # gemma2 / gemma3: four norms a layer (and gemma3 q/k norms) stored as w + 1, tied embeddings, no permutation.
-    "gemma2": dict(arch="gemma2", tied=True, head_dim=16, qtypes={"attn_q": Q.Q8_0, "ffn_down": Q.Q4_K}),
-    "gemma3": dict(arch="gemma3", tied=True, head_dim=32, qtypes={"attn_k": Q.Q5_1, "ffn_up": Q.Q8_0}),
+    # gemma2 / gemma3: four norms a layer (and gemma3 q/k norms) stored as w + 1, tied embeddings, no permutation;
+    # heads 256 wide, so that llama.cpp's query scale (the head width) is transformers' default.
+    "gemma2": dict(arch="gemma2", tied=True, head_dim=256, qtypes={"attn_q": Q.Q8_0, "ffn_down": Q.Q4_K}),
+    "gemma3": dict(arch="gemma3", tied=True, head_dim=256, qtypes={"attn_k": Q.Q5_1, "ffn_up": Q.Q8_0}),
     # phi3: fused qkv_proj and gate_up_proj.
     "phi3": dict(arch="phi3", heads=4, kv_heads=4, qtypes={"attn_qkv": Q.Q8_0, "ffn_up": Q.Q4_1, "output": Q.Q5_0}),
 }
@@ -583,6 +584,29 @@ def test_phi3_longrope_comes_from_its_tensors(tmp_path):
     assert rope["long_factor"] == long.astype(np.float32).tolist()
     assert rope["short_factor"] == short.astype(np.float32).tolist()
     assert not any("rope_factors" in name for name in stored_tensors(out))
+
+
+@pytest.mark.parametrize(
+    "arch,layers,head_dim,scale", [("gemma2", 46, 16, 144), ("gemma2", 2, 16, 16), ("gemma3", 62, 32, 168)]
+)
+def test_gemma_query_scale_follows_llama_cpp(tmp_path, arch, layers, head_dim, scale):
+    """Gemma's query_pre_attn_scalar is in no GGUF key: llama.cpp uses the head width, and hidden / heads for the
+    27B models (46 layers for Gemma 2, 62 for Gemma 3). Shapes here: hidden = 144 * 4 heads or 168 * 4."""
+    hidden = 4 * scale if layers in (46, 62) else 64
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(
+        path,
+        arch=arch,
+        tied=True,
+        layers=layers,
+        hidden=hidden,
+        heads=4,
+        kv_heads=2,
+        head_dim=head_dim,
+        intermediate=32,
+    )
+    out = convert.gguf_to_hf_dir(path, tmp_path / "out", progress=False)
+    assert json.loads((out / "config.json").read_text())["query_pre_attn_scalar"] == scale
 
 
 # ---------------------------------------------------------------------------------------------- split GGUFs
