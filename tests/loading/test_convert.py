@@ -527,7 +527,7 @@ def llama_cpp_rope_freqs(base: float, dim: int, factor: float, low: float, high:
     import math
 
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factors = []
+    factors: list[float] = []
     for freq in freqs.tolist():
         wavelen = 2 * math.pi / freq
         if wavelen < old / high:
