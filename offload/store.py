@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # bump when the packed file format changes (part of the cache key)
 CHUNK_BYTES = 64 << 20  # bytes: staging chunk and CRC granularity
 MANIFEST = "manifest.json"
+LAYER_SOURCE = "layer-source.json"
+"""In a model directory whose layer weights live elsewhere (a GGUF conversion without its layers): what identifies
+them, as text; :func:`cache_key` hashes it in place of the directory's files."""
 
 
 def default_cache_dir() -> Path:
@@ -144,7 +147,13 @@ class RamStore:
 
 
 def cache_key(model_path: Path, fmt: LayerFormat) -> str:
-    """16 hex chars identifying a model's files (paths, sizes, mtimes) and the packed format."""
+    """16 hex chars identifying a model's files (paths, sizes, mtimes) and the packed format. A directory whose
+    layers live elsewhere is identified by its :data:`LAYER_SOURCE` file instead (a GGUF conversion without its
+    layers: the GGUF's paths, sizes and mtimes), so rebuilding that small directory keeps the cache."""
+    source = model_path / LAYER_SOURCE
+    if source.is_file():
+        blob = json.dumps([LAYER_SOURCE, source.read_text(), fmt.name, FORMAT_VERSION])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
     files = sorted([model_path / "config.json", *model_path.glob("*.safetensors")])
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     blob = json.dumps([str(model_path.resolve()), stats, fmt.name, FORMAT_VERSION])

@@ -7,7 +7,6 @@ into ``wqkv`` and ``w13`` (see :mod:`specexec.model.transformer` for the per-lay
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -168,13 +167,18 @@ def parse_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def model_dir(path: Path) -> Path:
-    """Validate a model location and return an HF-format directory (GGUF files are converted once, cached)."""
+def model_dir(path: Path, home: Path | None = None, layers_in_gguf: bool = False) -> Path:
+    """Validate a model location and return an HF-format directory. A GGUF (a .gguf file, any part of a split one,
+    or a folder holding one GGUF or the parts of one split GGUF) is converted once into the cache root ``home``
+    (default: :func:`specexec.home.cache_home`), where `specexec models pull FILE.gguf` converts it.
+
+    ``layers_in_gguf`` (a target quantized to NF4 from its layers): a GGUF is converted without its layers, which
+    :func:`iter_layers` then reads from the GGUF itself (no 16-bit copy of the model on disk)."""
     if not path.exists():
         raise SpecexecError(f"model path not found: {path}")
     if path.is_file():
         if path.suffix == ".gguf":
-            return _converted_gguf(path)
+            return _converted_gguf(path, home, layers_in_gguf)
         if path.suffix in PICKLE_SUFFIXES:
             raise SpecexecError(_pickle_refusal(path))
         if path.suffix == ".safetensors":
@@ -182,9 +186,9 @@ def model_dir(path: Path) -> Path:
         else:
             raise SpecexecError(f"not a model file: {path} (expected a directory, .safetensors or .gguf)")
     if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _converted_gguf(ggufs[0])
+        gguf = _folder_gguf(path)
+        if gguf is not None:
+            return _converted_gguf(gguf, home, layers_in_gguf)
         raise SpecexecError(f"no config.json in {path}: not an HF-format model directory")
     if not list(path.glob("*.safetensors")):
         pickles = [p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
@@ -194,6 +198,24 @@ def model_dir(path: Path) -> Path:
     return path
 
 
+def _folder_gguf(path: Path) -> Path | None:
+    """The GGUF a folder holds: its only .gguf file, or the first part when its .gguf files are exactly the parts
+    of one split GGUF (``name-0000i-of-0000N.gguf``, all present); None otherwise."""
+    from specexec.errors import ModelFormatError
+    from specexec.loading import convert
+
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if not ggufs:
+        return None
+    try:
+        parts = convert.split_parts(ggufs[0])
+    except ModelFormatError:
+        return None
+    return parts[0] if sorted(parts) == ggufs else None
+
+
 def _pickle_refusal(path: Path) -> str:
     return (
         f"refusing to load pickle checkpoint {path}: unpickling can run arbitrary code; "
@@ -201,16 +223,12 @@ def _pickle_refusal(path: Path) -> str:
     )
 
 
-def _converted_gguf(path: Path) -> Path:
-    from specexec.loading import convert, hub
+def _converted_gguf(path: Path, home: Path | None, layers_in_gguf: bool) -> Path:
+    """The converted directory of the GGUF ``path`` (any part of a split one) under the cache root ``home``,
+    converted now if missing: :func:`specexec.loading.hub.pull_gguf`, as `specexec models pull` does."""
+    from specexec.loading import hub
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = hub.cache_home() / "converted" / f"{path.stem}-{key}"
-    if (out / ".specexec-complete").exists():
-        return out
-    log.info("converting %s to safetensors in %s (once)", path, out)
-    return convert.gguf_to_hf_dir(path, out)
+    return hub.pull_gguf(path.absolute(), home=home, layers_in_gguf=layers_in_gguf)
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -332,8 +350,14 @@ def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
     """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused (Phi-3 stores
-    them fused); every tensor is its own aligned copy (see :func:`_owned`)."""
-    shards = _Shards(path)
+    them fused); every tensor is its own aligned copy (see :func:`_owned`).
+
+    A GGUF conversion made with ``layers_in_gguf`` gives its layers from the GGUF
+    (:class:`specexec.loading.convert.GgufLayers`): the same values, in the same storage dtype, as a full
+    conversion's safetensors."""
+    from specexec.loading import convert
+
+    shards: _Shards | convert.GgufLayers = convert.GgufLayers(path) if convert.layers_in_gguf(path) else _Shards(path)
     gemma = cfg.sandwich_norm
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

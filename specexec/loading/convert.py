@@ -51,12 +51,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload.store import LAYER_SOURCE
 from specexec.errors import ModelFormatError, SpecexecError
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".specexec-complete"
 """Name of the file written last into a converted directory; its presence means the directory is complete."""
+
+LAYERS_IN_GGUF = LAYER_SOURCE
+"""In a conversion made with ``layers_in_gguf``: where the layers' weights are (the GGUF's parts, their sizes and
+modification times) and how each is read from it (:class:`GgufLayers`); the NF4 layer cache's key hashes it
+(:func:`offload.store.cache_key`)."""
 
 SHARD_BYTES = 2 * 10**9
 """Largest safetensors shard written, in bytes (a single larger tensor gets a shard of its own)."""
@@ -175,6 +181,7 @@ def gguf_to_hf_dir(
     dtype: torch.dtype = torch.float16,
     progress: bool = True,
     on_tensor: OnTensor | None = None,
+    layers_in_gguf: bool = False,
 ) -> Path:
     """Convert ``gguf_path`` into a Hugging Face directory at ``out_dir`` and return ``out_dir``.
 
@@ -185,6 +192,10 @@ def gguf_to_hf_dir(
     rich progress display on stderr. A GGUF this cannot convert (corrupt or truncated, another architecture, a
     ggml type not in :data:`QUANT_TYPES`, no tokenizer, missing tensors) raises :class:`ModelFormatError`
     before anything is written.
+
+    ``layers_in_gguf``: write no layer weights, only config, tokenizer and the globals (embedding, final norm,
+    lm_head: ``model.safetensors``), plus :data:`LAYERS_IN_GGUF`, which tells :class:`GgufLayers` where each layer
+    tensor is in the GGUF. For a target quantized to NF4 from its layers: no 16-bit copy of the model on disk.
     """
     if dtype not in _ST_DTYPE:
         raise ValueError(f"dtype must be one of {list(_ST_DTYPE)}, got {dtype}")
@@ -208,6 +219,9 @@ def gguf_to_hf_dir(
             show.stage(f"reading the config from {first.name}")
             model = _save_config(source, dtype, tmp_dir)
             plan = _plan(source, model)
+            if layers_in_gguf:
+                _write_layer_plan(source, [t for t in plan if _is_layer(t)], dtype, tmp_dir)
+                plan = [t for t in plan if not _is_layer(t)]
             show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
             _write_weights(plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
         _check_layout(tmp_dir)
@@ -728,8 +742,14 @@ def _safetensors_header(shard: list[_Tensor], dtype: torch.dtype, itemsize: int)
 
 
 def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: torch.dtype) -> None:
-    """Dequantize ``t`` from ``src`` a chunk of rows at a time and append it to ``dst`` as ``dtype`` (less
-    ``t.shift``, subtracted in float32 as transformers does).
+    """Dequantize ``t`` from ``src`` a chunk of rows at a time and append it to ``dst`` as ``dtype``."""
+    for chunk in _tensor_chunks(src, t, dtype):
+        dst.write(chunk.view(torch.uint8).reshape(-1).numpy().data)
+
+
+def _tensor_chunks(src: BufferedReader, t: _Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """``t`` read from ``src`` as consecutive chunks of rows in ``dtype`` (flat), dequantized, less ``t.shift``
+    (subtracted in float32 as transformers does), un-permuted, then cast (torch's cast, as the transformers path).
 
     A chunk holds whole head blocks of a permuted q/k weight, so its un-permutation never crosses chunks; a 1-d
     tensor (a norm, a bias) is one chunk.
@@ -738,7 +758,7 @@ def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: t
         values = _read_rows(src, t, 0, 1).reshape(-1)
         if t.shift:
             values = values - np.float32(t.shift)
-        _append(dst, t, _unpermute(values, t.heads) if t.heads is not None else values, dtype)
+        yield _cast(t, _unpermute(values, t.heads) if t.heads is not None else values, dtype)
         return
     group = t.rows // t.heads if t.heads is not None else 1  # rows per head block
     step = max(group, CHUNK_ELEMENTS // t.cols // group * group)
@@ -747,7 +767,7 @@ def _write_tensor(src: BufferedReader, dst: BufferedWriter, t: _Tensor, dtype: t
         values = _read_rows(src, t, first, count)
         if t.shift:
             values = values - np.float32(t.shift)
-        _append(dst, t, _unpermute(values, count // group) if t.heads is not None else values, dtype)
+        yield _cast(t, _unpermute(values, count // group) if t.heads is not None else values, dtype)
 
 
 def _read_rows(src: BufferedReader, t: _Tensor, first: int, count: int) -> np.ndarray:
@@ -774,14 +794,14 @@ def _read_rows(src: BufferedReader, t: _Tensor, first: int, count: int) -> np.nd
     return dequantize(raw.reshape(count, row_bytes), qtype)
 
 
-def _append(dst: BufferedWriter, t: _Tensor, values: np.ndarray, dtype: torch.dtype) -> None:
-    """Cast float32 ``values`` to ``dtype`` (torch's cast, as the transformers path does) and append them."""
-    chunk = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+def _cast(t: _Tensor, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``values`` of ``t`` cast to ``dtype`` (torch's cast, as the transformers path does), flat."""
+    chunk = torch.from_numpy(np.ascontiguousarray(values)).to(dtype).reshape(-1)
     if not bool(torch.isfinite(chunk).all()):
         raise SpecexecError(
             f"weight {t.hf_name} overflows {_dtype_name(dtype)}; convert with dtype=torch.bfloat16 or float32 instead"
         )
-    dst.write(chunk.view(torch.uint8).reshape(-1).numpy().data)
+    return chunk
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -793,6 +813,78 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------- layers in the GGUF
+
+
+def _is_layer(t: _Tensor) -> bool:
+    return t.hf_name.startswith("model.layers.")
+
+
+def _part_stats(parts: list[Path]) -> list[dict[str, Any]]:
+    return [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in parts]
+
+
+def _write_layer_plan(source: _Gguf, layers: list[_Tensor], dtype: torch.dtype, out_dir: Path) -> None:
+    """Write :data:`LAYERS_IN_GGUF`: the GGUF's parts (path, size, mtime) and, per layer tensor, its GGUF name and
+    what undoes llama.cpp's changes to it; ``dtype``: the storage dtype its values round through."""
+    info = {
+        "parts": _part_stats(split_parts(source.path)),
+        "dtype": _dtype_name(dtype),
+        "tensors": {t.hf_name: {"gguf": t.gguf_name, "heads": t.heads, "shift": t.shift} for t in layers},
+    }
+    (out_dir / LAYERS_IN_GGUF).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def layers_in_gguf(model_dir: Path) -> bool:
+    """True when ``model_dir`` is a conversion whose layers stay in the GGUF (see :class:`GgufLayers`)."""
+    return (Path(model_dir) / LAYERS_IN_GGUF).is_file()
+
+
+class GgufLayers:
+    """Layer tensors by HF name, read from the GGUF of a ``layers_in_gguf`` conversion at ``model_dir``: each is
+    dequantized a chunk of rows at a time into one new CPU tensor in the conversion's storage dtype (fp16), so its
+    values are exactly those a full conversion stores. Same ``get``/``has`` as the safetensors reader.
+
+    A GGUF part that changed since the conversion (size or modification time) raises :class:`ModelFormatError`.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        info = json.loads((model_dir / LAYERS_IN_GGUF).read_text())
+        parts = [Path(p["path"]) for p in info["parts"]]
+        for want in info["parts"]:
+            path = Path(want["path"])
+            if not path.is_file():
+                raise ModelFormatError(f"{model_dir} reads its layers from {path}, which is gone")
+            st = path.stat()
+            if (st.st_size, st.st_mtime_ns) != (want["size"], want["mtime_ns"]):
+                raise ModelFormatError(
+                    f"{path} changed since it was converted into {model_dir}; delete {model_dir} to convert it again"
+                )
+        found = {t.gguf_name: t for part in parts for t in _read_header(part)[1]}
+        self.dtype: torch.dtype = getattr(torch, info["dtype"])
+        self.tensors = {
+            hf: dataclasses.replace(found[e["gguf"]], hf_name=hf, heads=e["heads"], shift=e["shift"])
+            for hf, e in info["tensors"].items()
+        }
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a new CPU tensor in the storage dtype."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"tensor {name!r} is not among the GGUF's layer tensors")
+        out = torch.empty(t.rows * t.cols, dtype=self.dtype)
+        at = 0
+        with open(t.path, "rb") as src:
+            for chunk in _tensor_chunks(src, t, self.dtype):
+                out[at : at + chunk.numel()] = chunk
+                at += chunk.numel()
+        return out.reshape(t.shape)
 
 
 # ---------------------------------------------------------------------------------------------- display

@@ -315,33 +315,35 @@ def _is_converted(model_dir: Path) -> bool:
 # ---------------------------------------------------------------------------------------------- local GGUF files
 
 
-def converted_gguf_dir(gguf_path: Path, home: Path | None = None) -> Path:
+def converted_gguf_dir(gguf_path: Path, home: Path | None = None, layers_in_gguf: bool = False) -> Path:
     """Where a local GGUF is converted, once: ``cache_home()/converted/<name>-<key>``, the key hashing the file's
     absolute path, size and modification time (a changed file converts again). Any part of a split GGUF gives its
     first part's directory. The same place whether the GGUF comes through ``specexec models pull FILE.gguf`` or
-    ``--target FILE.gguf`` (:func:`specexec.loading.checkpoint.model_dir`)."""
+    ``--target FILE.gguf`` (:func:`specexec.loading.checkpoint.model_dir`). ``layers_in_gguf``: the conversion
+    without its layers (``<name>-<key>-layers-in-gguf``), which reads them from the GGUF."""
     from specexec.loading.convert import split_parts
 
     path = split_parts(Path(gguf_path).expanduser())[0].resolve()
     st = path.stat()
     key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_home(home) / "converted" / f"{path.stem}-{key}"
+    return cache_home(home) / "converted" / f"{path.stem}-{key}{'-layers-in-gguf' if layers_in_gguf else ''}"
 
 
-def pull_gguf(gguf_path: Path, progress: bool = True, home: Path | None = None) -> Path:
+def pull_gguf(gguf_path: Path, progress: bool = True, home: Path | None = None, layers_in_gguf: bool = False) -> Path:
     """Convert a local GGUF (any part of a split one) into :func:`converted_gguf_dir`, unless already there; return
-    the converted directory. Nothing is loaded for generation."""
+    the converted directory. Nothing is loaded for generation. ``layers_in_gguf``: convert all but the layers,
+    which are then read from the GGUF (:func:`specexec.loading.convert.gguf_to_hf_dir`)."""
     from specexec.loading.convert import gguf_to_hf_dir, is_complete
 
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"GGUF file not found: {path}")
-    out = converted_gguf_dir(path, home)
+    out = converted_gguf_dir(path, home, layers_in_gguf)
     if is_complete(out):
         return out
     writable_dir(cache_home(home), f"the conversion of {path.name}")
     logger.info("converting %s into %s (once)", path, out)
-    return gguf_to_hf_dir(path, out, progress=progress)
+    return gguf_to_hf_dir(path, out, progress=progress, layers_in_gguf=layers_in_gguf)
 
 
 def local_gguf(spec: str) -> Path | None:

@@ -1,6 +1,7 @@
 """Build an offloaded target: plan, pack (and quantize) layers one at a time, return a Transformer over a streamer.
 
-Weights pass through memory once: each layer is read from the checkpoint (``loading.iter_layers``), packed into
+Weights pass through memory once: each layer is read from the checkpoint (``loading.iter_layers``; for an NF4
+target given as a GGUF, from the GGUF itself: :func:`target_dir`), packed into
 its final home — a device buffer (resident), a pinned host buffer (RAM tier) or a cache file (SSD tier, NF4) —
 and dropped before the next layer is read. NF4 layers are quantized once and cached on disk; a later start
 reads the packed files and never quantizes again.
@@ -48,6 +49,14 @@ def target_compute_dtype(dtype_str: str, offload: OffloadConfig, device: torch.d
     return parse_dtype(dtype_str, device)
 
 
+def target_dir(path: Path, offload: OffloadConfig) -> Path:
+    """The target's HF-format directory (:func:`~specexec.loading.checkpoint.model_dir`, GGUFs converted under
+    ``offload.cache_dir``). A GGUF target whose layers are quantized to NF4 (``target_dtype`` nf4) is converted
+    without its layers: they are read from the GGUF once, while the NF4 layer cache is written, so no 16-bit copy
+    of the model is ever on disk."""
+    return model_dir(path, home=offload.cache_dir, layers_in_gguf=offload.target_dtype == "nf4")
+
+
 def load_offloaded(
     path: Path,
     device: torch.device,
@@ -67,7 +76,7 @@ def load_offloaded(
     it). ``plan``: one already made (by :func:`plan_offload`); else it is made here from this machine.
     ``chunk_bytes``: staging/CRC chunk of newly written caches and of staged RAM (tests use small ones).
     """
-    path = model_dir(Path(path))
+    path = target_dir(Path(path), offload)
     cfg = read_config(path)
     if plan is None:
         plan = plan_offload(
@@ -90,7 +99,7 @@ def plan_offload(
     h2d_gbps: float | None = None,
 ) -> Plan:
     """:func:`~offload.plan.make_plan` for the checkpoint at ``path`` on this machine (nothing is allocated)."""
-    path = model_dir(Path(path))
+    path = target_dir(Path(path), offload)
     cfg = read_config(path)
     dtype = target_compute_dtype(dtype_str, offload, device)
     root = offload.offload_root
@@ -122,7 +131,7 @@ def plan_with_draft(
     than a 16 GB card has beside a streamed 70B's ring, while its int8 (6.9 GB) or NF4 (4.0 GB) copy fits; among
     those that fit, the picker weighs the streamed bytes each leaves against its draft passes and acceptance.
     """
-    path = model_dir(Path(path))
+    path = target_dir(Path(path), offload)
     cfg = read_config(path)
     dtype = target_compute_dtype(dtype_str, offload, device)
     root = offload.offload_root
