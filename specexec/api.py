@@ -116,7 +116,10 @@ def load(
         choice = pairing.choose_draft(target, home)
         log.info("%s", choice.line)
         draft = choice.draft
-    found = _find(target, draft, progress, home)
+    # an NF4 target given as a GGUF is quantized from the GGUF's blocks, with no 16-bit copy of its layers on disk
+    # (a self draft loads the target's layers in low bit itself: it keeps the copy)
+    from_blocks = offload is not None and offload.target_dtype == "nf4" and draft != SELF_DRAFT
+    found = _find(target, draft, progress, home, layers_in_gguf=from_blocks)
     limit = found.target_cfg.max_position_embeddings
     if context > limit:
         log.warning("context capped at the model's %d positions (was %d)", limit, context)
@@ -164,10 +167,14 @@ class _Found:
     paired: pairing.Pairing | None = None  # the ids the draft never proposes (None: a self draft or none)
 
 
-def _find(target: str, draft: str | None, progress: bool, home: Path | None) -> _Found:
+def _find(target: str, draft: str | None, progress: bool, home: Path | None, layers_in_gguf: bool = False) -> _Found:
     """Resolve both models to HF-format directories and read their configs and tokenizers (which must pair:
-    :func:`specexec.loading.pairing.check_pair`)."""
-    t_path = model_dir(hub.resolve(target, progress=progress, home=home))
+    :func:`specexec.loading.pairing.check_pair`). ``layers_in_gguf``: a GGUF target converts without its layers."""
+    t_path = model_dir(
+        hub.resolve(target, progress=progress, home=home, layers_in_gguf=layers_in_gguf),
+        home=home,
+        layers_in_gguf=layers_in_gguf,
+    )
     t_tok = load_tokenizer(t_path)
     t_cfg = read_config(t_path)
     self_draft = draft == SELF_DRAFT

@@ -233,7 +233,13 @@ def list_models(home: Path | None = None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- resolve
 
 
-def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: Path | None = None) -> Path:
+def resolve(
+    spec: str,
+    pull_missing: bool = True,
+    progress: bool = True,
+    home: Path | None = None,
+    layers_in_gguf: bool = False,
+) -> Path:
     """Turn a model spec into a local path: an alias, an existing path, a store name, or an HF id ``owner/name``.
 
     Aliases are pulled if missing (``pull_missing``). Existing paths (a directory, a safetensors file) are returned
@@ -242,7 +248,8 @@ def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: P
     a split one, an Ollama blob) gives its converted directory under ``home``, converted here once if missing and
     ``pull_missing`` (see :func:`pull_gguf`; the same place `specexec models pull FILE.gguf` converts to). HF ids
     come from the HF cache, downloading if needed. Anything else raises SpecexecError with a one-line explanation.
-    ``home``: the cache root (default :func:`cache_home`).
+    ``home``: the cache root (default :func:`cache_home`). ``layers_in_gguf``: a GGUF gives its conversion without
+    layers (for a target quantized to NF4 from the GGUF's blocks; see :func:`pull_gguf`).
     """
     from specexec.loading import stores
 
@@ -257,10 +264,12 @@ def resolve(spec: str, pull_missing: bool = True, progress: bool = True, home: P
         found = stores.find(spec)
         if found is None:
             raise ModelNotFound(f"no model {spec!r} on this machine; `specexec models list` shows the models found")
-        return _local_file(found, pull_missing, progress, home)
+        return _local_file(found, pull_missing, progress, home, layers_in_gguf)
     path = Path(spec).expanduser()
     if path.exists():
-        return _local_file(path.absolute(), pull_missing, progress, home) if path.is_file() else path.resolve()
+        if path.is_file():
+            return _local_file(path.absolute(), pull_missing, progress, home, layers_in_gguf)
+        return path.resolve()
     if _looks_like_path(spec):
         raise SpecexecError(f"model path not found: {spec}")
     if _HF_ID.match(spec):
@@ -278,7 +287,7 @@ STORE_PREFIXES = ("ollama:", "lmstudio:")
 """Prefixes of the store names :func:`resolve` accepts (see :mod:`specexec.loading.stores`)."""
 
 
-def _local_file(path: Path, pull_missing: bool, progress: bool, home: Path | None) -> Path:
+def _local_file(path: Path, pull_missing: bool, progress: bool, home: Path | None, layers_in_gguf: bool) -> Path:
     """A local model file as the loader takes it. A GGUF (named .gguf, any part of a split one, or a file with the
     GGUF magic such as an Ollama blob): its converted directory under ``home``, converting it now if needed and
     ``pull_missing``, else (not converted, no pulling) a .gguf file's first part, which the loader converts on first
@@ -288,11 +297,11 @@ def _local_file(path: Path, pull_missing: bool, progress: bool, home: Path | Non
     if path.suffix != ".gguf" and not _is_gguf(path):
         return path
     first = split_parts(path)[0]
-    out = converted_gguf_dir(first, home)
+    out = converted_gguf_dir(first, home, layers_in_gguf)
     if _is_converted(out):
         return out
     if pull_missing:
-        return pull_gguf(first, progress=progress, home=home)
+        return pull_gguf(first, progress=progress, home=home, layers_in_gguf=layers_in_gguf)
     if path.suffix == ".gguf":
         return first
     raise SpecexecError(f"{path} is not converted yet; run `specexec models pull {path}`")

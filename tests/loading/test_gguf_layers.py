@@ -193,3 +193,22 @@ def test_nf4_from_the_gguf_on_cuda(tmp_path):
     got = _passes(_nf4(gguf_path, tmp_path / "direct", cuda, "bf16"))
     assert _layer_files(tmp_path / "direct") == _layer_files(tmp_path / "via-copy")
     assert torch.equal(got, want)
+
+
+def test_load_an_nf4_gguf_target_writes_no_fp16_copy(tmp_path):
+    """specexec.load (what `specexec generate --target FILE.gguf --target-dtype nf4` calls): the conversion without
+    layers plus the NF4 cache, and the same greedy tokens as the target loaded through the fp16 copy."""
+    from specexec import api
+
+    gguf_path = tmp_path / "m.gguf"
+    write_gguf(gguf_path, **CASES["qwen2"])  # type: ignore[arg-type]
+    off = OffloadConfig(mode="ram", target_dtype="nf4")
+    kw = dict(device="cpu", dtype="fp32", context=64, offload=off, progress=False)
+    got = api.load(str(gguf_path), cache_dir=tmp_path / "home", **kw).generate([5, 6, 7], max_new_tokens=8)  # type: ignore[arg-type]
+    copy = convert.gguf_to_hf_dir(gguf_path, tmp_path / "copy", progress=False)
+    want = api.load(str(copy), cache_dir=tmp_path / "other", **kw).generate([5, 6, 7], max_new_tokens=8)  # type: ignore[arg-type]
+    assert got.tokens == want.tokens
+    (meta,) = (tmp_path / "home" / "converted").iterdir()
+    assert convert.layers_in_gguf(meta)
+    assert [p.name for p in (tmp_path / "home").rglob("*.safetensors")] == ["model.safetensors"]
+    assert not [n for n in _safetensors_names(meta / "model.safetensors") if n.startswith("model.layers.")]
