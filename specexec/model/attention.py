@@ -140,6 +140,28 @@ def _fold(x: Tensor, dim: int) -> Tensor:
     return out
 
 
+MIN_OUTPUTS = 1 << 22
+"""On a GPU the attention's batched products always compute at least this many output values (zero matrices
+appended where they would not): with few, cuBLAS splits each product's inner dimension between thread blocks to
+fill the GPU (split-K), which sums in another order, so a row's bits would follow how many rows its pass has."""
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` over matching batch dimensions (either may be expanded). On a GPU: one batched product of at least
+    :data:`MIN_OUTPUTS` outputs (see there); on a CPU, ``torch.matmul``."""
+    if a.device.type == "cpu":
+        return torch.matmul(a, b)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    n = a3.shape[0]
+    need = -(-MIN_OUTPUTS // (a.shape[-2] * b.shape[-1]))
+    if n < need:
+        a3 = torch.cat((a3, a3.new_zeros(need - n, *a3.shape[1:])))
+        b3 = torch.cat((b3, b3.new_zeros(need - n, *b3.shape[1:])))
+    return torch.bmm(a3, b3)[:n].view(*batch, a.shape[-2], b.shape[-1])
+
+
 def _cap(s: Tensor, cap: float | None) -> Tensor:
     return s if cap is None else torch.tanh(s / cap).mul_(cap)
 
@@ -184,7 +206,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: floa
     kr = keys[:, plan.slots].float().view(KVH, P, R, B, hd)
     vr = values[:, plan.slots].float().view(KVH, P, R, B, hd)
     qr = _pad_rows(qf, plan.rows, 2)[:, :, None].expand(-1, -1, R, -1, -1)  # (KVH, P, R, Gp, hd)
-    sr = _cap(torch.matmul(qr, kr.transpose(-1, -2)).mul_(scale), cap)  # (KVH, P, R, Gp, B)
+    sr = _cap(_mm(qr, kr.transpose(-1, -2)).mul_(scale), cap)  # (KVH, P, R, Gp, B)
     sr.masked_fill_(~plan.seen.view(1, P, R, 1, B), float("-inf"))
     top = sr.amax((2, 4))[..., :G]  # (KVH, P, G)
     ss = None
@@ -193,7 +215,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: floa
         ks = keys[:, : S * B].float().view(KVH, S, B, hd)
         vs = values[:, : S * B].float().view(KVH, S, B, hd)
         qs = _pad_rows(qf.reshape(KVH, P * G, hd), plan.rows, 1)  # (KVH, M, hd), rows (r, g)
-        ss = _cap(torch.matmul(qs[:, None].expand(-1, S, -1, -1), ks.transpose(-1, -2)).mul_(scale), cap)
+        ss = _cap(_mm(qs[:, None].expand(-1, S, -1, -1), ks.transpose(-1, -2)).mul_(scale), cap)
         out_of_reach = ~plan.full.T[:, :, None].expand(-1, -1, G).reshape(S, P * G)  # (S, P*G)
         ss[:, :, : P * G].masked_fill_(out_of_reach[None, :, :, None], float("-inf"))
         top = torch.maximum(top, ss[:, :, : P * G].amax((1, 3)).view(KVH, P, G))
@@ -201,7 +223,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: floa
     # exp over whole padded tiles (a multiple of the thread count on a CPU: see Tiling), padding rows at 0
     er = torch.exp(sr - _pad_rows(top, plan.rows, 2)[:, :, None, :, None])  # (KVH, P, R, Gp, B)
     lr = er[..., :G, :].sum(-1)  # (KVH, P, R, G)
-    orr = torch.matmul(er, vr)[..., :G, :]  # (KVH, P, R, G, hd)
+    orr = _mm(er, vr)[..., :G, :]  # (KVH, P, R, G, hd)
     l_parts = [lr.permute(0, 1, 3, 2)]  # (KVH, P, G, R)
     o_parts = [orr.permute(0, 1, 3, 2, 4)]  # (KVH, P, G, R, hd)
     if ss is not None:
@@ -209,7 +231,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: floa
         topm = _pad_rows(top.reshape(KVH, P * G), plan.rows, 1)  # (KVH, M)
         es = torch.exp(ss - topm[:, None, :, None])  # (KVH, S, M, B)
         ls = es.sum(-1)[:, :, : P * G].view(KVH, S, P, G).permute(0, 2, 3, 1)  # (KVH, P, G, S)
-        os_ = torch.matmul(es, vs)[:, :, : P * G].view(KVH, S, P, G, hd).permute(0, 2, 3, 1, 4)
+        os_ = _mm(es, vs)[:, :, : P * G].view(KVH, S, P, G, hd).permute(0, 2, 3, 1, 4)
         l_parts.insert(0, ls)
         o_parts.insert(0, os_)
     # blocks in position order: the shared ones, then the row's own (a row's own first block follows its last
