@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="70B-shaped bf16 layers for the accelerate CPU-offload baseline (0: skip it)",
     )
     p.add_argument("--baseline-tokens", default="1,128", help="tokens per pass for the baseline comparison")
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="also time each forward on the shape-invariant tiling the engine's load-time check picks here (the "
+        "target's default): what bit-exact passes cost against the fast kernels",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/offload.json"), help="where to write the JSON")
     args = p.parse_args(argv)
     args.format_list = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -276,10 +282,22 @@ def _stream_runs(
     streamer = StreamedLayers(layout, n, dev, {}, RamStore(layout, host, cuda=True), lookahead=args.lookahead)
     streamed, compute_only = model_over(streamer, n), model_over(_OneLayer(one, n), n)
     cache = streamed.new_cache(args.kv_slots)
+    tiling = None
+    if args.invariant:
+        from specexec.loading import invariance
+
+        tiling, _, note = invariance.find(cfg, bf16, dev)
+        print(f"  invariant tiling: {tiling.describe() if tiling else 'none: ' + note}", flush=True)
     runs = []
     for T in tokens:
         x = _inputs(T, args.context, dev)
+        extra: dict[str, float] = {}
         with torch.inference_mode():
+            if tiling is not None:
+                streamed.tiling = compute_only.tiling = tiling
+                extra["forward_invariant_s"] = _time(lambda: streamed.forward(*x, cache), args.repeats)
+                extra["compute_only_invariant_s"] = _time(lambda: compute_only.forward(*x, cache), args.repeats)
+                streamed.tiling = compute_only.tiling = None
             s = _time(lambda: streamed.forward(*x, cache), args.repeats)
             c = _time(lambda: compute_only.forward(*x, cache), args.repeats)
         nbytes = streamer.stats.bytes_last_forward
@@ -294,11 +312,15 @@ def _stream_runs(
             copy_floor_s=floor,
             efficiency=efficiency(nbytes, h2d, s),
             bound_efficiency=max(floor, c) / s,
+            **extra,
         )
         runs.append(r)
+        inv = ""
+        if extra:
+            inv = f"; invariant {extra['forward_invariant_s']:.3f} s, compute {extra['compute_only_invariant_s']:.3f} s"
         print(
             f"  {fmt} T={T:5d}: {s:.3f} s/forward, copy floor {floor:.3f} s, compute {c:.3f} s, "
-            f"efficiency {r['efficiency']:.3f}",
+            f"efficiency {r['efficiency']:.3f}{inv}",
             flush=True,
         )
     del streamed, compute_only, cache, streamer
@@ -347,16 +369,21 @@ def _print(report: dict[str, Any]) -> None:
         f"\n{report['device']}, torch {report['torch']}: pinned H2D {report['h2d_pinned_gbps']:.1f} GB/s "
         f"(at the end: {report['h2d_pinned_gbps_end']:.1f})"
     )
+    inv = any("forward_invariant_s" in r for r in report["runs"])
     hdr = (
         f"{'format':>6} {'layers':>6} {'tokens':>6} {'fwd s':>8} {'GB':>7} {'floor s':>8} {'comp s':>8} "
-        f"{'eff':>6} {'bound':>6}"
+        f"{'eff':>6} {'bound':>6}" + (f" {'inv fwd s':>9} {'inv comp s':>10}" if inv else "")
     )
     print(hdr)
     for r in report["runs"]:
+        tail = ""
+        if inv:
+            nan = float("nan")
+            tail = f" {r.get('forward_invariant_s', nan):>9.3f} {r.get('compute_only_invariant_s', nan):>10.3f}"
         print(
             f"{r['format']:>6} {r['layers']:>6} {r['tokens']:>6} {r['forward_s']:>8.3f} {r['streamed_gb']:>7.1f} "
             f"{r['copy_floor_s']:>8.3f} {r['compute_only_s']:>8.3f} {r['efficiency']:>6.3f} "
-            f"{r['bound_efficiency']:>6.3f}"
+            f"{r['bound_efficiency']:>6.3f}" + tail
         )
     base = report.get("baseline")
     if base and base.get("ours"):
