@@ -46,11 +46,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     pickled.mkdir()
     shutil.copy(target / "config.json", pickled / "config.json")
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x02not really a pickle")
+    alien = shutil.copytree(target, root / "unsupported-architecture")
+    (alien / "config.json").write_text(
+        json.dumps({**json.loads((target / "config.json").read_text()), "model_type": "gpt2"})
+    )
     huge = shutil.copytree(target, root / "huge-context")  # lets --context reach petabytes of KV cache
     cfg = json.loads((huge / "config.json").read_text())
     cfg["max_position_embeddings"] = 10**13
     (huge / "config.json").write_text(json.dumps(cfg))
-    return {"target": target, "draft": draft, "other": other, "corrupt": corrupt, "pickled": pickled, "huge": huge}
+    return {"target": target, "draft": draft, "other": other, "corrupt": corrupt, "pickled": pickled, "huge": huge,
+            "alien": alien}  # fmt: skip
 
 
 def _one_error_line(result, pattern: str) -> None:
@@ -89,6 +94,7 @@ CASES = {
     "tokenizer mismatch": (dict(draft="other"), "different tokenizers"),
     "corrupt weights": (dict(target="corrupt", draft=None), "corrupt"),
     "pickle-only directory": (dict(target="pickled", draft=None), "refusing to load pickle"),
+    "unsupported architecture": (dict(target="alien", draft=None), "unsupported model_type 'gpt2'"),
     "budget zero": (dict(args=("--budget", "0")), "budget must be >= 1"),
     "budget absurd": (dict(args=("--budget", "70000")), "absurdly large"),
 }
