@@ -111,7 +111,7 @@ def test_picker_plans_every_format_and_loads_the_chosen_one(monkeypatch, tmp_pat
 
     monkeypatch.setattr(load, "PlanModel", FakeModel)
     monkeypatch.setattr(load, "make_plan", fake_plan)
-    monkeypatch.setattr(load, "model_dir", lambda p: p)
+    monkeypatch.setattr(load, "model_dir", lambda p, **_: p)
     monkeypatch.setattr(load, "read_config", lambda p: LLAMA2_7B)
     monkeypatch.setattr(load, "target_compute_dtype", lambda *a: None)
     from offload.plan import OffloadConfig
