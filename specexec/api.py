@@ -116,10 +116,7 @@ def load(
         choice = pairing.choose_draft(target, home)
         log.info("%s", choice.line)
         draft = choice.draft
-    # an NF4 target given as a GGUF is quantized from the GGUF's blocks, with no 16-bit copy of its layers on disk
-    # (a self draft loads the target's layers in low bit itself: it keeps the copy)
-    from_blocks = offload is not None and offload.target_dtype == "nf4" and draft != SELF_DRAFT
-    found = _find(target, draft, progress, home, layers_in_gguf=from_blocks)
+    found = _find(target, draft, progress, home, layers_in_gguf=_layers_in_gguf(offload, draft))
     limit = found.target_cfg.max_position_embeddings
     if context > limit:
         log.warning("context capped at the model's %d positions (was %d)", limit, context)
@@ -165,6 +162,13 @@ class _Found:
     draft_tokenizer: TokenizerInfo
     self_draft: bool
     paired: pairing.Pairing | None = None  # the ids the draft never proposes (None: a self draft or none)
+
+
+def _layers_in_gguf(offload: Any, draft: str | None) -> bool:
+    """Whether a GGUF target converts without its layers: an NF4 target is quantized from the GGUF's blocks, with
+    no 16-bit copy of its layers on disk. A self draft (the target's layers in low bit, loaded by the dense loader)
+    keeps the copy."""
+    return offload is not None and offload.target_dtype == "nf4" and draft != SELF_DRAFT
 
 
 def _find(target: str, draft: str | None, progress: bool, home: Path | None, layers_in_gguf: bool = False) -> _Found:
@@ -354,11 +358,12 @@ def load_engine(
 ) -> Engine:
     """Resolve the models (downloads show their own progress bars), then :func:`load` them inside
     ``status(message)``: the command line passes a spinner there, and two live displays cannot nest."""
-    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir)
     d_path: Path | str | None = None
     draft = opts.draft
     if draft == pairing.AUTO:  # the command line resolves auto before (and says which); other callers here
         draft = pairing.choose_draft(opts.target, opts.cache_dir).draft
+    from_blocks = _layers_in_gguf(opts.offload, draft)
+    t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir, layers_in_gguf=from_blocks)
     if draft == SELF_DRAFT:
         d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
     elif draft:

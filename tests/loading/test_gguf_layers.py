@@ -212,3 +212,24 @@ def test_load_an_nf4_gguf_target_writes_no_fp16_copy(tmp_path):
     assert convert.layers_in_gguf(meta)
     assert [p.name for p in (tmp_path / "home").rglob("*.safetensors")] == ["model.safetensors"]
     assert not [n for n in _safetensors_names(meta / "model.safetensors") if n.startswith("model.layers.")]
+
+
+def test_the_command_line_writes_no_fp16_copy(tmp_path):
+    """`specexec generate --target FILE.gguf --target-dtype nf4` (the command line resolves the target before
+    loading): only the conversion without layers and the NF4 cache are written."""
+    from typer.testing import CliRunner
+
+    from specexec.cli import app
+
+    gguf_path = tmp_path / "m.gguf"
+    write_gguf(gguf_path, **CASES["qwen2"])  # type: ignore[arg-type]
+    home = tmp_path / "home"
+    args = ["generate", "--target", str(gguf_path), "--draft", "none", "--offload", "ram", "--device", "cpu"]
+    args += ["--dtype", "fp32", "--cache-dir", str(home), "-n", "3", "-p", "hello"]
+    r = CliRunner().invoke(app, [*args, "--target-dtype", "nf4"])
+    assert r.exit_code == 0, r.output
+    (meta,) = (home / "converted").iterdir()
+    assert convert.layers_in_gguf(meta) and meta == hub.converted_gguf_dir(gguf_path, home, layers_in_gguf=True)
+    assert [p.name for p in home.rglob("*.safetensors")] == ["model.safetensors"]
+    assert not [n for n in _safetensors_names(meta / "model.safetensors") if n.startswith("model.layers.")]
+    assert len(list((home / "offload").glob("*/layer_*.bin"))) == 2
