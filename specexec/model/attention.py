@@ -181,7 +181,9 @@ def blocked(
     not depend on the chunk it is in (the products give every row of a whole number of tiles the same bits)."""
     P, H, hd = q.shape
     blocks = plan.shared + plan.slots.shape[1] // plan.block
-    per_row = H * blocks * max(plan.block, hd)
+    # a row's scores over all its blocks, and its gathered keys and values (many blocks in a sliding layer, whose
+    # rows gather their whole window)
+    per_row = max(H * blocks * max(plan.block, hd), 2 * keys.shape[0] * plan.slots.shape[1] * hd)
     c = max(plan.rows, CHUNK_ELEMENTS // max(per_row, 1) // plan.rows * plan.rows)
     if c >= P:
         return _blocked(q, keys, values, plan, scale, cap)

@@ -90,11 +90,13 @@ def test_a_pass_larger_than_the_checked_size_runs_as_consecutive_passes(tiny_mod
     assert torch.equal(out, ar)
 
 
-def test_attention_in_row_chunks_gives_the_same_bits(tiny_models, monkeypatch):
-    """A big pass's attention runs in chunks of row tiles (bounded memory); a row's logits do not depend on it."""
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_attention_in_row_chunks_gives_the_same_bits(tiny_models, monkeypatch, family):
+    """A big pass's attention runs in chunks of row tiles (bounded memory); a row's logits do not depend on it (also
+    in sliding layers, whose rows gather their whole window)."""
     from specexec.model import attention
 
-    model = load_model(tiny_models["mistral"], CPU, torch.float32)
+    model = load_model(tiny_models[family], CPU, torch.float32)
     invariance.apply(model)
     ids = torch.randint(3, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(len(ids))
