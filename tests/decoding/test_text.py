@@ -409,11 +409,10 @@ def test_text_stream_length(byte_tok):
 def test_qwen_tokenizer_token_by_token():
     from specexec.loading import hub
     from specexec.loading.checkpoint import load_tokenizer
+    from tests.conftest import REAL_TARGET, _pull_demo
 
-    alias = "qwen2.5-coder-1.5b"
-    if not hub.is_present(alias):
-        pytest.skip(f"{alias} is not downloaded (specexec models pull demo)")
-    info = load_tokenizer(hub.local_path(alias))
+    _pull_demo()  # on a fresh cache this test may run before the shared pair is loaded
+    info = load_tokenizer(hub.local_path(REAL_TARGET))
     tok = info.tokenizer
     text = SAMPLE + '\n```rust\nfn main() { println!("🦀 {}", "中文"); }\n```\nÅngström ½ ≤ ≥ 🇺🇳 👩‍💻'
     ids = _ids(tok, text)
