@@ -350,10 +350,10 @@ def test_qwen_style_padded_pair_with_the_real_tokenizer_runs_exactly(tmp_path):
     """The real Qwen2.5 tokenizer (the demo pair's) on tiny models with the real row counts: a 152,064-row target
     and a 151,936-row draft pair, and greedy SpecExec gives the target's AR tokens."""
     from specexec.loading import hub
+    from tests.conftest import REAL_DRAFT, _pull_demo
 
-    if not hub.is_present("qwen2.5-coder-0.5b"):
-        pytest.skip("the demo draft is not in the cache")
-    source = hub.local_path("qwen2.5-coder-0.5b")
+    _pull_demo()  # a fresh cache may not hold the demo pair yet when this test runs
+    source = hub.local_path(REAL_DRAFT)
     paths = []
     for name, rows in (("target", 152_064), ("draft", 151_936)):
         p = make_tiny(tmp_path / name, "qwen2", vocab=rows, seed=4, hidden=32, layers=1)
