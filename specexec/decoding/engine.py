@@ -36,6 +36,7 @@ from specexec.decoding.budget import (
     measure_costs,
     save_costs,
 )
+from specexec.decoding.constraint import Constraint, GrammarState, TokenLogprob, grammar_tokenizer
 from specexec.decoding.loop import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
 from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
@@ -88,18 +89,22 @@ class Result:
     tokens: list[int]
     prompt_tokens: int
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # per token of ``tokens``, when asked for (``logprobs=``)
 
     @property
     def finish_reason(self) -> str:
         return self.stats.finish_reason
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "text": self.text,
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
             "stats": self.stats.to_json(),
         }
+        if self.logprobs is not None:
+            d["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
+        return d
 
 
 class Generation:
@@ -123,6 +128,8 @@ class Generation:
         verify_chunk: int,
         stop: Sequence[str] = (),
         on_step: OnStep | None = None,
+        constraint: GrammarState | None = None,
+        logprobs: int | None = None,
     ) -> None:
         self.engine, self.ids, self.max_new = engine, ids, max_new
         self.text = TextStream(engine.tokenizer.tokenizer, engine.tokenizer.eos_ids, stop)
@@ -130,7 +137,11 @@ class Generation:
         self.stats = stats
         self.verify_chunk = verify_chunk
         self.on_step = on_step
+        self.constraint, self.top_logprobs = constraint, logprobs
         self.tokens: list[int] = []
+        # per token of ``tokens``, when asked for: the target's log-probs (None: not asked for)
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        self._pending: list[TokenLogprob] = []  # the step in flight's, until its tokens are kept
         self.result: Result | None = None
         self._it: Generator[str, None, None] | None = None
 
@@ -158,12 +169,17 @@ class Generation:
             e.tokenizer.eos_ids,
             self.stats,
             self.verify_chunk,
-            on_step=self.on_step,
+            on_step=self._step,
+            constraint=self.constraint,
+            top_logprobs=self.top_logprobs,
         )
         try:
             for new in steps:
                 text, stopped = self.text.push(new)
-                self.tokens.extend(new[: self.text.n_tokens - len(self.tokens)] if stopped else new)
+                kept = new[: self.text.n_tokens - len(self.tokens)] if stopped else new
+                self.tokens.extend(kept)
+                if self.logprobs is not None:
+                    self.logprobs.extend(self._pending[: len(kept)])
                 if text:
                     yield text
                 if stopped:
@@ -178,12 +194,20 @@ class Generation:
         finally:  # an exception (e.g. Ctrl-C inside a pass) leaves ``result`` None; the caches stay consistent
             steps.close()
 
+    def _step(self, step: StepInfo) -> bool | None:
+        self._pending = list(step.logprobs)
+        return self.on_step(step) if self.on_step is not None else None
+
     def _finish(self, reason: str | None) -> None:
         if reason is not None:
             self.stats.finish_reason = reason
         self.stats.new_tokens = len(self.tokens)
         self.result = Result(
-            text=self.text.text, tokens=list(self.tokens), prompt_tokens=len(self.ids), stats=self.stats
+            text=self.text.text,
+            tokens=list(self.tokens),
+            prompt_tokens=len(self.ids),
+            stats=self.stats,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
         )
 
 
@@ -253,6 +277,7 @@ class Engine:
         self._verify: VerifyCosts | None = None
         self._by_mode: dict[bool, tuple[Any, Any, Any, Any]] = {}  # the other mode's measurements (set_invariant)
         self._static = (static_draft, static_rows)
+        self._grammar_tokenizer: Any = None
         self.costs_dir = costs_dir
         self.share_prefix = share_prefix and shared_layers(target, draft) is not None
         tree = tree or TreeConfig()
@@ -355,6 +380,8 @@ class Engine:
         policy: BudgetPolicy | None = None,
         stop: Sequence[str] = (),
         on_step: OnStep | None = None,
+        constraint: Constraint | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
         """Start a generation; iterate the returned object for text pieces, then read ``.result``.
 
@@ -367,7 +394,10 @@ class Engine:
         raising
         :class:`~specexec.decoding.loop.Cancelled`) ends the generation after that step, as :meth:`Generation.close`
         does
-        (finish_reason "cancelled").
+        (finish_reason "cancelled"). ``constraint``: the output follows this grammar (JSON mode, a JSON schema, a
+        regex, a Lark/GBNF grammar; :mod:`specexec.decoding.constraint`), exactly as constrained plain decoding
+        would, whatever the method. ``logprobs``: record each token's target log-prob in the generation's
+        ``logprobs`` (and the result's), with the ``logprobs`` most probable tokens at each position (0: none).
         """
         method = method or ("specexec" if self.draft is not None else "ar")
         check_method(method)
@@ -395,14 +425,36 @@ class Engine:
             ngram = default_ngram(tree, self.target.device)
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise ConfigError("logprobs", logprobs, "must be between 0 and 20")
+        grammar = self.grammar(constraint) if constraint is not None else None
         stats = Stats(method=method)
         proposer, chosen = self._plan(method, tree, chain, ngram, stats)
         policy = policy or chosen
         assert self.state is not None
         self.state.adopt(ids)
         return Generation(
-            self, ids, max_new_tokens, proposer, policy, samp, stats, tree.verify_chunk, stops, on_step=on_step
+            self,
+            ids,
+            max_new_tokens,
+            proposer,
+            policy,
+            samp,
+            stats,
+            tree.verify_chunk,
+            stops,
+            on_step=on_step,
+            constraint=grammar,
+            logprobs=logprobs,
         )
+
+    def grammar(self, constraint: Constraint) -> GrammarState:
+        """A fresh matcher for ``constraint`` over this engine's tokenizer (raises ConstraintError if it does not
+        compile). The tokenizer's grammar view is built once per engine (about a second)."""
+        if self._grammar_tokenizer is None:
+            eos = sorted(self.tokenizer.eos_ids)
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.tokenizer, self.target.cfg.vocab_size, eos)
+        return GrammarState(constraint, self._grammar_tokenizer, self.target.cfg.vocab_size, self.tokenizer.eos_ids)
 
     def _capped(self, tree: TreeConfig) -> TreeConfig:
         """``tree`` within :attr:`max_tree`: an auto tree's ``max_budget`` lowered to it; a bigger fixed budget

@@ -26,10 +26,12 @@ from specexec.config import SamplingConfig
 from specexec.decoding import sampling
 from specexec.decoding.accept import accept
 from specexec.decoding.budget import BudgetPolicy
+from specexec.decoding.constraint import GrammarState, TokenLogprob
+from specexec.decoding.tree import Tree
 from specexec.decoding.verify import commit_target, score_tree
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
-from specexec.propose.base import Proposer, StepContext
+from specexec.propose.base import Proposal, Proposer, StepContext
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Stats:
     early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
     trimmed: int = 0  # proposal nodes dropped as not worth their verification time (auto, CPU)
     ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
+    forced_tokens: int = 0  # constrained: emitted tokens the grammar forced (proposed without a draft pass)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
     tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
@@ -71,6 +74,7 @@ class Stats:
         self.early_stops += step.stopped_early
         self.trimmed += step.trimmed
         self.ngram_tokens += step.ngram_tokens
+        self.forced_tokens += step.forced
         self.mean_tree_size += (step.tree_size - self.mean_tree_size) / self.steps
         self.budgets[step.budget] = self.budgets.get(step.budget, 0) + 1
         self.budget = max(self.budgets, key=self.budgets.__getitem__)  # the most chosen (ties: the first)
@@ -106,6 +110,8 @@ class StepInfo:
     stopped_early: bool = False  # the early stop ended the proposal's growth
     trimmed: int = 0  # proposal nodes dropped as not worth their verification time
     ngram_tokens: int = 0  # committed tokens that came from merged prompt-lookup nodes
+    forced: int = 0  # constrained: committed tokens the grammar forced (ahead of the proposal, no draft pass)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the committed tokens' target log-probs, when asked for
 
     @property
     def tree_size(self) -> int:
@@ -213,6 +219,8 @@ def decode(
     verify_chunk: int = 4096,
     draft_logprobs: Callable | None = None,
     on_step: OnStep | None = None,
+    constraint: GrammarState | None = None,
+    top_logprobs: int | None = None,
 ) -> Generator[list[int], None, None]:
     """Decode up to ``max_new`` tokens after ``state.seq`` (already adopted); yields each step's committed tokens.
 
@@ -220,6 +228,12 @@ def decode(
     ``stats`` is filled as the loop runs and finalised when it ends (also on close). ``on_step(StepInfo)`` is
     called once per step; returning False or raising :class:`Cancelled` ends the loop after that step's tokens
     are yielded, with finish_reason "cancelled" (unless the step already ended the generation).
+
+    ``constraint``: the grammar the output follows (its state after the output so far). Each step the tokens it
+    forces go first, as a chain above the proposal's root; the proposer grows its tree below them, masking its
+    draft by the grammar; nodes the grammar forbids are dropped; the target's logits are masked at every node
+    before acceptance. ``top_logprobs``: record each committed token's target log-prob (and the ``top_logprobs``
+    most probable tokens') in its step's ``logprobs``; None records none.
     """
     dev = state.model.device
     gen = make_generator(samp, dev)
@@ -244,36 +258,63 @@ def decode(
                 trim=policy.trim_rule(),
                 logprobs=logprobs,
                 seed=seed,
+                walk=constraint is not None,  # a chain's rule cannot take the forced tokens' chain above it
+                constraint=constraint,
             )
-            prop = proposer.propose(state.seq, ctx)
+            forced: list[int] = []
+            if constraint is not None:  # the grammar's forced tokens lead; the proposal grows below them
+                forced = constraint.forced(max_new - stats.new_tokens - 1)
+                constraint.commit(forced)
+            pseq = state.seq + forced if forced else state.seq
+            prop = proposer.propose(pseq, ctx)
+            allowed = None
+            if constraint is not None:
+                tree = prop.tree
+                keep, allowed = constraint.tree_masks(tree.n_tokens.tolist(), tree.n_parents.tolist())
+                if not all(keep):
+                    prop.prune(keep)
+                    allowed = allowed[torch.tensor(keep)]
+            verified = _graft(prop, state.seq[-1], forced) if forced else prop
+            if forced:
+                assert allowed is not None
+                allowed = torch.cat([_one_hot(forced, allowed.shape[1]), allowed])
             sync(dev)
             tt = time.perf_counter()
-            logits = score_tree(state.model, state.cache, prop.tree, n, verify_chunk)  # (N, V)
-            path, emitted = accept(prop, logits, samp, gen, n)
+            logits = score_tree(state.model, state.cache, verified.tree, n, verify_chunk)  # (N, V)
+            raw = _raw_logprobs(logits, top_logprobs) if top_logprobs is not None else None
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            path, emitted = accept(verified, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
             for t in emitted[: max_new - stats.new_tokens]:
                 out.append(t)
                 if t in eos:
                     break
             state.commit(path, out)
-            proposer.commit(prop, path, state.seq)
+            k = len(forced)
+            ppath = [0] + [i - k for i in path[k + 1 :]] if forced else path  # the proposer's own nodes
+            proposer.commit(prop, ppath, state.seq)
+            if constraint is not None:
+                constraint.commit(out[k:])
             sync(dev)
             te = time.perf_counter()
             step = StepInfo(
                 budget=budget,
                 tree_logp=tuple(prop.tree.n_logp[1:].tolist()),
-                emitted=len(emitted),
+                emitted=len(emitted) - k,
                 draft_s=tt - td,
                 target_s=te - tt,
                 passes=prop.passes,
-                size=prop.tree.size,
+                size=verified.tree.size,
                 index=stats.steps,
                 tokens=tuple(out),
                 beams=tuple(prop.beams),
                 stopped_early=prop.stopped_early,
                 trimmed=prop.trimmed,
-                # accepted nodes from the n-gram branches (path[0] is the root)
-                ngram_tokens=sum(i >= prop.merged_at for i in path[1 : len(out) + 1]) if prop.merged_at else 0,
+                # accepted nodes from the n-gram branches (ppath[0] is the root)
+                ngram_tokens=sum(i >= prop.merged_at for i in ppath[1 : len(out) - k + 1]) if prop.merged_at else 0,
+                forced=k,
+                logprobs=_picked(raw, logits, path, out) if raw is not None else (),
             )
             stats.add(step)
             policy.update(step)
@@ -294,6 +335,55 @@ def decode(
         stats.wall_s = time.perf_counter() - t0
         decode_s = stats.wall_s - stats.prefill_s
         stats.tokens_per_s = stats.new_tokens / decode_s if decode_s > 0 else 0.0
+
+
+def _graft(prop: Proposal, root: int, forced: list[int]) -> Proposal:
+    """The tree the target verifies: the root, then the forced tokens as a chain, then the proposal's tree below
+    the last of them (the proposal's root; its node j becomes node len(forced) + j)."""
+    t, k = prop.tree, len(forced)
+    out = Tree(root, k + t.size, t.device)
+    dev = t.device
+    chain = torch.arange(k + 1, device=dev)
+    out.tokens[1 : k + 1] = torch.tensor(forced, device=dev)
+    out.parents[1 : k + 1] = chain[:-1]
+    out.depth[: k + 1] = chain
+    out.tokens[k + 1 : k + t.size] = t.tokens[1 : t.size]
+    out.parents[k + 1 : k + t.size] = t.parents[1 : t.size] + k
+    out.depth[k + 1 : k + t.size] = t.depth[1 : t.size] + k
+    out.logp[k : k + t.size] = t.logp[: t.size]
+    out.size = k + t.size
+    return Proposal(out, budget=prop.budget, source=prop.source)
+
+
+def _one_hot(tokens: list[int], vocab: int) -> Tensor:
+    """(k, vocab) bool: row i allows tokens[i] alone (the forced chain's rows)."""
+    rows = torch.zeros(len(tokens), vocab, dtype=torch.bool)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = True
+    return rows
+
+
+def _raw_logprobs(logits: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Per row, before any grammar mask: the log-normaliser, and the ``top`` best tokens with their log-probs."""
+    lse = torch.logsumexp(logits, dim=-1)
+    if top <= 0:
+        return lse, None, None
+    vals, ids = torch.topk(logits, min(top, logits.shape[-1]), dim=-1)
+    return lse, vals - lse[:, None], ids
+
+
+def _picked(
+    raw: tuple[Tensor, Tensor | None, Tensor | None], logits: Tensor, path: list[int], out: list[int]
+) -> tuple[TokenLogprob, ...]:
+    """The committed tokens' log-probs: token i was chosen at node path[i] (a mask never hides a chosen token)."""
+    lse, top_v, top_i = raw
+    rows = torch.tensor(path[: len(out)], device=logits.device)
+    toks = torch.tensor(out, device=logits.device)
+    lp = (logits[rows, toks] - lse[rows]).tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(out)
+    if top_v is not None and top_i is not None:
+        tv, ti = top_v[rows].tolist(), top_i[rows].tolist()
+        tops = [tuple(zip(i, v)) for i, v in zip(ti, tv)]
+    return tuple(TokenLogprob(t, p, tp) for t, p, tp in zip(out, lp, tops))
 
 
 def pass_timer(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -12,6 +12,9 @@ from torch import Tensor
 from specexec.config import SamplingConfig
 from specexec.decoding.costs import ChainStop, GrowCost, Trim
 from specexec.decoding.tree import Tree
+
+if TYPE_CHECKING:
+    from specexec.decoding.constraint import GrammarState
 
 RULES = ("tree", "chain")
 
@@ -31,6 +34,9 @@ class StepContext:
     # chain proposers: verify by the tree walk also when sampling, the draft's tokens being coupled draws (drawn
     # with the walk's own noise, sampling.coupled_choice) instead of x ~ q under the chain rule
     walk: bool = False
+    # a constrained generation's grammar, at the state after ``seq`` (the sequence ``propose`` gets): a draft masks
+    # its logits with ``constraint.mask_logits`` at every node it expands, so it proposes only allowed tokens
+    constraint: GrammarState | None = None
 
 
 @dataclass
@@ -62,6 +68,22 @@ class Proposal:
     def size(self) -> int:
         """Proposed (non-root) tokens."""
         return self.tree.size - 1
+
+    def prune(self, keep: list[bool]) -> None:
+        """Drop the nodes where ``keep`` is False (an ancestor-closed subtree stays: a dropped node's subtree is
+        dropped with it by the caller's rule): a constrained generation's nodes the grammar forbids."""
+        if all(keep):
+            return
+        mask = torch.tensor(keep, device=self.tree.device)
+        if self.merged_at:
+            self.merged_at = int(mask[: self.merged_at].sum())
+        self.tree.keep(mask)
+        if self.merged_at >= self.tree.size:
+            self.merged_at = 0
+        if self.q is not None:  # a chain keeps a prefix of its tokens, and their distributions
+            self.q = self.q[: self.tree.size - 1]
+            if self.q.shape[0] == 0:
+                self.q, self.rule = None, "tree"
 
     def trim(self, rule: Trim | None) -> None:
         """Keep the ``rule.keep`` most probable nodes (an ancestor-closed subtree) of a "tree"-rule proposal; the

@@ -17,6 +17,7 @@ draft doubts it.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,9 +33,25 @@ from specexec.propose.draft_model import DraftModel
 from specexec.propose.fixed_grow import finish, grow_fixed
 from specexec.propose.ngram import NGramDraft
 
+if TYPE_CHECKING:
+    from specexec.decoding.constraint import GrammarState
+
 
 def default_logprobs(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits, dim=-1)
+
+
+def _paths(tree: Tree, nodes: Tensor) -> list[list[int]]:
+    """The tokens below the root on the path to each of ``nodes`` (root excluded, the node included)."""
+    tokens, parents = tree.n_tokens.tolist(), tree.n_parents.tolist()
+    out = []
+    for i in nodes.tolist():
+        path = []
+        while i > 0:
+            path.append(tokens[i])
+            i = parents[i]
+        out.append(path[::-1])
+    return out
 
 
 class TreeDraft:
@@ -74,12 +91,16 @@ class TreeDraft:
             prop.budget = 0
             return prop
         cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
+        cfg = replace(self.cfg, budget=ctx.budget)
+        if ctx.constraint is not None:  # the grammar's masks are the host's per node: levels of any width
+            cfg = replace(cfg, grow="dynamic")
         tree, passes, beams, early = self.grow(
             seq,
-            replace(self.cfg, budget=ctx.budget),
+            cfg,
             ctx.logprobs or default_logprobs,
             cost,
             seed=None if ctx.samp.greedy else ctx.seed,
+            constraint=ctx.constraint,
         )
         merged_at = tree.size
         if self.ngram is None or not self.ngram.merge_into(tree, seq):
@@ -113,6 +134,7 @@ class TreeDraft:
         logprobs=default_logprobs,
         cost: GrowCost | None = None,
         seed: int | None = None,
+        constraint: GrammarState | None = None,
     ) -> tuple[Tree, int, list[int], bool]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
@@ -120,7 +142,8 @@ class TreeDraft:
         (:func:`specexec.decoding.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw,
         the token the target's walk draws wherever p is close to q. ``cost`` enables the early stop (when
         ``cfg.early_stop``; by default on a CPU, and for fixed-width growth on a GPU); None grows up to
-        ``max_depth`` levels. Returns (tree, draft passes, tokens per pass, stopped early).
+        ``max_depth`` levels. ``constraint``: a grammar whose masks apply to the draft's logits at every expanded
+        node (dynamic growth only). Returns (tree, draft passes, tokens per pass, stopped early).
         """
         d = self.draft
         dev = d.device
@@ -132,7 +155,10 @@ class TreeDraft:
         extra = self.ngram.max_nodes() if self.ngram is not None else 0
         tree = Tree(seq[-1], 2 * budget + 1 + extra, dev)  # live nodes + at most budget candidates (+ n-grams)
         beams_log = [len(seq) - d.length]
-        root_lq = logprobs(d.catch_up(seq))  # (1, V)
+        root_logits = d.catch_up(seq)
+        if constraint is not None:
+            root_logits = constraint.mask_logits(root_logits, [[]])
+        root_lq = logprobs(root_logits)  # (1, V)
         if seed is not None:
             root_lq = sampling.coupled_logprobs(root_lq, seed, [n + 1])
         passes = 1
@@ -163,7 +189,10 @@ class TreeDraft:
             next_slot += k
             mask = self._tree_mask(tree, beams, n, next_slot)
             pos = n + tree.depth[beams]
-            lq = logprobs(d.forward(tree.tokens[beams], pos, slots, mask))  # (k, V)
+            logits = d.forward(tree.tokens[beams], pos, slots, mask)
+            if constraint is not None:
+                logits = constraint.mask_logits(logits, _paths(tree, beams))
+            lq = logprobs(logits)  # (k, V)
             if seed is not None:  # the children's output positions
                 lq = sampling.coupled_logprobs(lq, seed, pos + 1)
             passes += 1

@@ -53,6 +53,10 @@ class ChainDraft:
         tree = Tree(seq[-1], gamma + 1 + (lookup.max_nodes() if lookup is not None else 0), dev)
         beams = [len(seq) - d.length]
         logits = d.catch_up(seq)
+        con = ctx.constraint
+        drafted: list[int] = []  # the chain's tokens so far (the grammar's path)
+        if con is not None:
+            logits = con.mask_logits(logits, [drafted])
         tree.draft_slot[0] = n
         qs: list[Tensor | None] = []
         passes = 1
@@ -83,13 +87,16 @@ class ChainDraft:
             pos = torch.tensor([slot], device=dev)
             mask = torch.ones(1, slot + 1, dtype=torch.bool, device=dev)
             logits = d.forward(tok.view(1), pos, pos, mask)
+            if con is not None:
+                drafted.append(int(tok))
+                logits = con.mask_logits(logits, [drafted])
             passes += 1
             beams.append(1)
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
-        drafted = tree.size - 1
+        n_drafted = tree.size - 1
         merged_at = 0
         if lookup is not None and lookup.merge_into(tree, seq, conts):  # looked up once per step
-            merged_at = drafted + 1
+            merged_at = n_drafted + 1
         prop = Proposal(
             tree,
             rule="chain" if q_all is not None else "tree",
@@ -98,7 +105,7 @@ class ChainDraft:
             beams=beams,
             budget=gamma,
             source=self.name,
-            stopped_early=drafted < gamma,
+            stopped_early=n_drafted < gamma,
             merged_at=merged_at,
         )
         prop.trim(ctx.trim)
