@@ -83,6 +83,17 @@ class _State:
         self.created = int(time.time())
 
 
+# the files under static/vendor/ the app serves, with their content types
+VENDOR_FILES = {
+    "marked.umd.js": "text/javascript; charset=utf-8",
+    "purify.min.js": "text/javascript; charset=utf-8",
+    "marked.LICENSE": "text/plain; charset=utf-8",
+    "dompurify.LICENSE": "text/plain; charset=utf-8",
+    "dompurify.LICENSE-MPL": "text/plain; charset=utf-8",
+    "README.md": "text/plain; charset=utf-8",
+}
+
+
 def page_html() -> str:
     """The web chat page shipped in the package (static/index.html)."""
     return resources.files("specexec.server").joinpath("static/index.html").read_text(encoding="utf-8")
@@ -160,8 +171,19 @@ def create_app(
             headers={
                 "Cache-Control": "no-cache",
                 "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline';"
-                " script-src 'unsafe-inline'; img-src 'self' data:",
+                " script-src 'self' 'unsafe-inline'; img-src 'self' data:",
             },
+        )
+
+    @app.get("/static/vendor/{name}", include_in_schema=False)
+    async def vendor(name: str) -> Response:
+        # the page's pinned third-party scripts (and their licenses), from a fixed list: nothing else is served
+        media = VENDOR_FILES.get(name)
+        if media is None:
+            raise StarletteHTTPException(404, f"no file {name!r} here")
+        data = resources.files("specexec.server").joinpath("static/vendor", name).read_bytes()
+        return Response(
+            data, media_type=media, headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
         )
 
     @app.get("/health")
