@@ -12,6 +12,7 @@ import typer
 from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
 from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET, tree_config  # noqa: F401  (tree_config: used by tests)
+from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.errors import ConfigError
 
 
@@ -27,6 +28,8 @@ def stats_line(stats: dict) -> str:
     auto = "auto→" if s.get("budget_auto") else ""
     extra = f" budget={auto}{s['budget']}" if s.get("budget") else (f" gamma={s['gamma']}" if s.get("gamma") else "")
     calib = f", cost measurement {s['costs_s']:.2f}s" if s.get("costs_s") else ""
+    if s.get("forced_tokens"):
+        calib += f", {s['forced_tokens']} forced by the grammar"
     return (
         f"[{s['method']}{extra}] {s['new_tokens']} tokens in {s['steps']} steps "
         f"({s['tokens_per_step']:.2f} tok/step), {s['tokens_per_s']:.2f} tok/s, "
@@ -35,12 +38,54 @@ def stats_line(stats: dict) -> str:
     )
 
 
+def constraint_option(json_schema: str | None, grammar: str | None, regex: str | None) -> Constraint | None:
+    """The constraint the options name (at most one), compiled, so a bad one is refused before a model loads."""
+    given = [(f, v) for f, v in (("--json-schema", json_schema), ("--grammar", grammar), ("--regex", regex)) if v]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConstraintError(f"{given[0][0]} and {given[1][0]} cannot be combined: give one constraint")
+    flag, value = given[0]
+    try:
+        if flag == "--regex":
+            c = Constraint.regex(value)
+        else:
+            try:
+                text = o.prompt_text(value) if value == "-" else open(value, encoding="utf-8").read()
+            except OSError as e:
+                raise ConstraintError(f"{value}: {e.strerror or e}") from None
+            except UnicodeDecodeError:
+                raise ConstraintError(f"{value}: not UTF-8 text") from None
+            c = Constraint.json_schema(text) if flag == "--json-schema" else Constraint.grammar(text)
+        c.check()
+    except ConstraintError as e:
+        raise ConstraintError(f"{flag} {e}" if str(e).startswith(value) else f"{flag}: {e}") from None
+    return c
+
+
 @o.shared_options(defaults={"max_new_tokens": 256})
 def generate(
     shared: o.Shared,
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (raw unless --chat); '-' reads stdin."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
     as_json: bool = o.as_json(),
+    json_schema: str | None = typer.Option(
+        None,
+        "--json-schema",
+        metavar="FILE",
+        help="Constrain the output to JSON that validates against the JSON Schema in FILE (exactly as constrained "
+        "plain decoding would write it, with any method).",
+    ),
+    grammar: str | None = typer.Option(
+        None,
+        "--grammar",
+        metavar="FILE",
+        help="Constrain the output to the grammar in FILE: GBNF as llama.cpp writes it (root ::= ...) or "
+        "llguidance's Lark (start: ...).",
+    ),
+    regex: str | None = typer.Option(
+        None, "--regex", metavar="PATTERN", help="Constrain the output to text that matches PATTERN as a whole."
+    ),
     samples: int = typer.Option(
         1,
         "--samples",
@@ -65,6 +110,7 @@ def generate(
         model = s.model_options()
         if samples < 1:
             raise ConfigError("samples", samples, "must be >= 1")
+        constraint = constraint_option(json_schema, grammar, regex)
         show = not s.quiet and not as_json
         engine = s.load(model, tree, show=show)
         status = o.spinner(not show)
@@ -75,7 +121,14 @@ def generate(
             if samples > 1 and not as_json:
                 sys.stdout.write(f"----- sample {i + 1} of {samples} -----\n")
             g = engine.stream(
-                text, s.max_new_tokens, method=s.method, sampling_cfg=samp_i, tree=tree, chain=chain_cfg, chat=chat
+                text,
+                s.max_new_tokens,
+                method=s.method,
+                sampling_cfg=samp_i,
+                tree=tree,
+                chain=chain_cfg,
+                chat=chat,
+                constraint=constraint,
             )
             pieces = iter(g)
             with status(first_label if i == 0 else "reading the prompt"):  # until the first text arrives

@@ -548,3 +548,36 @@ def test_notice_when_load_lowered_the_max_budget(capsys):
     assert capsys.readouterr().err == ""
     o.notices_after_load(model, SimpleNamespace(context=256, max_tree=256))
     assert "--max-budget lowered to 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda d: ("--json-schema", str(d / "missing.json")), "missing.json: no such file"),
+        (lambda d: ("--json-schema", _write(d / "s.json", "{not json")), "--json-schema: the JSON schema is not valid"),
+        (lambda d: ("--json-schema", _write(d / "t.json", '{"type": "bogus"}')), "does not compile: Invalid type"),
+        (lambda d: ("--grammar", _write(d / "g.gbnf", "root ::= (")), "--grammar: the grammar does not compile"),
+        (lambda d: ("--grammar", _write(d / "g.lark", "start: nowhere")), "--grammar: the grammar does not compile"),
+        (lambda d: ("--regex", "(a"), "--regex: the regular expression does not compile"),
+        (lambda d: ("--regex", "a", "--grammar", _write(d / "ok.gbnf", 'root ::= "a"')), "cannot be combined"),
+    ],
+)
+def test_generate_bad_constraint_before_loading(no_load, tmp_path, make, pattern):
+    """A constraint that cannot be read or compiled: one line naming its flag, exit 2, before any model load."""
+    result = _run("generate", *make(tmp_path))
+    _one_error_line(result, pattern)
+    assert result.exit_code == 2
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_generate_constraint_on_an_unreadable_tokenizer(models, tmp_path):
+    """The tiny pair's word-level tokenizer cannot spell arbitrary bytes, so no grammar can run over it: one line."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    result = _generate(models, "--json-schema", str(schema), "--context", "512")
+    _one_error_line(result, "constrained decoding cannot read this model's tokenizer")
+    assert result.exit_code == 2
