@@ -23,7 +23,14 @@ def script(name: str) -> Any:
 
 
 def test_the_scripts_are_the_kept_ones():
-    assert SCRIPTS == ["bench_before_after.py", "bench_cpu.py", "bench_gpu.py", "bench_offload.py", "check_exact.py"]
+    assert SCRIPTS == [
+        "bench_before_after.py",
+        "bench_cpu.py",
+        "bench_gpu.py",
+        "bench_offload.py",
+        "bench_structured.py",
+        "check_exact.py",
+    ]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -144,3 +151,92 @@ def test_check_exact_smoke_checks_every_token_against_the_target(tiny_pair, caps
     real = mod.greedy_mismatches
     monkeypatch.setattr(mod, "greedy_mismatches", lambda e, ids, toks: real(e, ids, [(toks[0] + 1) % 90, *toks[1:]]))
     assert mod.main(argv) == 1
+
+
+@pytest.fixture(scope="module")
+def json_tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny target whose byte-level tokenizer the grammar engine can read (with a chat template), and a noisy copy
+    of it as its draft (the word-level tokenizer of conftest's tiny models cannot carry a grammar)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_noisy_copy, make_tiny
+    from tests.decoding.test_constraint import VOCAB, json_tokenizer
+
+    root = tmp_path_factory.mktemp("json-pair")
+    target = make_tiny(root / "target", "llama", vocab=VOCAB, seed=3)
+    json_tokenizer(target)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    tok.save_pretrained(target)
+    return target, make_noisy_copy(target, root / "draft", 0.1)
+
+
+def test_bench_structured_smoke_times_four_configs_checks_exactness_and_validity(json_tiny_pair, tmp_path, capsys):
+    """bench_structured.py on the JSON-capable tiny pair: every configuration on every prompt in a rotating order,
+    the default's tokens equal AR's (schema and free), the overall and per-prompt tables with the ratios, the
+    warm-up reported apart; exit 0."""
+    target, draft = json_tiny_pair
+    out, md = tmp_path / "structured.json", tmp_path / "structured.md"
+    argv = ["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--dtype", "fp32"]
+    argv += ["--prompts", "2", "--max-new-tokens", "16", "--warmup-tokens", "4", "--context", "512"]
+    assert script("bench_structured").main([*argv, "--out", str(out), "--md", str(md)]) == 0
+    rep = json.loads(out.read_text())
+    m = rep["meta"]
+    assert m["smoke"] and m["chat"] and m["schema_name"] == "book" and len(m["prompts"]) == 2
+    assert m["warm_up"]["seconds"] > 0 and m["warm_up"]["costs_s"] >= 0 and "partial" not in m
+    runs = rep["runs"]
+    assert len(runs) == 2 * 4
+    names = ["ar-schema", "default-schema", "default-free", "ar-free"]
+    for p in ("the novel Dune by Frank Herbert", "Pride and Prejudice by Jane Austen"):
+        rs = {r["config"]: r for r in runs if r["prompt"] == p}
+        assert sorted(rs) == sorted(names)
+        assert sorted(r["order"] for r in rs.values()) == [0, 1, 2, 3]
+        assert rs["default-schema"]["match"] and rs["default-free"]["match"]
+        assert rs["ar-schema"]["method"] == "ar" and rs["default-schema"]["method"] == "specexec"
+        assert all(1 <= r["tokens"] <= 16 and r["decode_tok_s"] > 0 and r["wall_s"] > 0 for r in rs.values())
+        assert rs["ar-schema"]["forced_tokens"] > 0  # the schema's key names
+        assert "valid" in rs["ar-schema"] and "valid" not in rs["ar-free"]
+    assert [r["order"] for r in runs if r["config"] == "ar-schema"] == [0, 3]  # the order rotates per prompt
+    s = rep["summary"]
+    assert s["mismatches"] == 0 and s["invalid"] == 0
+    overall = s["overall"]
+    assert set(overall["configs"]) == set(names)
+    for c in overall["configs"].values():
+        for key in ("tokens", "decode_tok_s", "tok_s", "tokens_per_step", "forced_share", "finished"):
+            assert key in c
+    assert overall["configs"]["default-schema"]["forced_share"] > 0
+    assert set(overall["ratios"]) == {"default-schema/ar-schema", "default-schema/default-free"}
+    assert all(v["decode_tok_s"] > 0 and v["tok_s"] > 0 for v in overall["ratios"].values())
+    assert len(s["per_prompt"]) == 2
+    printed = capsys.readouterr().out
+    assert "| config | tokens | decode tok/s | tok/s | tokens/step | forced | finished | checks |" in printed
+    for label in ("| AR, schema |", "| default, schema |", "| default, free |", "| AR, free |"):
+        assert label in printed
+    assert "| default-schema/ar-schema |" in printed and "| default-schema/default-free |" in printed
+    assert "SMOKE RUN" in printed and "Exactness: 0 mismatches" in printed
+    assert md.read_text() == printed[:-1]  # the same tables (print adds one newline)
+
+
+def test_bench_structured_checks_answers_against_the_schema():
+    mod = script("bench_structured")
+    book = mod.SCHEMAS["book"].schema
+    good = {"title": "Dune", "author": "Frank Herbert", "year": 1965, "pages": 412, "rating": 4.3}
+    good |= {"genres": ["science fiction"], "in_print": True}
+    assert mod.check_answer(json.dumps(good), book) is None
+    assert mod.check_answer(json.dumps({**good, "year": "1965"}), book).startswith("does not validate")
+    assert mod.check_answer('{"title": "Dune"', book).startswith("not JSON")
+    for name in mod.SCHEMAS:
+        prompts = mod.build_prompts(name, mod.MAX_PROMPTS)
+        assert 4 <= len(prompts) <= 6 and len({p.text for p in prompts}) == len(prompts)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--schema", "poem"], ["--prompts", "0"], ["--prompts", "99"], ["--max-new-tokens", "0"], ["--max-budget", "0"]],
+)
+def test_bench_structured_refuses_bad_options_with_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        script("bench_structured").main(bad)
+    assert e.value.code == 2
