@@ -79,7 +79,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties are written in it
 
     @classmethod
     def regex(cls, pattern: str) -> Constraint:
