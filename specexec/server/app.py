@@ -9,6 +9,10 @@ Errors: :class:`~specexec.server.protocol.ApiError` (4xx), unknown routes (404/4
 and anything unexpected (500) all answer with OpenAI's envelope ``{"error": {"message", "type", "param",
 "code"}}``. A generation that fails after a stream has started sends one ``data: {"error": ...}`` event, then
 ``data: [DONE]``.
+
+An answer to a request with tools passes through :class:`~specexec.server.tools.ToolParser`: its tool calls come
+back as ``message.tool_calls`` (streamed: ``delta.tool_calls``, the name first, then argument fragments), the rest
+as content. Log-probs ride on the chunks (streamed) or the choice (whole).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import SpecexecError, render
 from specexec.server import protocol as p
-from specexec.server.worker import Job, Outcome, Worker, encode
+from specexec.server import tools as tl
+from specexec.server.worker import Job, Outcome, Prepared, Worker, prepare
 
 log = logging.getLogger(__name__)
 
@@ -256,34 +261,78 @@ def create_app(
             )
         w.check_room()  # refuse early, before tokenizing, when the queue is already full
         eng = state.engine
-        ids = await asyncio.to_thread(_encode, eng, req)
-        max_new = p.resolve_max_tokens(req, len(ids), eng.context, config.defaults.max_new_tokens)
-        job = Job(ids, max_new, req.sampling, req.stops)
+        prep = await asyncio.to_thread(_prepare, eng, req)
+        max_new = p.resolve_max_tokens(req, len(prep.ids), eng.context, config.defaults.max_new_tokens)
+        job = Job(prep.ids, max_new, req.sampling, req.stops, prep.constraint, prep.constraint_param, req.logprobs)
         w.submit(job)  # raises 429 when the queue is full
         rid = p.new_id(kind)
+        answer = _Answer(kind, prep.tool_format, req.logprobs is not None)
         if req.stream:
-            return _SSEResponse(job, _sse_events(job, p.Chunks(kind, rid, config.model_name, req.include_usage)))
+            chunks = p.Chunks(kind, rid, config.model_name, req.include_usage)
+            return _SSEResponse(job, _sse_events(job, chunks, answer))
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
         try:
-            text, outcome = await _collect(job)
+            outcome = await _collect(job, answer)
         finally:
             watcher.cancel()
             job.cancel()  # a no-op once done
-        use = _usage(outcome)
-        return JSONResponse(p.response(kind, rid, config.model_name, text, outcome.finish_reason, use, outcome.ext))
+        folded = tl.fold(answer.events)
+        return JSONResponse(
+            p.response(
+                kind,
+                rid,
+                config.model_name,
+                folded.content,
+                answer.finish_reason(outcome),
+                _usage(outcome),
+                outcome.ext,
+                tool_calls=folded.tool_calls,
+                logprobs=answer.logprobs_object(answer.all_logprobs) if answer.want_logprobs else None,
+            )
+        )
 
     app.add_middleware(_auth, api_key=config.api_key)
     app.add_middleware(_body_limit, max_bytes=config.max_body_bytes)  # added last: the outermost
     return app
 
 
-def _encode(engine: Any, req: p.GenRequest) -> list[int]:
+def _prepare(engine: Any, req: p.GenRequest) -> Prepared:
     try:
-        return encode(engine, req)
+        return prepare(engine, req)
     except p.ApiError:
         raise
     except SpecexecError as e:
         raise p.ApiError(400, _api_message(e), None, "invalid_value") from None
+
+
+class _Answer:
+    """One answer as it arrives: text pieces through the tool-call parser (when the request has tools) into
+    :mod:`~specexec.server.tools` events, and log-probs; both the streamed and the whole response read these."""
+
+    def __init__(self, kind: str, tool_format: str | None, want_logprobs: bool) -> None:
+        self.kind, self.want_logprobs = kind, want_logprobs
+        self.parser = tl.ToolParser(tool_format) if tool_format is not None else None
+        self.events: list[tl.Event] = []
+        self.all_logprobs: list[p.TokenLogprob] = []
+        self._completion_lp = p.CompletionLogprobs()
+
+    def push(self, piece: str) -> list[tl.Event]:
+        new: list[tl.Event] = [tl.Content(piece)] if self.parser is None else self.parser.push(piece)
+        self.events.extend(new)
+        return new
+
+    def finish(self) -> list[tl.Event]:
+        new = self.parser.finish() if self.parser is not None else []
+        self.events.extend(new)
+        return new
+
+    def finish_reason(self, outcome: Outcome) -> str:
+        """The engine's, but "tool_calls" for an answer with tool calls that ended by itself."""
+        calls = self.parser is not None and self.parser.calls > 0
+        return "tool_calls" if calls and outcome.finish_reason == "stop" else outcome.finish_reason
+
+    def logprobs_object(self, entries: list[p.TokenLogprob]) -> dict[str, Any]:
+        return p.chat_logprobs(entries) if self.kind == "chat" else self._completion_lp(entries)
 
 
 def _api_message(e: Exception) -> str:
@@ -306,20 +355,26 @@ def _usage(o: Outcome) -> dict[str, Any]:
 
 
 def _engine_error(e: BaseException) -> p.ApiError:
+    if isinstance(e, p.ApiError):
+        return e
     if isinstance(e, (SpecexecError, ValueError)):
         return p.ApiError(400, _api_message(e), None, "invalid_value")
     return p.ApiError(500, f"the generation failed: {type(e).__name__}: {e}", None, "generation_failed")
 
 
-async def _collect(job: Job) -> tuple[str, Outcome]:
-    """Wait for a non-streamed job: its whole text and outcome (raises ApiError on failure)."""
+async def _collect(job: Job, answer: _Answer) -> Outcome:
+    """Wait for a non-streamed job: its whole text into ``answer``, and its outcome (raises ApiError on failure)."""
     parts: list[str] = []
     while True:
         kind, value = await job.events.get()
         if kind == "text":
             parts.append(value)
+        elif kind == "logprobs":
+            answer.all_logprobs.extend(value)
         elif kind == "done":
-            return "".join(parts), value
+            answer.push("".join(parts))
+            answer.finish()
+            return value
         elif kind == "error":
             raise _engine_error(value)
         else:  # cancelled: the client is gone; this answer is never read
@@ -339,17 +394,40 @@ def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _sse_events(job: Job, chunks: p.Chunks) -> AsyncIterator[str]:
-    """The server-sent events of one streamed answer: role, text deltas, the last chunk, usage, [DONE]."""
+def _event_chunk(chunks: p.Chunks, e: tl.Event, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    if isinstance(e, tl.Content):
+        return chunks.text(e.text, logprobs)
+    if isinstance(e, tl.CallStart):
+        return chunks.call_start(e.index, e.id, e.name, logprobs)
+    return chunks.call_args(e.index, e.text, logprobs)
+
+
+async def _sse_events(job: Job, chunks: p.Chunks, answer: _Answer) -> AsyncIterator[str]:
+    """The server-sent events of one streamed answer: role, content / tool-call deltas, the last chunk, usage,
+    [DONE]. Log-probs ride on the next chunk sent after they arrive (the last chunk takes any left)."""
     first = chunks.first()
     if first is not None:
         yield _data(first)
+    pending: list[p.TokenLogprob] = []
+
+    def take() -> dict[str, Any] | None:
+        if not pending:
+            return None
+        obj = answer.logprobs_object(list(pending))
+        pending.clear()
+        return obj
+
     while True:
         kind, value = await job.events.get()
-        if kind == "text":
-            yield _data(chunks.text(value))
+        if kind == "logprobs":
+            pending.extend(value)
+        elif kind == "text":
+            for e in answer.push(value):
+                yield _data(_event_chunk(chunks, e, take()))
         elif kind == "done":
-            yield _data(chunks.last(value.finish_reason, value.ext))
+            for e in answer.finish():
+                yield _data(_event_chunk(chunks, e, take()))
+            yield _data(chunks.last(answer.finish_reason(value), value.ext, take()))
             if chunks.include_usage:
                 yield _data(chunks.usage(_usage(value)))
             break

@@ -4,21 +4,37 @@ Pure functions, no I/O: the app (``app.py``) feeds them parsed JSON and sends wh
 client can get wrong raises :class:`ApiError`, which the app turns into OpenAI's error envelope
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status (never a 500 for a client's mistake).
 Unknown fields are ignored, as OpenAI does; known fields this server cannot honour (``n`` other than 1, several
-prompts, ``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, non-text message parts) are refused.
+prompts, ``echo``, ``best_of`` > 1, ``suffix``, non-text message parts) are refused.
+
+Structured output and tools: ``response_format`` (text, json_object, json_schema) becomes a
+:class:`ResponseFormat`; ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` become
+:class:`~specexec.server.tools.Tool` s and a :class:`ToolChoice`; history messages may carry ``tool_calls``
+(arguments as JSON strings, turned into the objects chat templates expect) and ``role: "tool"`` answers. Which
+grammar that means for the model is decided where its tokenizer is known (:func:`specexec.server.worker.prepare`).
+``logprobs`` / ``top_logprobs`` become the number of alternatives per token the engine reports
+(:attr:`GenRequest.logprobs`), shaped back by :func:`chat_logprobs` / :class:`CompletionLogprobs`.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import math
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import SamplingConfig
+from specexec.server.tools import Tool
 
 MAX_STOPS = 16  # OpenAI allows 4; a few more cost nothing here
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ApiError(Exception):
@@ -71,15 +87,39 @@ class Defaults:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """``response_format`` other than text: ``kind`` "json_object" (any JSON object) or "json_schema" (``schema``)."""
+
+    kind: str
+    schema: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``tool_choice``: ``mode`` "none", "auto", "required" or "function" (then ``name`` is the function)."""
+
+    mode: str
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        """The answer must be tool calls (decoded under a grammar)."""
+        return self.mode in ("required", "function")
+
+
+@dataclass(frozen=True)
 class GenRequest:
     """One validated generation request. ``messages`` (chat) or ``prompt`` (completions) is set, not both.
 
     ``max_tokens`` is None when the client gave none (the server's default, capped by the room left in the
-    context, applies once the prompt length is known).
+    context, applies once the prompt length is known). ``messages`` are dicts the chat template takes: ``role``
+    and ``content`` (a string), plus ``tool_calls`` (arguments as objects) on assistant messages and
+    ``tool_call_id`` (and ``name`` if given) on tool messages. ``logprobs``: None, or how many alternatives each
+    token's log-prob comes with (0: the chosen token's alone). ``tool_choice`` is None without tools.
     """
 
     kind: str  # "chat" or "completion"
-    messages: tuple[tuple[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     prompt: str | tuple[int, ...] | None
     max_tokens: int | None
     sampling: SamplingConfig
@@ -87,6 +127,16 @@ class GenRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    response_format: ResponseFormat | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: int | None = None
+
+    @property
+    def plain_messages(self) -> bool:
+        """Messages a template renders without tools: no tool calls, no tool answers (render_chat's kind)."""
+        return not self.tools and all(m["role"] != "tool" and not m.get("tool_calls") for m in self.messages or ())
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -144,8 +194,6 @@ def _common(body: Any, defaults: Defaults) -> dict[str, Any]:
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(400, f"only n=1 is supported (one answer per request), got n={n!r}", "n", "unsupported")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise ApiError(400, "logprobs are not supported by this server", "logprobs", "unsupported")
     s = defaults.sampling
     temperature = _opt_number(body, "temperature", 0.0, 2.0, s.temperature)
     top_p = _opt_number(body, "top_p", 0.0, 1.0, s.top_p, lo_open=True)
@@ -184,7 +232,135 @@ def _common(body: Any, defaults: Defaults) -> dict[str, Any]:
         stream=stream,
         include_usage=bool(stream and opts.get("include_usage")),
         model=model if isinstance(model, str) else None,
+        response_format=_response_format(body),
     )
+
+
+def _response_format(body: dict) -> ResponseFormat | None:
+    """``response_format``: None for text (or none given)."""
+    v = body.get("response_format")
+    if v is None:
+        return None
+    name = "response_format"
+    if not isinstance(v, dict):
+        raise ApiError(400, "'response_format' must be an object with a 'type'", name)
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise ApiError(
+            400, f"response_format.type must be one of 'text', 'json_object', 'json_schema'; got {kind!r}", name
+        )
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with 'name' and 'schema'", name)
+    if not isinstance(js.get("name"), str) or not FUNCTION_NAME.fullmatch(js["name"]):
+        raise ApiError(
+            400,
+            f"response_format.json_schema.name must be 1-64 letters, digits, '_' or '-'; got {js.get('name')!r}",
+            name,
+        )
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise ApiError(400, "response_format.json_schema.strict must be true or false", name)
+    schema = js.get("schema")
+    if schema is None:
+        return ResponseFormat("json_object")
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)", name)
+    return ResponseFormat("json_schema", schema)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with logprobs) → alternatives or None."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise ApiError(400, f"'logprobs' must be true or false, got {on!r}", "logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400, f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", "top_logprobs"
+            )
+        if top and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return int(top or 0) if on else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' ``logprobs``: how many alternatives per token (0..5), or None."""
+    v = body.get("logprobs")
+    if v is None:
+        return None
+    if not _is_int(v) or not 0 <= v <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(
+            400,
+            f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] for completions, got {v!r}",
+            "logprobs",
+        )
+    return int(v)
+
+
+def _tools(body: dict) -> tuple[Tool, ...]:
+    """``tools``: function tools with a name and an object schema for their parameters (default: none)."""
+    v = body.get("tools")
+    if v is None or v == []:
+        return ()
+    if not isinstance(v, list):
+        raise ApiError(400, "'tools' must be a list of function tools", "tools")
+    out: list[Tool] = []
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ApiError(400, f"{where} must be a function tool ({{'type': 'function', ...}}), got {kind!r}", "tools")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise ApiError(400, f"{where}.function must be an object with a 'name'", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ApiError(
+                400, f"{where}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}", "tools"
+            )
+        if any(o.name == name for o in out):
+            raise ApiError(400, f"{where}: two tools are named {name!r}", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ApiError(400, f"{where}.function.description must be a string", "tools")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict) or params.get("type") != "object":
+            raise ApiError(
+                400,
+                f"{where}.function.parameters must be a JSON schema of type 'object', got {params!r}"[:300],
+                "tools",
+            )
+        spec_fn = {k: fn[k] for k in ("name", "description") if fn.get(k) is not None}
+        spec_fn["parameters"] = params
+        out.append(Tool(name=name, parameters=params, spec={"type": "function", "function": spec_fn}))
+    return tuple(out)
+
+
+def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> ToolChoice | None:
+    v = body.get("tool_choice")
+    if v is None:
+        return ToolChoice("auto") if tools else None
+    if not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+    if v in ("none", "auto", "required"):
+        return ToolChoice(v)
+    fn = v.get("function") if isinstance(v, dict) and v.get("type", "function") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    if all(t.name != name for t in tools):
+        known = ", ".join(t.name for t in tools)
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools ({known})", "tool_choice")
+    return ToolChoice("function", name)
 
 
 def _content(content: Any, i: int) -> str:
@@ -205,6 +381,59 @@ def _content(content: Any, i: int) -> str:
     raise ApiError(400, "message content must be a string or a list of text parts", param, "invalid_type")
 
 
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as templates take them: arguments parsed from their JSON text."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] must have a function with a name", f"{where}[{j}]")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                param = f"{where}[{j}].function.arguments"
+                raise ApiError(400, f"{param} is not valid JSON: {e}", param) from None
+        elif not isinstance(args, dict):
+            param = f"{where}[{j}].function.arguments"
+            raise ApiError(400, f"{param} must be a JSON string", param)
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """One chat message → the dict the chat template takes (raises ApiError)."""
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ApiError(
+            400,
+            f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {role!r}",
+            f"messages[{i}].role",
+            "invalid_value",
+        )
+    out: dict[str, Any] = {"role": ROLES[role], "content": _content(m.get("content"), i)}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(m["tool_calls"], i)
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            param = f"messages[{i}].tool_call_id"
+            raise ApiError(400, f"{param} is required for a tool message (a string)", param)
+        out["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
 def parse_chat(body: Any, defaults: Defaults) -> GenRequest:
     """A ``/v1/chat/completions`` body → GenRequest (raises ApiError)."""
     common = _common(body, defaults)
@@ -213,20 +442,22 @@ def parse_chat(body: Any, defaults: Defaults) -> GenRequest:
         raise ApiError(400, "'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(
-                400,
-                f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r}",
-                f"messages[{i}].role",
-                "invalid_value",
-            )
-        out.append((ROLES[role], _content(m.get("content"), i)))
-    return GenRequest(kind="chat", messages=tuple(out), prompt=None, **common)
+    out = tuple(_message(m, i) for i, m in enumerate(msgs))
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be true or false", "parallel_tool_calls", "invalid_type")
+    return GenRequest(
+        kind="chat",
+        messages=out,
+        prompt=None,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel is not False,
+        logprobs=_chat_logprobs(body),
+        **common,
+    )
 
 
 def parse_completion(body: Any, defaults: Defaults) -> GenRequest:
@@ -253,7 +484,7 @@ def parse_completion(body: Any, defaults: Defaults) -> GenRequest:
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
     if not prompt:
         raise ApiError(400, "'prompt' is empty", "prompt", "invalid_value")
-    return GenRequest(kind="completion", messages=None, prompt=prompt, **common)
+    return GenRequest(kind="completion", messages=None, prompt=prompt, logprobs=_completion_logprobs(body), **common)
 
 
 def resolve_max_tokens(req: GenRequest, prompt_len: int, context: int, default: int) -> int:
@@ -295,20 +526,87 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(
-    kind: str, rid: str, model: str, text: str, finish: str, use: dict[str, int], ext: dict[str, Any]
-) -> dict[str, Any]:
-    """A whole (non-streamed) chat.completion / text_completion object, with the ``specexec`` extension."""
-    if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": finish,
+LOGPROB_FLOOR = -9999.0  # a log-prob of -inf (or NaN) is sent as this: JSON has no infinities
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-prob with its text: ``text`` (invalid UTF-8 as ``\\xNN`` escapes), its ``raw``
+    bytes, ``logprob`` (natural log, the target's distribution) and ``top`` alternatives (text, bytes, logprob),
+    most likely first."""
+
+    text: str
+    raw: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+def _lp(v: float) -> float:
+    return float(v) if math.isfinite(v) else LOGPROB_FLOOR
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat's ``choices[i].logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], ...}``."""
+    return {
+        "content": [
+            {
+                "token": e.text,
+                "logprob": _lp(e.logprob),
+                "bytes": list(e.raw),
+                "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": list(b)} for t, b, lp in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+class CompletionLogprobs:
+    """Completions' ``logprobs`` objects for one answer, in pieces (a stream's chunks) or whole.
+
+    ``text_offset`` counts characters of the answer text before each token (its bytes decoded as they complete).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._offset = 0
+
+    def __call__(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(self._decoder.decode(e.raw))
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{t: _lp(lp) for t, _, lp in e.top} for e in entries],
+            "text_offset": offsets,
         }
+
+
+def response(
+    kind: str,
+    rid: str,
+    model: str,
+    text: str | None,
+    finish: str,
+    use: dict[str, int],
+    ext: dict[str, Any],
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streamed) chat.completion / text_completion object, with the ``specexec`` extension.
+
+    Chat: ``text`` None with ``tool_calls`` is an answer of tool calls only. ``logprobs``: the choice's logprobs
+    object (:func:`chat_logprobs`, :class:`CompletionLogprobs`)."""
+    if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {
         "id": rid,
@@ -336,25 +634,43 @@ class Chunks:
         d.update(extra)
         return d
 
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _choice(
+        self,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     def first(self) -> dict[str, Any] | None:
         """Chat: the role chunk (empty content). Completions have none."""
         return self._chunk([self._choice("", None, role=True)]) if self.kind == "chat" else None
 
-    def text(self, piece: str) -> dict[str, Any]:
-        return self._chunk([self._choice(piece, None)])
+    def text(self, piece: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._chunk([self._choice(piece, None, logprobs=logprobs)])
 
-    def last(self, finish: str, ext: dict[str, Any]) -> dict[str, Any]:
-        return self._chunk([self._choice(None, finish)], specexec=ext)
+    def call_start(self, index: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Chat: a tool call begins (its arguments follow in :meth:`call_args` chunks)."""
+        call = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        return self._chunk([self._choice(None, None, logprobs=logprobs, tool_calls=[call])])
+
+    def call_args(self, index: int, fragment: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        call = {"index": index, "function": {"arguments": fragment}}
+        return self._chunk([self._choice(None, None, logprobs=logprobs, tool_calls=[call])])
+
+    def last(self, finish: str, ext: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._chunk([self._choice(None, finish, logprobs=logprobs)], specexec=ext)
 
     def usage(self, use: dict[str, int]) -> dict[str, Any]:
         d = self._chunk([])

@@ -5,7 +5,13 @@ ONE worker thread, never on the event loop. A :class:`Job` carries the token ids
 pieces out through an ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe`` (the event loop never blocks).
 
 Events a job's queue receives, in order: ``("text", str)`` any number of times, then exactly one of
-``("done", Outcome)``, ``("cancelled", None)`` or ``("error", Exception)``.
+``("done", Outcome)``, ``("cancelled", None)`` or ``("error", Exception)``. A job that asked for log-probs also
+receives ``("logprobs", list[TokenLogprob])`` before each text piece and before ``done``: the tokens committed
+since the last such event (end-of-sequence ids left out).
+
+:func:`prepare` turns a request into what the engine runs (in a thread, before the job is queued): the prompt ids
+(messages through the chat template, with the tools when given), the decoding constraint (``response_format``, or
+the grammar of a forced tool call) checked to compile, and the tool-call format the answer is parsed in.
 
 Cancellation: :meth:`Job.cancel` (the client went away) removes a waiting job at once; a running one is closed
 by the worker after the engine's next piece (one decode step). Closing the engine's generator is a safe cancel:
@@ -26,9 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
+from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.decoding.text import render_chat
 from specexec.errors import SpecexecError
-from specexec.server.protocol import ApiError, GenRequest
+from specexec.server import tools as tl
+from specexec.server.protocol import ApiError, GenRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +56,8 @@ def encode(engine: Any, req: GenRequest) -> list[int]:
     """The request's prompt as token ids: messages through the chat template, or the completion prompt.
 
     Completions encode exactly like ``specexec generate`` (``engine.encode``); chat renders the whole conversation
-    with the model's template (for one user message: the same ids as ``specexec generate --chat``).
+    with the model's template (for plain messages: the same ids as ``specexec generate --chat`` for one user
+    message); with tools or tool messages, the template renders those too (tools only where it uses them).
     """
     tok = engine.tokenizer.tokenizer
     if req.kind == "chat":
@@ -58,7 +67,12 @@ def encode(engine: Any, req: GenRequest) -> list[int]:
                 400, "this model's tokenizer has no chat template; use /v1/completions", "messages", "no_chat_template"
             )
         try:
-            ids = render_chat(tok, [{"role": r, "content": c} for r, c in req.messages])
+            if req.plain_messages:
+                ids = render_chat(tok, [{"role": m["role"], "content": m["content"]} for m in req.messages])
+            else:
+                ids = _render_with_tools(tok, req)
+        except ApiError:
+            raise
         except SpecexecError as e:
             raise ApiError(400, str(e), "messages", "invalid_value") from None
         except Exception as e:  # noqa: BLE001 - the template itself refused these messages (e.g. role order)
@@ -73,11 +87,147 @@ def encode(engine: Any, req: GenRequest) -> list[int]:
     return list(req.prompt)
 
 
-class Job:
-    """One request's generation. Create it on the event loop; read ``events`` there."""
+def _render_with_tools(tok: Any, req: GenRequest) -> list[int]:
+    """Messages with tool calls / tool answers, and the tools, through the chat template (as
+    ``apply_chat_template(messages, tools=...)`` renders and tokenizes them); 400 naming ``tools`` when the
+    template ignores the tools."""
+    msgs = [dict(m) for m in req.messages or ()]
+    specs = [t.spec for t in req.tools] or None
+    text = tok.apply_chat_template(msgs, tools=specs, add_generation_prompt=True, tokenize=False)
+    if specs and text == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False):
+        raise ApiError(
+            400,
+            "this model's chat template does not render tools, so the model cannot be told about them; "
+            "send the request without 'tools'",
+            "tools",
+        )
+    return [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
 
-    def __init__(self, ids: list[int], max_new: int, sampling: SamplingConfig, stops: tuple[str, ...]) -> None:
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a request runs with: prompt ids, the decoding constraint (None: free) and the request field it came
+    from, and the tool-call format to parse the answer in (None: the answer is all content)."""
+
+    ids: list[int]
+    constraint: Constraint | None = None
+    constraint_param: str | None = None
+    tool_format: str | None = None
+
+
+def prepare(engine: Any, req: GenRequest) -> Prepared:
+    """Encode the request and build its constraint, checked to compile (ApiError 400 naming the field if not).
+
+    ``tool_choice`` "required" or a named function decodes under the grammar of :func:`tools.forced_grammar` in
+    the format the model's template uses (400 when it uses none this server knows); otherwise a JSON
+    ``response_format`` constrains the answer (with ``tool_choice`` "auto" the model then cannot call a tool).
+    Each tool's parameters schema must compile too.
+    """
+    ids = encode(engine, req)
+    tok = engine.tokenizer.tokenizer
+    choice = req.tool_choice
+    fmt = tl.tool_format(tl.template_text(tok)) if req.tools else None
+    if req.response_format is None and not req.tools:
+        return Prepared(ids)
+
+    def checked(c: Constraint, param: str, what: str) -> Constraint:
+        try:
+            c.check()
+        except ConstraintError as e:
+            raise ApiError(400, f"{what}: {e}", param) from None
+        return c
+
+    for i, t in enumerate(req.tools):
+        checked(Constraint.json_schema(t.parameters), "tools", f"tools[{i}].function.parameters cannot be used")
+    parse = fmt if choice is not None and choice.mode != "none" else None
+    if choice is not None and choice.forced:
+        if fmt is None:
+            raise ApiError(
+                400,
+                "this model's chat template uses no tool-call format this server knows (Qwen/Hermes <tool_call>, "
+                "Llama 3 JSON, Mistral [TOOL_CALLS]), so a call cannot be forced; use tool_choice 'auto'",
+                "tool_choice",
+            )
+        added = tok.get_added_vocab() if hasattr(tok, "get_added_vocab") else {}
+        grammar = tl.forced_grammar(fmt, req.tools, choice.name, req.parallel_tool_calls, added.get)
+        c = checked(Constraint.grammar(grammar), "tools", "the tools' grammar does not compile")
+        return Prepared(ids, c, "tools", parse)
+    rf = req.response_format
+    if rf is None:
+        return Prepared(ids, None, None, parse)
+    c = Constraint.json() if rf.schema is None else Constraint.json_schema(rf.schema)
+    return Prepared(
+        ids, checked(c, "response_format", "response_format's schema cannot be used"), "response_format", parse
+    )
+
+
+class TokenTexts:
+    """Token id → (text, bytes) for log-probs: a token's own bytes (byte-level BPE pieces mapped back to bytes,
+    sentencepiece's ``▁`` as a space and ``<0xNN>`` as that byte); its text shows invalid UTF-8 as ``\\xNN``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added = {int(i) for i in added}
+        self._inv: dict[str, int] = {}
+        if self.byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._inv = {c: b for b, c in bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, tid: int) -> tuple[str, bytes]:
+        got = self._cache.get(tid)
+        if got is None:
+            got = self._cache[tid] = self._text(tid)
+        return got
+
+    def _text(self, tid: int) -> tuple[str, bytes]:
+        piece = self.tok.convert_ids_to_tokens(tid)
+        if not isinstance(piece, str):
+            raw = self.tok.decode([tid]).encode("utf-8")
+        elif tid in self.added:
+            raw = piece.encode("utf-8")
+        elif self.byte_level and all(c in self._inv for c in piece):
+            raw = bytes(self._inv[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            raw = bytes([int(piece[3:5], 16)])
+        else:
+            raw = piece.replace("\u2581", " ").encode("utf-8")
+        return raw.decode("utf-8", errors="backslashreplace"), raw
+
+    def entries(self, logprobs: Any, skip: frozenset[int] = frozenset()) -> list[TokenLogprob]:
+        """The engine's token log-probs (``token``, ``logprob``, ``top``) with their texts; ``skip`` ids left out."""
+        out = []
+        for lp in logprobs:
+            if int(lp.token) in skip:
+                continue
+            text, raw = self(int(lp.token))
+            top = tuple((*self(int(t)), float(v)) for t, v in lp.top)
+            out.append(TokenLogprob(text, raw, float(lp.logprob), top))
+        return out
+
+
+class Job:
+    """One request's generation. Create it on the event loop; read ``events`` there.
+
+    ``constraint``: the engine's decoding constraint (None: free), ``constraint_param`` the request field it came
+    from (named by a 400 if the engine cannot compile it); ``logprobs``: None, or the alternatives per token."""
+
+    def __init__(
+        self,
+        ids: list[int],
+        max_new: int,
+        sampling: SamplingConfig,
+        stops: tuple[str, ...],
+        constraint: Constraint | None = None,
+        constraint_param: str | None = None,
+        logprobs: int | None = None,
+    ) -> None:
         self.ids, self.max_new, self.sampling, self.stops = ids, max_new, sampling, stops
+        self.constraint, self.constraint_param, self.logprobs = constraint, constraint_param, logprobs
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -123,6 +273,7 @@ class Worker:
         self.completed = 0
         self.cancelled = 0
         self.last: Job | None = None  # the last job the worker finished (tests inspect it)
+        self._texts: TokenTexts | None = None  # token texts for log-probs (built at the first request for them)
         self._thread = threading.Thread(target=self._run, name="specexec-worker", daemon=True)
         self._thread.start()
 
@@ -192,6 +343,9 @@ class Worker:
                 self.running = job
             try:
                 self._generate(job)
+            except ApiError as e:
+                log.warning("generation refused: %s", e.message)
+                job.emit("error", e)
             except (SpecexecError, ValueError) as e:
                 log.warning("generation refused: %s", e)
                 job.emit("error", e)
@@ -208,25 +362,42 @@ class Worker:
     def _generate(self, job: Job) -> None:
         eng = self.engine
         t0 = time.perf_counter()
-        g = eng.stream(
-            job.ids,
-            job.max_new,
-            method=self.method,
-            sampling_cfg=job.sampling,
-            tree=self.tree,
-            chain=self.chain,
-            stop=job.stops,
-        )
+        extra: dict[str, Any] = {}
+        if job.constraint is not None:
+            extra["constraint"] = job.constraint
+        if job.logprobs is not None:
+            extra["logprobs"] = job.logprobs
+        try:
+            g = eng.stream(
+                job.ids,
+                job.max_new,
+                method=self.method,
+                sampling_cfg=job.sampling,
+                tree=self.tree,
+                chain=self.chain,
+                stop=job.stops,
+                **extra,
+            )
+        except ConstraintError as e:
+            if job.constraint is None:
+                raise
+            msg = f"{job.constraint_param} cannot be used with this model: {e}"
+            raise ApiError(400, msg, job.constraint_param) from None
+        sent = 0  # tokens whose log-probs were sent
         try:
             for piece in g:  # one piece per decode step (a step whose text is held back yields none)
                 if job.cancelled.is_set():
                     break
+                if job.logprobs is not None:
+                    sent = self._send_logprobs(job, g.logprobs, sent, len(g.tokens))
                 job.emit("text", piece)
         finally:
             g.close()  # a safe cancel between pieces; a no-op once the generation has ended
         result = g.result
         assert result is not None
         job.generated = len(result.tokens)
+        if job.logprobs is not None and not job.cancelled.is_set():
+            self._send_logprobs(job, result.logprobs, sent, len(result.tokens))
         if job.cancelled.is_set() and result.finish_reason == "cancelled":
             with self._lock:
                 self.cancelled += 1
@@ -249,9 +420,20 @@ class Worker:
             ),
         )
 
+    def _send_logprobs(self, job: Job, logprobs: Any, sent: int, committed: int) -> int:
+        """Emit the log-probs of tokens ``sent..committed`` (EOS left out); return the new count sent."""
+        if logprobs is None or committed <= sent:
+            return sent
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.tokenizer.tokenizer)
+        eos = frozenset(int(i) for i in getattr(self.engine.tokenizer, "eos_ids", ()))
+        job.emit("logprobs", self._texts.entries(logprobs[sent:committed], eos))
+        return committed
+
 
 def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
-    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps."""
+    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps, and the
+    tokens a constraint forced."""
     return {
         "method": stats.method,
         "budget": stats.budget,
@@ -262,5 +444,6 @@ def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
         "tokens_per_step": round(float(stats.tokens_per_step), 4),
         "tokens_per_s": round(float(stats.tokens_per_s), 3),
         "prefill_tokens": int(stats.prefill_tokens),
+        "forced_tokens": int(getattr(stats, "forced_tokens", 0)),  # constrained: tokens the grammar wrote itself
         "wall_s": round(wall_s, 4),
     }

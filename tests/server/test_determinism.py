@@ -307,3 +307,39 @@ def test_seeded_sampling_repeats_and_equals_ar(live, live_ar):
     c1 = live.client().completions.create(**ck).choices[0].text
     assert c1 == live.client().completions.create(**ck).choices[0].text
     assert c1 == live_ar.client().completions.create(**ck).choices[0].text
+
+
+# ---------------------------------------------------------------------------------------------- log-probs
+
+
+def test_logprobs_repeat_and_equal_plain_decoding(live, live_ar):
+    """The target's log-probs of the emitted tokens come from its verify passes, which are shape-invariant: the
+    same values to the bit whatever the tree, streamed or not, and on the plain-decoding server."""
+    import json
+
+    body = {"messages": HI, "max_tokens": N, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+
+    def post(srv: LiveServer) -> dict[str, Any]:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    spec = post(live)
+    content = spec["logprobs"]["content"]
+    assert len(content) == N and all(len(e["top_logprobs"]) == 5 for e in content)
+    assert post(live)["logprobs"] == spec["logprobs"]
+    assert post(live_ar)["logprobs"] == spec["logprobs"]
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    streamed = [
+        x
+        for e in events
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for x in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert streamed == content
+    # completions: the same values in that endpoint's shape
+    cbody = {"prompt": "t20 t21 t22", "max_tokens": N, "temperature": 0, "logprobs": 5}
+    a = httpx.post(live.url + "/v1/completions", json=cbody, timeout=120).json()["choices"][0]["logprobs"]
+    b = httpx.post(live_ar.url + "/v1/completions", json=cbody, timeout=120).json()["choices"][0]["logprobs"]
+    assert a == b and len(a["tokens"]) == N
