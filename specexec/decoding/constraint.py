@@ -251,11 +251,11 @@ class GrammarState:
                 self.matcher.rollback(k)
         return self._unpack(bits)
 
-    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[bool], Tensor]:
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[bool], np.ndarray]:
         """One depth-first walk over a tree rooted at the pending token (``tokens``/``parents`` of its nodes,
         parents first). Returns which nodes the grammar allows (a node whose token it forbids is dropped with its
-        subtree) and (N, vocab) bool: the tokens allowed after each node (all of them after an end-of-sequence
-        node or a dropped one: their rows are never used)."""
+        subtree) and (N, words) int32 bitmasks (:func:`mask_rows` applies them): the tokens allowed after each
+        node (all of them after an end-of-sequence node or a dropped one: their rows are never used)."""
         n = len(tokens)
         kids: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
@@ -286,4 +286,28 @@ class GrammarState:
                 raise ConstraintError(f"the grammar engine refused token {t} it allowed: {self.matcher.get_error()}")
             self._fill(bits[child])
             stack.append((child, 0))
-        return keep, self._unpack(bits)
+        return keep, bits
+
+    def one_hot(self, tokens: Sequence[int]) -> np.ndarray:
+        """(k, words) int32 bitmasks: row i allows ``tokens[i]`` alone (a forced chain's rows)."""
+        bits = np.zeros((len(tokens), self.words), dtype=np.uint32)
+        for i, t in enumerate(tokens):
+            bits[i, t // 32] = np.uint32(1 << (t % 32))
+        return bits.view(np.int32)
+
+
+def mask_rows(logits: Tensor, bits: np.ndarray, chunk: int = 256) -> Tensor:
+    """``logits`` (N, V) with each row's tokens outside its bitmask row (``bits`` (N, words) int32, bit t % 32 of
+    word t // 32) set to -inf, unpacked on the logits' device a chunk of rows at a time (a big tree's masks as
+    booleans would take N x V bytes at once). Columns past the bitmasks' width are forbidden."""
+    n, v = logits.shape
+    packed = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8)).to(logits.device)  # (N, 4 x words)
+    shifts = torch.arange(8, device=logits.device, dtype=torch.uint8)
+    out = logits.clone()
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        allowed = ((packed[s:e, :, None] >> shifts) & 1).flatten(1).bool()  # (rows, 32 x words)
+        if allowed.shape[1] < v:
+            allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]), value=False)
+        out[s:e].masked_fill_(~allowed[:, :v], float("-inf"))
+    return out

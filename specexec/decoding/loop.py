@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,7 +27,7 @@ from specexec.config import SamplingConfig
 from specexec.decoding import sampling
 from specexec.decoding.accept import accept
 from specexec.decoding.budget import BudgetPolicy
-from specexec.decoding.constraint import GrammarState, TokenLogprob
+from specexec.decoding.constraint import GrammarState, TokenLogprob, mask_rows
 from specexec.decoding.tree import Tree
 from specexec.decoding.verify import commit_target, score_tree
 from specexec.model.kv_cache import KVCache
@@ -273,17 +274,17 @@ def decode(
                 keep, allowed = constraint.tree_masks(tree.n_tokens.tolist(), tree.n_parents.tolist())
                 if not all(keep):
                     prop.prune(keep)
-                    allowed = allowed[torch.tensor(keep)]
+                    allowed = allowed[np.asarray(keep)]
             verified = _graft(prop, state.seq[-1], forced) if forced else prop
             if forced:
-                assert allowed is not None
-                allowed = torch.cat([_one_hot(forced, allowed.shape[1]), allowed])
+                assert constraint is not None and allowed is not None
+                allowed = np.concatenate([constraint.one_hot(forced), allowed])
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, verified.tree, n, verify_chunk)  # (N, V)
             raw = _raw_logprobs(logits, top_logprobs) if top_logprobs is not None else None
             if allowed is not None:
-                logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+                logits = mask_rows(logits, allowed)
             path, emitted = accept(verified, logits, samp, gen, n)
             out: list[int] = []  # commit: cut at EOS / the token limit
             for t in emitted[: max_new - stats.new_tokens]:
@@ -353,13 +354,6 @@ def _graft(prop: Proposal, root: int, forced: list[int]) -> Proposal:
     out.logp[k : k + t.size] = t.logp[: t.size]
     out.size = k + t.size
     return Proposal(out, budget=prop.budget, source=prop.source)
-
-
-def _one_hot(tokens: list[int], vocab: int) -> Tensor:
-    """(k, vocab) bool: row i allows tokens[i] alone (the forced chain's rows)."""
-    rows = torch.zeros(len(tokens), vocab, dtype=torch.bool)
-    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = True
-    return rows
 
 
 def _raw_logprobs(logits: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
