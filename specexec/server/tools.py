@@ -330,11 +330,10 @@ class ToolParser:
             return
         body = self._buf.lstrip()
         if self._state == "start":
-            if not body and not final:
-                return  # leading whitespace: undecided
             opener = ("{", PYTHON_TAG) if self.fmt == LLAMA3 else ("[", TOOL_CALLS)
-            maybe = any(body.startswith(o) or o.startswith(body) for o in opener) and body != ""
-            self._state = "whole" if maybe else "content"
+            if not final and (not body or any(o != body and o.startswith(body) for o in opener)):
+                return  # whitespace, or the start of a marker: undecided
+            self._state = "whole" if any(body.startswith(o) for o in opener) else "content"
             if self._state == "content":
                 self._whole(out, final)
                 return

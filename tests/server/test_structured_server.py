@@ -386,6 +386,8 @@ def test_hermes_parser_streams_arguments_as_they_come():
         (tl.LLAMA3, '<|python_tag|>{"name": "f", "arguments": {}}', None, [("f", "{}")]),
         (tl.LLAMA3, '{"answer": 42}', '{"answer": 42}', []),
         (tl.LLAMA3, "It is sunny.", "It is sunny.", []),
+        (tl.LLAMA3, "<b>bold</b>", "<b>bold</b>", []),
+        (tl.LLAMA3, "  ", "  ", []),
         (
             tl.MISTRAL,
             '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
@@ -401,6 +403,19 @@ def test_whole_answer_formats(fmt, text, content, calls):
         folded, _ = _fold_in_pieces(fmt, text, size)
         assert folded.content == content
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in folded.tool_calls] == calls
+
+
+def test_whole_answer_formats_stream_plain_text_at_once():
+    """Only an answer that may be a call (it starts with ``{`` / ``[`` or a marker) waits for its end."""
+    parser = tl.ToolParser(tl.LLAMA3)
+    assert (
+        parser.push("  ") == []
+        and parser.push("It") == [tl.Content("  It")]
+        and parser.push(" is") == [tl.Content(" is")]
+    )
+    waiting = tl.ToolParser(tl.LLAMA3)
+    assert waiting.push("<|py") == [] and waiting.push('thon_tag|>{"name": "f"') == []
+    assert waiting.push(', "parameters": {}}') == [] and len(waiting.finish()) == 2
 
 
 def test_call_ids():
