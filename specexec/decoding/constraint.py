@@ -198,10 +198,17 @@ class GrammarState:
             flat = np.pad(flat, ((0, 0), (0, self.vocab - flat.shape[1])))
         return torch.from_numpy(flat.astype(bool))
 
-    def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces from the committed state: each is the only token allowed at
-        its position (so constrained decoding emits it whatever the model's distribution). The state is unchanged;
-        an end-of-sequence token is never part of the chain."""
+    def forced(self, limit: int, path: Sequence[int] = ()) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after ``path`` (tokens beyond the committed state): each is
+        the only token allowed at its position (so constrained decoding emits it whatever the model's
+        distribution). The state is unchanged; an end-of-sequence token is never part of the chain, and a path
+        the grammar refuses forces nothing."""
+        k = 0
+        for t in path:
+            if t in self.eos or not self.matcher.consume_token(int(t)):
+                self.matcher.rollback(k)
+                return []
+            k += 1
         out: list[int] = []
         row = self._row[0]
         while len(out) < limit:
@@ -216,8 +223,8 @@ class GrammarState:
             if tok in self.eos or tok >= self.vocab or not self.matcher.consume_token(tok):
                 break
             out.append(tok)
-        if out:
-            self.matcher.rollback(len(out))
+        if k + len(out):
+            self.matcher.rollback(k + len(out))
         return out
 
     def mask_logits(self, logits: Tensor, paths: Sequence[Sequence[int]]) -> Tensor:

@@ -53,6 +53,7 @@ from specexec.propose import (
     TargetPrefix,
     TreeDraft,
 )
+from specexec.propose.chain import FORCED_IN_CHAIN
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,8 @@ class Engine:
     def _ensure_room(self, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
         extra = ngram.max_nodes if ngram is not None else 0
-        room = max(tree.largest + extra, chain.gamma, extra) + 2
+        # a constrained chain also holds the tokens its grammar forces (up to FORCED_IN_CHAIN)
+        room = max(tree.largest + extra, chain.gamma + FORCED_IN_CHAIN + extra, extra) + 2
         # the draft also holds every expanded node: max_beams a level beyond the tree
         draft_room = room + tree.largest + tree.max_beams
         if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:

@@ -18,6 +18,8 @@ from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
 
+FORCED_IN_CHAIN = 32  # tokens a constraint may force into one chain (kept within the verify pass's room)
+
 
 class ChainDraft:
     """``ctx.budget`` (gamma) draft tokens per step; with a :class:`~specexec.decoding.costs.ChainStop` as
@@ -50,7 +52,9 @@ class ChainDraft:
         lookup = self.lookup if self.lookup is not None and walk else None
         conts = lookup.continuations(seq) if lookup is not None else []
         follow = _Follow(conts, lookup.acc) if lookup is not None else None
-        tree = Tree(seq[-1], gamma + 1 + (lookup.max_nodes() if lookup is not None else 0), dev)
+        extra = lookup.max_nodes() if lookup is not None else 0
+        # under a constraint, up to FORCED_IN_CHAIN forced tokens join the chain
+        tree = Tree(seq[-1], gamma + 1 + extra + (FORCED_IN_CHAIN if ctx.constraint is not None else 0), dev)
         beams = [len(seq) - d.length]
         logits = d.catch_up(seq)
         con = ctx.constraint
@@ -63,10 +67,13 @@ class ChainDraft:
         cum = torch.zeros(1, device=dev)
         stop = ctx.cost if isinstance(ctx.cost, ChainStop) else None
         logps: list[float] = []
+        node = 0  # the chain's last node; its depth: the chain's length so far (forced tokens included)
+        chosen = 0  # the draft's own tokens (forced ones excluded)
         for i in range(gamma):
+            depth = int(tree.depth[node])
             if walk and not ctx.samp.greedy:  # coupled: the walk's draw at this position whenever p is close to q
                 assert ctx.seed is not None
-                lq = sampling.coupled_logprobs(sampling.logprobs(logits, ctx.samp), ctx.seed, [n + 1 + i])
+                lq = sampling.coupled_logprobs(sampling.logprobs(logits, ctx.samp), ctx.seed, [n + 1 + depth])
                 tok, q, probs = lq.argmax(-1), None, lq.exp()
             else:
                 tok, q = draft_choice(logits, ctx.samp, ctx.gen)
@@ -74,29 +81,40 @@ class ChainDraft:
             qs.append(q)
             # the path's draft log-probability, as every tree holds (the budget policy's estimates use it)
             cum = cum + probs.gather(-1, tok.view(1, 1)).view(1).clamp_min(1e-30).log()
-            tree.add(torch.tensor([i], device=dev), tok, cum)
+            tree.add(torch.tensor([node], device=dev), tok, cum)
+            node, chosen = tree.size - 1, chosen + 1
+            run = [int(tok)]
+            if con is not None:  # the tokens the grammar forces next join the chain at no draft cost
+                drafted.append(int(tok))
+                forced = con.forced(tree.capacity - tree.size - extra, drafted)
+                for f in forced:
+                    tree.add(torch.tensor([node], device=dev), torch.tensor([f], device=dev), cum)
+                    node = tree.size - 1
+                drafted.extend(forced)
+                run.extend(forced)
             if i == gamma - 1:
                 break
-            covered = follow.step(int(tok)) if follow is not None else 0.0
+            covered = 0.0
+            for t in run:
+                covered = follow.step(t) if follow is not None else 0.0
             if stop is not None:
                 logps.append(float(cum))
                 if not stop.more(logps, passes, covered):
                     break
-            slot = n + 1 + i
-            tree.draft_slot[i + 1] = slot
-            pos = torch.tensor([slot], device=dev)
-            mask = torch.ones(1, slot + 1, dtype=torch.bool, device=dev)
-            logits = d.forward(tok.view(1), pos, pos, mask)
+            # one draft pass over the chosen token and the forced ones after it
+            last = n + int(tree.depth[node])
+            pos = torch.arange(last - len(run) + 1, last + 1, device=dev)
+            tree.draft_slot[node - len(run) + 1 : node + 1] = pos
+            mask = torch.arange(last + 1, device=dev)[None, :] <= pos[:, None]
+            logits = d.forward(torch.tensor(run, device=dev), pos, pos, mask)[-1:]
             if con is not None:
-                drafted.append(int(tok))
                 logits = con.mask_logits(logits, [drafted])
             passes += 1
-            beams.append(1)
+            beams.append(len(run))
         q_all = torch.cat(qs) if qs and qs[0] is not None else None  # type: ignore[arg-type]
-        n_drafted = tree.size - 1
-        merged_at = 0
+        merged_at, chain_size = 0, tree.size
         if lookup is not None and lookup.merge_into(tree, seq, conts):  # looked up once per step
-            merged_at = n_drafted + 1
+            merged_at = chain_size  # the chain's nodes come first
         prop = Proposal(
             tree,
             rule="chain" if q_all is not None else "tree",
@@ -105,7 +123,7 @@ class ChainDraft:
             beams=beams,
             budget=gamma,
             source=self.name,
-            stopped_early=n_drafted < gamma,
+            stopped_early=chosen < gamma,
             merged_at=merged_at,
         )
         prop.trim(ctx.trim)

@@ -268,6 +268,8 @@ def test_constrained_sampling_follows_the_constrained_distribution(sampler, samp
         if s < 100:  # seeded: the same sample as constrained AR
             a = e.generate(prompt, 6, method="ar", sampling_cfg=cfg, constraint=SAMPLE_GRAMMAR)
             assert a.tokens == r.tokens
+            c = e.generate(prompt, 6, method="chain", sampling_cfg=cfg, constraint=SAMPLE_GRAMMAR)
+            assert c.tokens == r.tokens  # a constrained chain is verified by the walk with coupled draws
     assert all(k in P for k in counts), set(counts) - set(P)
     cells = sorted(P, key=P.get)
     exp = np.array([N_SAMPLES * P[c] for c in cells])
