@@ -431,7 +431,7 @@ class Engine:
             raise ConfigError("logprobs", logprobs, "must be between 0 and 20")
         grammar = self.grammar(constraint) if constraint is not None else None
         stats = Stats(method=method)
-        proposer, chosen = self._plan(method, tree, chain, ngram, stats)
+        proposer, chosen = self._plan(method, tree, chain, ngram, stats, constrained=constraint is not None)
         policy = policy or chosen
         assert self.state is not None
         self.state.adopt(ids)
@@ -484,9 +484,18 @@ class Engine:
 
     # -- what a generation runs with ------------------------------------------------------------------------------
     def _plan(
-        self, method: str, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None, stats: Stats
+        self,
+        method: str,
+        tree: TreeConfig,
+        chain: ChainConfig,
+        ngram: NGramConfig | None,
+        stats: Stats,
+        constrained: bool = False,
     ) -> tuple[Proposer, BudgetPolicy]:
+        """The proposer and budget policy for a generation. A constrained generation's measured-rate policy learns
+        its own arm rates: forced tokens and masked drafts change what each arm yields."""
         dev = self.target.device
+        learnt = f"{method}+grammar" if constrained else method
         if method == "ar":
             return NoDraft(dev), FixedBudget(0)
         if method == "ngram":
@@ -494,7 +503,7 @@ class Engine:
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
                 arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
                 stats.budget_auto = True
-                return NGramDraft(dev, ngram), self._adaptive_policy("ngram", arms, tree, stats)
+                return NGramDraft(dev, ngram), self._adaptive_policy(learnt, arms, tree, stats)
             return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
         assert self.draft_model is not None
         if method == "chain":
@@ -512,7 +521,7 @@ class Engine:
             lookup = NGramDraft(dev, ngram) if ngram is not None else None  # (--ngram-nodes 0: none)
             chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
             proposer = TreeDraft(self.draft_model, tree, lookup, chains)
-            return proposer, self._adaptive_policy("specexec", arms, tree, stats)
+            return proposer, self._adaptive_policy(learnt, arms, tree, stats)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
