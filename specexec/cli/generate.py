@@ -82,9 +82,14 @@ def generate(
         metavar="FILE",
         help="Constrain the output to the grammar in FILE: GBNF as llama.cpp writes it (root ::= ...) or "
         "llguidance's Lark (start: ...).",
+        rich_help_panel=o.ADVANCED,
     ),
     regex: str | None = typer.Option(
-        None, "--regex", metavar="PATTERN", help="Constrain the output to text that matches PATTERN as a whole."
+        None,
+        "--regex",
+        metavar="PATTERN",
+        help="Constrain the output to text that matches PATTERN as a whole.",
+        rich_help_panel=o.ADVANCED,
     ),
     samples: int = typer.Option(
         1,

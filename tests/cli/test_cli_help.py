@@ -51,7 +51,17 @@ SHARED_ADVANCED = {
     "--invariant",
 }
 # the commands' own tuning knobs
-OWN_ADVANCED = {"--samples", "--queue", "--served-model-name", "--max-body-kb", "--gammas", "--num-prompts", "--plot"}
+OWN_ADVANCED = {
+    "--samples",
+    "--queue",
+    "--served-model-name",
+    "--max-body-kb",
+    "--gammas",
+    "--num-prompts",
+    "--plot",
+    "--grammar",
+    "--regex",
+}
 ADVANCED = SHARED_ADVANCED | OWN_ADVANCED
 NOT_IN_BENCH = {"--method", "--budget", "--max-budget", "--gamma"}  # bench sweeps --methods, --budgets, --gammas
 
