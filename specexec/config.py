@@ -30,6 +30,7 @@ GROW_MODES = ("auto", "dynamic", "ahead", "captured")
 # (a streamed verifier checks a few dozen more tokens at almost no cost, a resident one at little, and they cost no
 # draft pass; nothing is merged where the lookup finds no earlier occurrence); on a CPU, where every verified token
 # costs time, only into the auto policy's trees, whose measured arms decide when they pay
+FORCED_IN_CHAIN = 32  # tokens a grammar may force into one draft chain (the step's cache room holds them)
 NGRAM_NODES_GPU = 64
 NGRAM_NODES_CPU = 32
 # tokens a GPU tree takes from each earlier occurrence (a CPU's: NGramConfig's 16): where a passage repeats verbatim

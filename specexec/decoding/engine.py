@@ -42,6 +42,7 @@ from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, e
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import invariance
 from specexec.loading.checkpoint import TokenizerInfo
+from specexec.model import sizes
 from specexec.model.transformer import Transformer
 from specexec.propose import (
     ChainDraft,
@@ -53,7 +54,6 @@ from specexec.propose import (
     TargetPrefix,
     TreeDraft,
 )
-from specexec.propose.chain import FORCED_IN_CHAIN
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,7 @@ class Engine:
     def _ensure_room(self, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
         extra = ngram.max_nodes if ngram is not None else 0
-        # a constrained chain also holds the tokens its grammar forces (up to FORCED_IN_CHAIN)
-        room = max(tree.largest + extra, chain.gamma + FORCED_IN_CHAIN + extra, extra) + 2
+        room = sizes.step_room(tree, chain, extra)
         # the draft also holds every expanded node: max_beams a level beyond the tree
         draft_room = room + tree.largest + tree.max_beams
         if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specexec.config import NGRAM_NODES_GPU, ChainConfig, TreeConfig
+from specexec.config import FORCED_IN_CHAIN, NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
 from specexec.model.transformer import ModelConfig
 
@@ -213,8 +213,9 @@ def kv_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
 
 def step_room(tree: TreeConfig, chain: ChainConfig | None = None, ngram_nodes: int = 0) -> int:
     """Cache slots one step needs after the committed context: the largest tree (with ``ngram_nodes`` of prompt
-    lookup merged in; 0 without an n-gram config) or chain, + root + bonus (``Engine._ensure_room``)."""
-    return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma) + 2
+    lookup merged in; 0 without an n-gram config) or chain (with the tokens a grammar may force into it), + root +
+    bonus (``Engine._ensure_room``)."""
+    return max(tree.largest + ngram_nodes, (chain or ChainConfig()).gamma + FORCED_IN_CHAIN + ngram_nodes) + 2
 
 
 def fitting_caps(tree: TreeConfig, floor: int = 64) -> list[TreeConfig]:

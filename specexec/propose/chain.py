@@ -10,15 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specexec.config import SamplingConfig
+from specexec.config import FORCED_IN_CHAIN, SamplingConfig
 from specexec.decoding import sampling
 from specexec.decoding.costs import ChainStop
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
-
-FORCED_IN_CHAIN = 32  # tokens a constraint may force into one chain (kept within the verify pass's room)
 
 
 class ChainDraft:
