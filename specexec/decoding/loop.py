@@ -282,7 +282,7 @@ def decode(
             sync(dev)
             tt = time.perf_counter()
             logits = score_tree(state.model, state.cache, verified.tree, n, verify_chunk)  # (N, V)
-            raw = _raw_logprobs(logits, top_logprobs) if top_logprobs is not None else None
+            raw = logits  # the target's own logits (a mask makes a masked copy): the log-probs' source
             if allowed is not None:
                 logits = mask_rows(logits, allowed)
             path, emitted = accept(verified, logits, samp, gen, n)
@@ -315,7 +315,7 @@ def decode(
                 # accepted nodes from the n-gram branches (ppath[0] is the root)
                 ngram_tokens=sum(i >= prop.merged_at for i in ppath[1 : len(out) - k + 1]) if prop.merged_at else 0,
                 forced=k,
-                logprobs=_picked(raw, logits, path, out) if raw is not None else (),
+                logprobs=_picked(raw, path, out, top_logprobs) if top_logprobs is not None else (),
             )
             stats.add(step)
             policy.update(step)
@@ -356,28 +356,23 @@ def _graft(prop: Proposal, root: int, forced: list[int]) -> Proposal:
     return Proposal(out, budget=prop.budget, source=prop.source)
 
 
-def _raw_logprobs(logits: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Per row, before any grammar mask: the log-normaliser, and the ``top`` best tokens with their log-probs."""
-    lse = torch.logsumexp(logits, dim=-1)
-    if top <= 0:
-        return lse, None, None
-    vals, ids = torch.topk(logits, min(top, logits.shape[-1]), dim=-1)
-    return lse, vals - lse[:, None], ids
-
-
-def _picked(
-    raw: tuple[Tensor, Tensor | None, Tensor | None], logits: Tensor, path: list[int], out: list[int]
-) -> tuple[TokenLogprob, ...]:
-    """The committed tokens' log-probs: token i was chosen at node path[i] (a mask never hides a chosen token)."""
-    lse, top_v, top_i = raw
-    rows = torch.tensor(path[: len(out)], device=logits.device)
-    toks = torch.tensor(out, device=logits.device)
-    lp = (logits[rows, toks] - lse[rows]).tolist()
+def _picked(raw: Tensor, path: list[int], out: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """The committed tokens' log-probs under the target's own distribution (``raw``: its logits before any grammar
+    mask): token i was chosen at node path[i]. The ``top`` most probable tokens at each position are ordered by
+    log-prob, then id, so tied tokens come out the same whatever the pass."""
+    rows = raw[torch.tensor(path[: len(out)], device=raw.device)].float()  # (T, V)
+    lp = torch.log_softmax(rows, dim=-1)
+    chosen = lp[torch.arange(len(out), device=raw.device), torch.tensor(out, device=raw.device)].tolist()
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(out)
-    if top_v is not None and top_i is not None:
-        tv, ti = top_v[rows].tolist(), top_i[rows].tolist()
-        tops = [tuple(zip(i, v)) for i, v in zip(ti, tv)]
-    return tuple(TokenLogprob(t, p, tp) for t, p, tp in zip(out, lp, tops))
+    if top > 0:
+        k = min(top, lp.shape[-1])
+        kth = torch.topk(lp, k, dim=-1).values[:, -1:]  # every token at or above it is a candidate (ties too)
+        tops = []
+        for row, cut in zip(lp, kth):
+            ids = torch.nonzero(row >= cut).flatten()
+            cand = sorted(zip(ids.tolist(), row[ids].tolist()), key=lambda x: (-x[1], x[0]))
+            tops.append(tuple(cand[:k]))
+    return tuple(TokenLogprob(t, p, tp) for t, p, tp in zip(out, chosen, tops))
 
 
 def pass_timer(
