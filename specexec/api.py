@@ -122,15 +122,16 @@ def load(
         log.warning("context capped at the model's %d positions (was %d)", limit, context)
         context = limit
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
-    mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree)
+    t_fmt, t_dt = _target_format(found.target_cfg, dtype, dev, offload)
+    mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree, t_fmt, t_dt)
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = _load_draft(found, dev, d_dt, mem, draft_vocab)
-    if invariant and mem.offload is None:
+    if invariant and mem.offload is None and t_dt is not None:
         # the invariance check allocates full-size weights of the target's shapes: before the target, not beside it
         from specexec.loading import invariance
 
-        invariance.choose(found.target_cfg, resolve_dtype(dtype, dev, found.target_cfg), dev, home=hub.cache_home(home))
-    t_model = _load_target(found, dev, dtype, mem, offload)
+        invariance.choose(found.target_cfg, t_dt, dev, home=hub.cache_home(home), fmt=t_fmt)
+    t_model = _load_target(found, dev, dtype, mem, offload, t_fmt, t_dt)
     engine = Engine(
         t_model,
         found.tokenizer,
@@ -144,6 +145,8 @@ def load(
     )
     if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
         engine.draft_weights = mem.draft_fmt if mem.draft_fmt != "dense" else str(d_dt).removeprefix("torch.")
+    if t_fmt != "dense":
+        engine.target_weights = t_fmt
     return engine
 
 
@@ -203,6 +206,38 @@ def _draft_format(
     return draft_format(draft_dtype, dtype, dev, found.draft_cfg, found.self_draft)
 
 
+def _target_format(
+    cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any
+) -> tuple[str, torch.dtype | None]:
+    """(weight format, compute dtype) of a resident target: ``int8`` weights computing in bf16 (a CPU's
+    ``int8pack`` kernel) when asked (``OffloadConfig.target_dtype`` int8), or, with both the target dtype and the
+    compute dtype ``auto`` on a CPU, where this machine runs them clearly faster
+    (:func:`specexec.loading.cpu_probe.choose_target`); else ``dense`` in the resolved dtype (None: a streamed or
+    NF4 target, whose offload plan decides)."""
+    want = offload.target_dtype if offload is not None else "auto"
+    if want == "int8":
+        field = "OffloadConfig.target_dtype"
+        if dev.type != "cpu":
+            raise ConfigError(field, "int8", f"is a CPU format; on a GPU use {setting(field, 'nf4')}")
+        if offload.mode in ("ram", "ssd"):
+            raise ConfigError(field, "int8", "keeps the target resident in RAM: not with a streamed target")
+        if dtype not in ("auto", "bf16"):
+            raise ConfigError("dtype", dtype, "int8 target weights compute in bf16: use auto or bf16")
+        from specexec.loading import cpu_probe
+
+        cpu_probe.orientation(cfg, torch.bfloat16)
+        return "int8", torch.bfloat16
+    if _offloaded(offload, dev):
+        return "dense", None
+    if want == "auto" and dev.type == "cpu" and dtype == "auto":
+        from specexec.loading import cpu_probe
+
+        fmt, dt = cpu_probe.choose_target(cfg)
+        cpu_probe.orientation(cfg, dt)
+        return fmt, dt
+    return "dense", resolve_dtype(dtype, dev, cfg)
+
+
 # ---------------------------------------------------------------------------------------------- 2. plan memory
 
 
@@ -227,6 +262,8 @@ def _plan_memory(
     offload: Any,
     context: int,
     tree: TreeConfig,
+    t_fmt: str = "dense",
+    t_dt: torch.dtype | None = None,
 ) -> _MemoryPlan:
     """Plan the target's placement (a streamed target: with the draft format and tree that leave room for its ring)
     and check that weights, KV caches and tree buffers fit (:func:`specexec.loading.memory.check_engine`)."""
@@ -261,8 +298,8 @@ def _plan_memory(
         if dev.type == "cpu":
             t_weights += len(plan.resident) * plan.layer_bytes + plan.ram_need
     else:
-        t_isz = resolve_dtype(dtype, dev, t_cfg).itemsize
-        t_weights = sizes.stored_weights(found.target).resident_bytes(t_isz, t_cfg)
+        t_isz = (t_dt or resolve_dtype(dtype, dev, t_cfg)).itemsize
+        t_weights = sizes.stored_weights(found.target).resident_bytes(t_isz, t_cfg, t_fmt)
     d_weights = draft_bytes(d_fmt)
     memory.check_engine(
         t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
@@ -310,13 +347,26 @@ def _load_draft(
     return model
 
 
-def _load_target(found: _Found, dev: torch.device, dtype: str, mem: _MemoryPlan, offload: Any) -> Transformer:
-    """The target: through the offload manager when it has a plan, else resident."""
+def _load_target(
+    found: _Found,
+    dev: torch.device,
+    dtype: str,
+    mem: _MemoryPlan,
+    offload: Any,
+    t_fmt: str = "dense",
+    t_dt: torch.dtype | None = None,
+) -> Transformer:
+    """The target: through the offload manager when it has a plan, else resident (int8 weights: each linear
+    quantized while loading, run by the weight-only ``int8pack`` kernel)."""
     if mem.offload is not None:
         from specexec.loading.offloaded import load_offloaded
 
         return load_offloaded(found.target, dev, dtype, offload, plan=mem.offload)
-    return _load(found.target, dev, resolve_dtype(dtype, dev, found.target_cfg))
+    dt = t_dt or resolve_dtype(dtype, dev, found.target_cfg)
+    if t_fmt == "int8":
+        log.info("loading the target in int8 weights (computing in bf16)")
+        return _load(found.target, dev, dt, fmt="int8", int8_kernel="int8pack")
+    return _load(found.target, dev, dt)
 
 
 def _load(path: Path, dev: torch.device, dt: torch.dtype, **kw: Any) -> Transformer:

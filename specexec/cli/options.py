@@ -146,7 +146,7 @@ class Shared:
         help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
         "finds faster), fp32, bf16, fp16.",
     )
-    target_dtype: str = _option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4.")
+    target_dtype: str = _option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 (CPU).")
     draft_dtype: str | None = _option(
         None,
         "--draft-dtype",

@@ -320,6 +320,11 @@ class _Arm:
     tokens: float = 0.0  # EMA of tokens emitted per step
     n: int = 0  # steps observed
     last: int = -1  # the step it was last chosen at
+    wait: int = 0  # steps between explorations of it (0: the policy's explore_every); doubles while it loses
+
+
+MAX_WAIT = 128  # the most steps between two explorations of an arm that keeps losing
+EXPLORE_SHARE = 0.03  # of the decoding time, what repeated explorations may lose against the best arm
 
 
 @dataclass
@@ -335,6 +340,18 @@ class AdaptiveBudget:
     when there is one), else treated as slightly worse than the best measured arm. Any choice is exact: only
     speed depends on it. An arm is a proposal size: 0 no draft, b > 0 a tree of budget b, -g a chain of g draft
     tokens (with a proposer that offers chains, :class:`~specexec.propose.best_first.TreeDraft` with a ChainDraft).
+
+    So that it never decodes much slower than plain decoding, whatever the machine's costs and the text:
+
+    - it starts at arm 0 (no draft), the one that cannot lose;
+    - chain arms not yet tried are rated by a model of the chains tried so far: the acceptance rate per drafted
+      token they measured, the draft pass's measured seconds and the verification cost curve give every chain
+      length's expected tokens/s, so one measured chain ranks all the others (and a text the draft cannot predict
+      rules them all out at once);
+    - an exploration that loses doubles the wait before that arm is explored again (up to :data:`MAX_WAIT`), so a
+      losing neighbour costs a vanishing share of the steps, while one that wins is explored at the base rate;
+    - the time explorations lost (their seconds beyond what the best arm would have taken for their tokens) is
+      kept under :data:`EXPLORE_SHARE` of all the time decoded; only each arm's first try is exempt.
     """
 
     arms: tuple[int, ...]
@@ -350,6 +367,13 @@ class AdaptiveBudget:
     _step: int = 0
     _current: int | None = None
     history: list[int] = field(default_factory=list)
+    # what chain steps measured: drafted tokens accepted / rejected, draft passes and their seconds
+    _chain_accepted: int = 0
+    _chain_rejected: int = 0
+    _chain_passes: int = 0
+    _chain_draft_s: float = 0.0
+    _seconds: float = 0.0  # all steps' seconds
+    _lost_s: float = 0.0  # what explorations lost against the best measured arm
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -360,23 +384,38 @@ class AdaptiveBudget:
     def rate(self, arm: int) -> float | None:
         s = self._stats[arm]
         if s.n == 0:
-            return self.prior(arm) if self.prior is not None else None
+            if self.prior is not None:
+                return self.prior(arm)
+            return self._chain_model(-arm) if arm < 0 else None
         return s.tokens / max(s.seconds, 1e-9)
+
+    def _chain_model(self, g: int) -> float | None:
+        """Expected tokens/s of a chain of ``g`` from the chains measured so far (None before any): each drafted
+        token accepted with the measured rate a, so a step emits (1 - a^(g+1)) / (1 - a) tokens in g draft passes
+        plus one verification of g + 1 tokens."""
+        if self._chain_passes == 0 or not self.verify.known():
+            return None
+        a = (self._chain_accepted + 1) / (self._chain_accepted + self._chain_rejected + 2)  # Laplace's rule
+        tokens = (1 - a ** (g + 1)) / (1 - a)
+        return tokens / (g * self._chain_draft_s / self._chain_passes + self.verify.at(g + 1))
 
     def choose(self) -> int:
         self._step += 1
         rated = {a: self.rate(a) for a in self.arms}
         known = {a: r for a, r in rated.items() if r is not None}
         if not known:
-            best = self.arms[0]
+            best = 0 if 0 in self.arms else self.arms[0]
         else:
             best = max(known, key=lambda a: known[a])
         i = self.arms.index(best)
         choice = best
-        if self._step > 1 and self._step % self.explore_every == 0:
+        if self._stats[best].n == 0:  # rated by the model alone: measure it
+            pass
+        elif self._step > 1 and self._step % self.explore_every == 0 and self._lost_s <= EXPLORE_SHARE * self._seconds:
             neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
-            if neighbours:  # the one tried longest ago
-                choice = min(neighbours, key=lambda a: self._stats[a].last)
+            due = [a for a in neighbours if self._step - self._stats[a].last >= (self._stats[a].wait or 0)]
+            if due:  # the one tried longest ago
+                choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
             untried = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms) and rated[self.arms[j]] is None]
             if untried:
@@ -405,7 +444,19 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
     def update(self, step: StepInfo) -> None:
+        if step.budget < 0 and step.passes > 0:
+            accepted = min(step.emitted - 1, step.passes)
+            self._chain_accepted += accepted
+            self._chain_rejected += accepted < step.passes
+            self._chain_passes += step.passes
+            self._chain_draft_s += step.draft_s
+        explored = self._exploring and step.budget == self._current
         sec_all = step.draft_s + step.target_s
+        self._seconds += sec_all
+        if explored:
+            best = max((r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None), default=None)
+            if best:
+                self._lost_s += max(sec_all - step.emitted / best, 0.0)
         if sec_all > 0:
             r = step.emitted / sec_all
             self._rate = r if self._rate is None else _ema(self._rate, r, 0.1)
@@ -421,6 +472,10 @@ class AdaptiveBudget:
             s.seconds = _ema(s.seconds, sec, self.alpha)
             s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
         s.n += 1
+        if explored:  # a losing exploration waits twice as long before the next; a winning one resets the wait
+            others = [r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None]
+            lost = bool(others) and s.tokens / max(s.seconds, 1e-9) < max(others)
+            s.wait = min(max(s.wait, self.explore_every) * 2, MAX_WAIT) if lost else 0
         if step.budget != 0 and step.passes > 0:  # trees and chains: the draft's pass cost and confidence
             predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
             self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)

@@ -73,6 +73,13 @@ CPU_CHAINS = (2, 3, 4, 6, 10)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 
 
+def weights_tag(model: Transformer) -> str:
+    """What a model's weights are, for the keys of cached pass costs (an int8 target computing in bf16 costs what
+    neither a dense bf16 one nor an fp32 one does): its output layer's class and kernel."""
+    head = model.globals.lm_head
+    return f"{type(head).__name__}:{getattr(head, 'kernel', '')}"
+
+
 def default_ngram(tree: TreeConfig, device: torch.device) -> NGramConfig | None:
     """The prompt-lookup branches merged into a tree for a target on ``device`` when the caller names none: up to
     :meth:`TreeConfig.ngram_nodes` nodes (None: none), each continuation up to NGRAM_LEN_GPU tokens on a GPU."""
@@ -263,6 +270,7 @@ class Engine:
         self.costs_dir = costs_dir
         self.invariance = invariance.apply(target, invariant, home=self._home())
         self.draft_weights: str | None = None  # the draft's weight format, as specexec.load chose it (int8, ...)
+        self.target_weights: str | None = None  # the target's low-bit format when it has one (int8 on a CPU)
         # the largest tree the memory plan left room for (specexec.load lowers --max-budget to fit a streamed
         # target): auto trees are capped at it, a bigger fixed budget is refused; None: no cap
         self.max_tree = max_tree
@@ -556,8 +564,9 @@ class Engine:
         path = None
         if self.costs_dir:
             key = costs_key(
-                self.target.device, self.target.cfg, self.target.dtype, self.target.tiling, "verify", VERIFY_SIZES
-            )
+                self.target.device, self.target.cfg, self.target.dtype, weights_tag(self.target), self.target.tiling,
+                "verify", VERIFY_SIZES,
+            )  # fmt: skip
             path = self.costs_dir / f"verify-{key}.json"
             cached = load_costs(path)
             if cached is not None:
@@ -583,8 +592,10 @@ class Engine:
             self.target.cfg,
             self.draft.cfg,
             self.target.dtype,
+            weights_tag(self.target),
             self.target.tiling,
             self.draft.dtype,
+            weights_tag(self.draft),
             tree.max_budget,
             tree.max_beams,
             self.context + self._tree_room,

@@ -42,9 +42,12 @@ class Int8Linear:
       and scales are exactly bitsandbytes' ``CB``/``SCB`` (``SCB = 127 * scale``). On CUDA the activations pass
       through fp16 (bitsandbytes' CUDA quantizer takes fp16 only).
 
-    On a 2-core AVX2 EPYC (noisy measurements) ``int8pack`` with fp32 activations runs 3-30x slower than fp32 dense
-    beyond one row, ``dynamic`` 2-5x faster at 16-128 rows. Meant for the draft: its results
-    differ from the dense weights' by the quantization error, which only changes what the draft proposes.
+    On a 2-core AVX2 EPYC ``int8pack`` with fp32 activations runs 3-30x slower than fp32 dense beyond one row, but
+    with bf16 activations it is the fastest CPU kernel at 1-64 rows (a one-row product of the demo target's MLP
+    matrix: 0.8 ms, fp32 dense 3.3 ms), and its results do not depend on the pass's row count. So a CPU target in
+    int8 (``--target-dtype int8``) computes in bf16 through ``int8pack``; the exact output is then the int8
+    target's own. A draft uses ``dynamic`` (2-5x faster than fp32 at 16-128 rows): its results differ from the
+    dense weights' by the quantization error, which only changes what the draft proposes.
     ``rows(ids)`` dequantizes embedding rows (a tied lm_head doubles as the embedding).
     """
 
@@ -96,8 +99,13 @@ class Int8Linear:
         return out
 
     def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
-        """x (T, in) -> (T, out) in x's dtype. ``invariant``: each row's result independent of the other rows
-        (dequantize, then the dense product; the int8 kernels quantize the activations of a whole pass together)."""
+        """x (T, in) -> (T, out) in x's dtype. ``invariant``: each row's result independent of the other rows. The
+        ``int8pack`` kernel is weight-only (each row's activations stay as they are), so a target's weights run it
+        as they are (whether this machine's build gives every row count the same bits is checked by
+        :mod:`specexec.loading.invariance`); the others quantize a whole pass's activations together, so they
+        dequantize and run the dense product instead."""
+        if invariant and self.kernel == "int8pack" and x.device.type == "cpu":
+            return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scale.to(x.dtype))
         if invariant:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype))
         if self.kernel == "bnb":

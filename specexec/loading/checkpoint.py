@@ -409,12 +409,15 @@ def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
 INT8_KEYS = ("wqkv", "wo", "w13", "w2")  # the per-layer linears a low-bit model quantizes
 
 
-def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype) -> Any:
+def quantize_weight(
+    w: Tensor, fmt: str, device: torch.device, dtype: torch.dtype, int8_kernel: str | None = None
+) -> Any:
     """A linear weight (out, in) as a low-bit weight on ``device`` computing in ``dtype``: int8
-    (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from fp32) or NF4
-    (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on ``device`` from ``dtype``)."""
+    (:class:`~specexec.formats.int8.Int8Linear`, quantized on the CPU from fp32; ``int8_kernel``: its kernel, None
+    for the device's default) or NF4 (:class:`specexec.formats.nf4.NF4Linear`, quantized by bitsandbytes on
+    ``device`` from ``dtype``)."""
     if fmt == "int8":
-        return Int8Linear(w.float()).to(device)
+        return Int8Linear(w.float(), kernel=int8_kernel).to(device)
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
     from specexec.model.sizes import NF4_BLOCKSIZE
@@ -423,7 +426,9 @@ def quantize_weight(w: Tensor, fmt: str, device: torch.device, dtype: torch.dtyp
     return nf4.NF4Linear(packed, absmax, tuple(w.shape), dtype, NF4_BLOCKSIZE, nf4.nf4_code(device))
 
 
-def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str) -> Globals:
+def _low_bit_globals(
+    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, fmt: str, int8_kernel: str | None = None
+) -> Globals:
     """embed, norm, lm_head for a low-bit model, read and quantized one matrix at a time. The lm_head is int8 or
     NF4; the embedding stays dense in ``dtype`` (lookups read rows of it), except a tied int8 one, which is the
     int8 lm_head itself (lookups dequantize rows)."""
@@ -433,9 +438,9 @@ def _low_bit_globals(path: Path, cfg: ModelConfig, device: torch.device, dtype: 
     embed_w = shards.get("model.embed_tokens.weight")
     embed: Any
     if fmt == "int8" and tied:
-        embed = lm = quantize_weight(embed_w, fmt, device, dtype)
+        embed = lm = quantize_weight(embed_w, fmt, device, dtype, int8_kernel)
     elif fmt == "int8":
-        lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype)
+        lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype, int8_kernel)
         embed = _owned(embed_w, dtype).to(device)
     else:
         lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
@@ -453,6 +458,7 @@ def load_model(
     head_ids: Tensor | None = None,
     nf4: bool = False,
     fmt: str | None = None,
+    int8_kernel: str | None = None,
 ) -> Transformer:
     """Load an HF-format directory as a :class:`Transformer` with all layers resident on ``device``.
 
@@ -462,8 +468,9 @@ def load_model(
     :class:`~specexec.formats.int8.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4
     (:class:`specexec.formats.nf4.NF4Linear`).
-    ``fmt`` (drafts): the weight format by name, dense | int8 | nf4; it replaces the two flags. An untied
-    embedding stays dense.
+    ``fmt``: the weight format by name, dense | int8 | nf4; it replaces the two flags. An untied embedding stays
+    dense. ``int8_kernel``: the int8 weights' kernel (a CPU target's: ``int8pack``, weight-only, computing in
+    ``dtype``; None: the device's default, a draft's).
     Activations, norms, biases and the KV cache stay in ``dtype``.
     ``head_ids``: restrict the lm_head to these token ids (:class:`~specexec.formats.subset.SubsetHead`; drafts only:
     it changes the logits).
@@ -477,7 +484,7 @@ def load_model(
     cfg = read_config(path)
     _check_sizes(path)
     if fmt != "dense":
-        glob = _low_bit_globals(path, cfg, device, dtype, fmt)
+        glob = _low_bit_globals(path, cfg, device, dtype, fmt, int8_kernel)
     else:
         g = read_globals(path, cfg, dtype)
         embed = g["embed"].to(device)
@@ -496,7 +503,7 @@ def load_model(
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype) if k in INT8_KEYS else t.to(device, dtype)
+                        k: quantize_weight(t, fmt, device, dtype, int8_kernel) if k in INT8_KEYS else t.to(device, dtype)
                         for k, t in w.items()
                     }
                 )

@@ -106,7 +106,7 @@ def _read_cache() -> dict[str, Any]:
         return {}
 
 
-def _write_cache(result: ProbeResult | OrientResult | DraftProbe) -> None:
+def _write_cache(result: ProbeResult | OrientResult | DraftProbe | TargetProbe) -> None:
     path = cache_path()
     data = _read_cache()
     data[result.key] = asdict(result)
@@ -361,6 +361,69 @@ def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
         log.info("CPU draft probe: %s", result.summary())
         _write_cache(result)
     return (torch.float32, True) if result.int8 else (dense, False)
+
+
+@dataclass(frozen=True)
+class TargetProbe:
+    """Per-layer ms of the target's linears, dense (its compute dtype) vs int8 weights computing in bf16 (the
+    weight-only ``int8pack`` kernel), and the choice."""
+
+    key: str
+    dense: str  # "fp32" / "bf16"
+    ms: dict[str, dict[str, float]]  # "dense" / "int8" -> rows -> ms
+    int8: bool
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        d, q = self.ms.get("dense", {}), self.ms.get("int8", {})
+        parts = [f"{r} rows {self.dense} {d[r]:.1f} / int8 {q[r]:.1f} ms" for r in d if r in q]
+        return f"target {'int8' if self.int8 else self.dense} weights ({'; '.join(parts)} per layer)"
+
+
+def measure_target_int8(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
+) -> dict[str, dict[str, float]]:
+    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of int8 ``int8pack`` copies fed bf16
+    activations (a target's int8 format)."""
+    from specexec.formats.int8 import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
+    dense = [w.to(dtype) for w in w32]
+    q = [Int8Linear(w, kernel="int8pack") for w in w32]
+    out: dict[str, dict[str, float]] = {"dense": {}, "int8": {}}
+    for r in rows:
+        xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
+        xd, xb = [x.to(dtype) for x in xs], [x.to(torch.bfloat16) for x in xs]
+        out["dense"][str(r)], out["int8"][str(r)] = _best_ms_pair(
+            lambda: [linear(x, w) for x, w in zip(xd, dense)],
+            lambda: [w.linear(x, invariant=True) for x, w in zip(xb, q)],
+            repeats,
+        )
+    return out
+
+
+def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
+    """A CPU target's (weight format, compute dtype) for ``--target-dtype auto``, measured once per machine and
+    cached: ``("int8", bf16)`` when int8 weights run its linears clearly faster (:data:`INT8_GAIN`) than the dense
+    dtype :func:`choose_dtype` picks, at one row (plain decoding) and at a few rows (verification); else
+    ``("dense", that dtype)``. A token costs reading the weights, and int8 weights are a quarter of fp32's bytes."""
+    dense = choose_dtype(cfg)
+    shapes = layer_shapes(cfg)
+    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or not hasattr(torch, "_weight_int8pack_mm"):
+        return "dense", dense
+    name = "fp32" if dense == torch.float32 else "bf16"
+    key = f"target int8 vs {name}|{probe_key(shapes)}"
+    result = _cached(key, TargetProbe)
+    if result is None:
+        log.info("measuring int8 vs %s target weights on this CPU (once; cached in %s)", name, cache_path())
+        t0 = time.perf_counter()
+        ms = measure_target_int8(shapes, dense)
+        ok = all(ms["int8"][r] <= INT8_GAIN * ms["dense"][r] for r in ms["dense"])
+        result = TargetProbe(key, name, ms, ok, round(time.perf_counter() - t0, 2))
+        log.info("CPU target probe: %s", result.summary())
+        _write_cache(result)
+    return ("int8", torch.bfloat16) if result.int8 else ("dense", dense)
 
 
 def choose_dtype(cfg: ModelConfig) -> torch.dtype:

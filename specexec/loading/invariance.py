@@ -208,10 +208,34 @@ def _candidates(device: torch.device, cfg: ModelConfig | None = None) -> list[Ti
     return [Tiling(r, False, False, KEY_BLOCK, rows, r) for r in CUDA_TILES]
 
 
-def _pass_ms(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, tiling: Tiling) -> float:
+def weight_wrapper(fmt: str) -> Callable[[Tensor], Any]:
+    """How a random dense weight becomes a weight of format ``fmt`` for the check: ``dense`` as it is, ``int8`` as
+    a CPU target's int8 weight (the ``int8pack`` kernel, :class:`~specexec.formats.int8.Int8Linear`)."""
+    if fmt == "dense":
+        return lambda w: w
+    if fmt == "int8":
+        from specexec.formats.int8 import Int8Linear
+
+        return lambda w: Int8Linear(w.float(), kernel="int8pack")
+    raise ValueError(f"no invariance check for {fmt!r} weights")
+
+
+def model_format(model: Transformer) -> str:
+    """The weight format a model's invariant passes run (``int8``: a CPU target's int8 weights; else ``dense``,
+    which NF4 also is here: its invariant path dequantizes, then runs the dense product)."""
+    from specexec.formats.int8 import Int8Linear
+
+    head = model.globals.lm_head
+    return "int8" if isinstance(head, Int8Linear) and head.kernel == "int8pack" else "dense"
+
+
+def _pass_ms(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, tiling: Tiling, fmt: str = "dense"
+) -> float:
     """ms of a one-token pass plus a tree pass (16 rows on a CPU, 256 on a GPU) through the layer's linears."""
     gen = torch.Generator().manual_seed(2)
-    ws = [(torch.rand(s, generator=gen) - 0.5).to(device, dtype) for s in shapes[:4]]
+    wrap = weight_wrapper(fmt)
+    ws = [wrap((torch.rand(s, generator=gen) - 0.5).to(device, dtype)) for s in shapes[:4]]
     tree = 16 if device.type == "cpu" else 256
     xs = {n: [torch.randn(n, s[1], generator=gen).to(device, dtype) for s in shapes[:4]] for n in (1, tree)}
 
@@ -232,23 +256,25 @@ def _pass_ms(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.de
 
 
 def find(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timed: bool = True
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timed: bool = True, fmt: str = "dense"
 ) -> tuple[Tiling | None, dict[str, float], str]:
     """Check the candidate tilings on ``cfg``'s shapes; (the fastest invariant one or None, timings, a note).
-    ``timed`` False: the first invariant one in the candidates' order (no timing: the same choice every run)."""
+    ``timed`` False: the first invariant one in the candidates' order (no timing: the same choice every run).
+    ``fmt``: the linears' weight format (:func:`weight_wrapper`)."""
     shapes = head_shapes(cfg)
+    wrap = weight_wrapper(fmt)
     found: list[Tiling] = []
     tried_orient: set[bool] = set()
     for t in _candidates(device, cfg):
         if t.transposed in tried_orient:
             continue  # the smallest invariant tile of an orientation is kept; larger ones only cost more
-        if linear_invariant(shapes, dtype, device, t):
+        if linear_invariant(shapes, dtype, device, t, wrap):
             found.append(t)
             tried_orient.add(t.transposed)
     if not found:  # no padded single call agrees with itself: one fixed-shape call per tile always does
         tile = 16 if device.type == "cpu" else 128
         fixed = Tiling(_rows(tile, device, cfg), False, True, KEY_BLOCK, _candidates(device)[0].max_rows, tile)
-        if linear_invariant(shapes, dtype, device, fixed):
+        if linear_invariant(shapes, dtype, device, fixed, wrap):
             found.append(fixed)
     if not found:
         return None, {}, "no row tiling makes this machine's matrix kernels agree across pass sizes"
@@ -261,7 +287,7 @@ def find(
     kept = [replace(t, attn_rows=attn) for t in found]
     if len(kept) == 1 or not timed:
         return kept[0], {}, ""
-    ms = {t.describe(): _pass_ms(shapes, dtype, device, t) for t in kept}
+    ms = {t.describe(): _pass_ms(shapes, dtype, device, t, fmt) for t in kept}
     best = min(kept, key=lambda t: ms[t.describe()])
     return best, ms, ""
 
@@ -269,10 +295,11 @@ def find(
 CHECK_VERSION = 3  # bumped when what the check covers changes: older cached choices are checked again
 
 
-def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fmt: str = "dense") -> str:
     return (
         f"v{CHECK_VERSION}|{_device_name(device)}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
-        f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
+        + ("" if fmt == "dense" else f"{fmt} weights|")
+        + f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
         + (f"|window {cfg.sliding_window}" if cfg.sliding_window is not None else "")
         + (f"|scale {cfg.attn_scale} cap {cfg.attn_softcap}" if cfg.attn_scale or cfg.attn_softcap else "")
     )
@@ -309,12 +336,17 @@ _CHOSEN: dict[str, Choice] = {}  # this process's choices: a model keeps its til
 
 
 def choose(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, use_cache: bool = True, home: Path | None = None
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    use_cache: bool = True,
+    home: Path | None = None,
+    fmt: str = "dense",
 ) -> Choice:
     """The cached (under cache root ``home``, default :func:`specexec.home.cache_home`) or freshly checked choice
     for ``cfg`` in ``dtype`` on ``device``. Small models (tests' tiny ones) are not timed: the first invariant
     tiling, the same every run."""
-    key = _key(cfg, dtype, device)
+    key = _key(cfg, dtype, device, fmt)
     if use_cache and key in _CHOSEN:
         return _CHOSEN[key]
     big = sum(o * i for o, i in head_shapes(cfg)) >= MIN_CACHED_PARAMS
@@ -332,7 +364,7 @@ def choose(
         )
     t0 = time.perf_counter()
     try:
-        tiling, ms, note = find(cfg, dtype, device, timed=big)
+        tiling, ms, note = find(cfg, dtype, device, timed=big, fmt=fmt)
     except torch.cuda.OutOfMemoryError:  # the check's full-size random weights did not fit beside the model
         torch.cuda.empty_cache()
         note = "not enough free GPU memory to run the check (it needs about one output head's size)"
@@ -352,7 +384,8 @@ def apply(
     if not on:
         model.tiling = None
         return None
-    choice = check(model.cfg, model.dtype, model.device, home=home)
+    fmt = model_format(model)
+    choice = check(model.cfg, model.dtype, model.device, home=home, **({"fmt": fmt} if fmt != "dense" else {}))
     model.tiling = choice.get()
     if model.tiling is None:
         log.warning(
