@@ -325,6 +325,9 @@ class _Arm:
 
 MAX_WAIT = 128  # the most steps between two explorations of an arm that keeps losing
 EXPLORE_SHARE = 0.03  # of the decoding time, what repeated explorations may lose against the best arm
+CHAIN_MODEL_WEIGHT = 3.0  # a chain arm's rate: its own measurement weighs n / (n + this) against the chain model
+CHAIN_DECAY = 0.95  # per chain step, the weight the chain model's older counts keep
+SHRINK_STEPS = 1.0  # a drafting arm's rate is pulled toward plain decoding's as if by this many steps of it
 
 
 @dataclass
@@ -368,9 +371,9 @@ class AdaptiveBudget:
     _current: int | None = None
     history: list[int] = field(default_factory=list)
     # what chain steps measured: drafted tokens accepted / rejected, draft passes and their seconds
-    _chain_accepted: int = 0
-    _chain_rejected: int = 0
-    _chain_passes: int = 0
+    _chain_accepted: float = 0.0
+    _chain_rejected: float = 0.0
+    _chain_passes: float = 0.0
     _chain_draft_s: float = 0.0
     _seconds: float = 0.0  # all steps' seconds
     _lost_s: float = 0.0  # what explorations lost against the best measured arm
@@ -383,11 +386,17 @@ class AdaptiveBudget:
 
     def rate(self, arm: int) -> float | None:
         s = self._stats[arm]
+        model = self._chain_model(-arm) if arm < 0 and self.prior is None else None
         if s.n == 0:
-            if self.prior is not None:
-                return self.prior(arm)
-            return self._chain_model(-arm) if arm < 0 else None
-        return s.tokens / max(s.seconds, 1e-9)
+            return self.prior(arm) if self.prior is not None else model
+        measured = s.tokens / max(s.seconds, 1e-9)
+        if model is not None:
+            w = s.n / (s.n + CHAIN_MODEL_WEIGHT)  # a chain's few own steps lean on what every chain measured
+            measured = w * measured + (1 - w) * model
+        base = self._stats.get(0)
+        if arm != 0 and base is not None and base.n:  # few steps are weak evidence against plain decoding
+            measured = (s.n * measured + SHRINK_STEPS * base.tokens / max(base.seconds, 1e-9)) / (s.n + SHRINK_STEPS)
+        return measured
 
     def _chain_model(self, g: int) -> float | None:
         """Expected tokens/s of a chain of ``g`` from the chains measured so far (None before any): each drafted
@@ -396,6 +405,7 @@ class AdaptiveBudget:
         if self._chain_passes == 0 or not self.verify.known():
             return None
         a = (self._chain_accepted + 1) / (self._chain_accepted + self._chain_rejected + 2)  # Laplace's rule
+        a = min(a, 0.99)
         tokens = (1 - a ** (g + 1)) / (1 - a)
         return tokens / (g * self._chain_draft_s / self._chain_passes + self.verify.at(g + 1))
 
@@ -407,17 +417,16 @@ class AdaptiveBudget:
             best = 0 if 0 in self.arms else self.arms[0]
         else:
             best = max(known, key=lambda a: known[a])
-        i = self.arms.index(best)
         choice = best
+        near = self._near(best)
         if self._stats[best].n == 0:  # rated by the model alone: measure it
             pass
         elif self._step > 1 and self._step % self.explore_every == 0 and self._lost_s <= EXPLORE_SHARE * self._seconds:
-            neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
-            due = [a for a in neighbours if self._step - self._stats[a].last >= (self._stats[a].wait or 0)]
+            due = [a for a in near if self._step - self._stats[a].last >= (self._stats[a].wait or 0)]
             if due:  # the one tried longest ago
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
-            untried = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms) and rated[self.arms[j]] is None]
+            untried = [a for a in near if rated[a] is None]
             if untried:
                 choice = untried[0]
         self._stats[choice].last = self._step
@@ -425,6 +434,24 @@ class AdaptiveBudget:
         self._current = choice
         self.history.append(choice)
         return choice
+
+    def _near(self, best: int) -> list[int]:
+        """The arms explored next to ``best``: its neighbours by size, and the first arm of each kind (no draft,
+        the shortest chain, the smallest tree), so that chains and trees each get tried whichever leads. Trees
+        (dearer to verify than a chain of their depth) are left out while chains are rated and none beats plain
+        decoding: the draft is not predicting this text."""
+        i = self.arms.index(best)
+        out = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
+        chains, trees = [a for a in self.arms if a < 0], [a for a in self.arms if a > 0]
+        entries = [0] if 0 in self.arms else []
+        entries += [max(chains)] if chains else []
+        entries += [min(trees)] if trees else []
+        out += [a for a in entries if a != best and a not in out]
+        plain = self.rate(0) if 0 in self.arms else None
+        rated = [r for a in chains if (r := self.rate(a)) is not None]
+        if plain is not None and rated and max(rated) < plain and best <= 0:
+            out = [a for a in out if a <= 0]
+        return out
 
     def grow_cost(self, budget: int) -> GrowCost | ChainStop | None:
         """A tree's early-stop costs; for a chain arm (budget -g), its per-token stop (once a draft pass and the
@@ -444,12 +471,13 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
     def update(self, step: StepInfo) -> None:
-        if step.budget < 0 and step.passes > 0:
+        if step.budget < 0 and step.passes > 0:  # decayed counts: the model follows the text as it changes
             accepted = min(step.emitted - 1, step.passes)
-            self._chain_accepted += accepted
-            self._chain_rejected += accepted < step.passes
-            self._chain_passes += step.passes
-            self._chain_draft_s += step.draft_s
+            d = CHAIN_DECAY
+            self._chain_accepted = d * self._chain_accepted + accepted
+            self._chain_rejected = d * self._chain_rejected + (accepted < step.passes)
+            self._chain_passes = d * self._chain_passes + step.passes
+            self._chain_draft_s = d * self._chain_draft_s + step.draft_s
         explored = self._exploring and step.budget == self._current
         sec_all = step.draft_s + step.target_s
         self._seconds += sec_all

@@ -228,7 +228,8 @@ def test_adaptive_policy_follows_measured_rates():
     assert picks.count(8) >= 2
     _feed(p, 32, 2, 4.0)  # 0.5 tok/s
     _feed(p, 8, 3, 1.5, 3)
-    assert p.rate(8) == pytest.approx(2.0) and p.rate(32) == pytest.approx(0.5)
+    # measured rates, pulled toward plain decoding's by a step's worth (few steps are weak evidence against it)
+    assert p.rate(8) == pytest.approx((4 * 2.0 + 1.0) / 5) and p.rate(32) == pytest.approx((0.5 + 1.0) / 2)
     # the text changes: arm 8 starts failing; exploration notices and the policy moves to arm 0
     for _ in range(40):
         a = p.choose()
