@@ -13,6 +13,25 @@ configuration always runs first):
   HF assisted fp32     ``assistant_model=`` the draft in fp32
   HF assisted bf16     ``assistant_model=`` the draft in bf16 (a second copy)
   HF prompt lookup     ``prompt_lookup_num_tokens=``
+  llama.cpp AR         ``llama-completion`` on the GGUF target (with --llama-cpp DIR)
+  llama.cpp spec       ``llama-speculative-simple --spec-type draft-simple`` on the GGUF target + draft
+
+Our target's weights: ``--target-dtype`` (auto: int8 where this CPU's probe measures it clearly faster than dense;
+int8: int8 weights computing in bf16; bf16/fp16/fp32: dense in that dtype). The report's metadata names the
+weight format (``target_weights``: int8 or dense) and the compute dtype.
+
+llama.cpp (``--llama-cpp DIR``, its build's bin directory): each llama.cpp configuration is a subprocess per prompt,
+in the same interleaved rotation as ours, given the same prompt text our engine tokenizes (a chat-template prompt:
+the rendered template, its special tokens parsed by llama.cpp; BOS added exactly when our tokenizer adds one, by
+``--override-kv tokenizer.ggml.add_bos_token``), greedy (``--temp 0 --top-k 1``; sampling: ``--temp T`` with
+top-k/top-p/min-p off and the prompt's seed), ``-n`` new tokens with ``--ignore-eos``, our torch thread count
+(``-t``/``-tb``), ``-c --context``. Its weights are other weights (the GGUF files, e.g. Q4_K_M), so its text is
+recorded (first 80 characters), not compared. Its speed is read from its own timing lines: AR, the
+``eval time = X ms / N runs`` line (decode only: the first token comes from the prompt pass); spec, the
+``decoded N tokens in X seconds`` line (decode only) and the acceptance lines (n_drafted, n_accept). The
+speculative example may go past ``-n`` by up to a draft's length: its own token count is reported. The whole call's
+wall time (model loading included) gives its tok/s column; compare llama.cpp with us on the decode-only tok/s (the
+decode-only table, one row per set).
 
 Three prompt sets built at run time from this Python's standard library (no download): ``code`` (stdlib function
 headers + docstrings, raw completion), ``prose`` (openings of ``pydoc_data`` topics, raw completion) and
@@ -34,6 +53,7 @@ kernels round differently, so they may part at near-ties); transformers' sampled
 
     python scripts/bench_cpu.py --out bench_out/cpu.json --md bench_out/cpu.md
     python scripts/bench_cpu.py --sets code --methods specexec:8,specexec:auto,chain:3 --hf hf-ar
+    python scripts/bench_cpu.py --target-dtype int8 --hf '' --llama-cpp ~/llama.cpp/build/bin
 
 ``--smoke`` (with tiny models given by --target/--draft) checks the script's logic and measures nothing.
 """
@@ -46,9 +66,12 @@ import datetime
 import importlib
 import inspect
 import json
+import os
 import platform
+import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +87,11 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 HF_CONFIGS = ("hf-ar", "hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
 HF_SPECULATIVE = ("hf-assisted-fp32", "hf-assisted-bf16", "hf-lookup")
 FAST_AR = "ours-ar-fast"
+LLAMA_AR, LLAMA_SPEC = "llama.cpp-ar", "llama.cpp-spec"
+LLAMA_BINS = {LLAMA_AR: "llama-completion", LLAMA_SPEC: "llama-speculative-simple"}
+GGUF_TARGET, GGUF_DRAFT = "qwen2.5-coder-1.5b.gguf", "qwen2.5-coder-0.5b.gguf"  # under $SPECEXEC_HOME/gguf
+# our --target-dtype: the library's resident CPU formats (OffloadConfig.target_dtype) and a dense fp32
+TARGET_DTYPES = ("auto", "int8", "bf16", "fp16", "fp32")
 
 # Pure-Python stdlib modules whose public functions have docstrings (missing ones are skipped).
 CODE_MODULES = (
@@ -220,8 +248,9 @@ def build_prompts(sets: tuple[str, ...], n: int) -> dict[str, list[Prompt]]:
 
 @dataclass(frozen=True)
 class Config:
-    """One thing to time. ``side`` is ours or hf; ``method``/``param`` drive our engine; ``invariant`` False: our
-    target runs its fastest per-shape kernels for this run (its tokens need not equal our AR's)."""
+    """One thing to time. ``side`` is ours, hf or llama (llama.cpp); ``method``/``param`` drive our engine;
+    ``invariant`` False: our target runs its fastest per-shape kernels for this run (its tokens need not equal our
+    AR's)."""
 
     name: str
     side: str
@@ -263,6 +292,164 @@ def default_tree(max_budget: int = 2048):
     return TreeConfig(budget=min(64, max_budget), auto=True, max_budget=max_budget)
 
 
+def target_load(target_dtype: str, dtype: str) -> tuple[str, str]:
+    """(``OffloadConfig.target_dtype``, ``dtype``) for :func:`specexec.api.load` from our --target-dtype and --dtype:
+    auto and int8 pass through; a dense format (bf16, fp16, fp32) is the compute dtype when --dtype is auto (fp32 is
+    no ``OffloadConfig`` format: the target is then dense in --dtype fp32)."""
+    if target_dtype in ("auto", "int8"):
+        return target_dtype, dtype
+    return ("auto" if target_dtype == "fp32" else target_dtype), (target_dtype if dtype == "auto" else dtype)
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llama_missing(args: argparse.Namespace) -> str | None:
+    """The one error line when --llama-cpp is given and a binary or GGUF file is missing; None: all there."""
+    if args.llama_cpp is None:
+        return None
+    missing = [
+        str(args.llama_cpp / b)
+        for b in LLAMA_BINS.values()
+        if not ((args.llama_cpp / b).is_file() and os.access(args.llama_cpp / b, os.X_OK))
+    ]
+    missing += [str(f) for f in (args.gguf_target, args.gguf_draft) if not Path(f).is_file()]
+    if not missing:
+        return None
+    return f"error: --llama-cpp: not found (or not executable): {', '.join(missing)}"
+
+
+def llama_command(
+    name: str,
+    args: argparse.Namespace,
+    prompt_file: Path | str,
+    max_new: int,
+    threads: int,
+    add_bos: bool,
+    seed: int | None,
+) -> list[str]:
+    """The llama.cpp command line of configuration ``name`` (llama.cpp-ar or llama.cpp-spec) for one prompt."""
+    cmd = [
+        str(args.llama_cpp / LLAMA_BINS[name]),
+        "-m", str(args.gguf_target),
+        "-f", str(prompt_file),
+        "--no-escape",  # the prompt file's text as is (no \n processing)
+        "-n", str(max_new),
+        "--ignore-eos",  # every run makes -n tokens, as ours do
+        "-t", str(threads),
+        "-tb", str(threads),
+        "-c", str(args.context),
+        "--override-kv", f"tokenizer.ggml.add_bos_token=bool:{'true' if add_bos else 'false'}",
+        "--perf",
+        "--log-colors", "off",
+    ]  # fmt: skip
+    if args.temperature == 0:
+        cmd += ["--temp", "0", "--top-k", "1", "-s", str(seed or 0)]
+    else:  # plain sampling at the temperature, as ours (llama.cpp's own draws: not comparable)
+        cmd += ["--temp", str(args.temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0", "-s", str(seed or 0)]
+    if name == LLAMA_AR:
+        cmd += ["-no-cnv", "--no-display-prompt", "--simple-io"]
+    else:
+        cmd += ["-md", str(args.gguf_draft), "--spec-type", "draft-simple"]
+        if args.llama_draft_max:
+            cmd += ["--spec-draft-n-max", str(args.llama_draft_max)]
+    return cmd
+
+
+_PERF = {
+    "prompt_ms": re.compile(r"prompt eval time =\s*([0-9.]+) ms /\s*(\d+) tokens"),
+    "eval_ms": re.compile(r"(?<!prompt )\beval time =\s*([0-9.]+) ms /\s*(\d+) (?:runs|tokens)"),
+    "load_ms": re.compile(r"\bload time =\s*([0-9.]+) ms"),
+    "encoded": re.compile(r"\bencoded\s+(\d+) tokens in\s+([0-9.]+) seconds"),
+    "decoded": re.compile(r"\bdecoded\s+(\d+) tokens in\s+([0-9.]+) seconds"),
+    "counts": re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$"),
+    "accept": re.compile(r"\baccept\s*=\s*([0-9.]+)%"),
+}
+
+
+def parse_llama(log: str) -> dict[str, Any]:
+    """What llama.cpp's log (stderr) says about a run: the perf lines (``load time``, ``prompt eval time = X ms /
+    N tokens``, ``eval time = X ms / N runs``; from llama_perf_context_print or common_perf_print, whatever the line
+    prefix) and the speculative example's ``encoded/decoded N tokens in X seconds`` and acceptance counts. Perf lines
+    under the speculative example's ``draft:`` heading are the draft's and are skipped. Missing lines are absent."""
+    out: dict[str, Any] = {}
+    section = None
+    for line in log.splitlines():
+        head = line.rstrip()
+        if head.endswith("draft:") or head.endswith("target:"):
+            section = "draft" if head.endswith("draft:") else "target"
+            continue
+        if m := _PERF["decoded"].search(line):
+            out["decoded_tokens"], out["decoded_s"] = int(m[1]), float(m[2])
+        elif m := _PERF["encoded"].search(line):
+            out["encoded_tokens"], out["encoded_s"] = int(m[1]), float(m[2])
+        elif m := _PERF["counts"].search(line):
+            out[m[1]] = int(m[2])
+        elif m := _PERF["accept"].search(line):
+            out["accept_pct"] = float(m[1])
+        elif section == "draft":
+            continue
+        elif m := _PERF["prompt_ms"].search(line):
+            out["prompt_ms"], out["prompt_tokens"] = float(m[1]), int(m[2])
+        elif m := _PERF["eval_ms"].search(line):
+            out["eval_ms"], out["eval_runs"] = float(m[1]), int(m[2])
+        elif m := _PERF["load_ms"].search(line):
+            out["load_ms"] = float(m[1])
+    return out
+
+
+def llama_record(name: str, stdout: str, stderr: str, prompt: str, seconds: float) -> dict[str, Any]:
+    """A run record (the fields ours have, where llama.cpp says them) from a llama.cpp run's output; ValueError when
+    its timing line is missing. Decode-only: AR, ``eval time`` (N runs: the tokens after the first, which the
+    prompt pass gives), its tokens N + 1; spec, ``decoded N tokens in X seconds``, its tokens N (it may pass -n)."""
+    perf = parse_llama(stderr)
+    rec: dict[str, Any] = {}
+    if name == LLAMA_AR:
+        if "eval_ms" not in perf:
+            raise ValueError(f"{LLAMA_BINS[name]}: no 'eval time = ... ms / N runs' line in its output")
+        tokens = perf["eval_runs"] + 1
+        rec.update(decode_tokens=perf["eval_runs"], decode_s=perf["eval_ms"] / 1000, steps=tokens)
+        rec["prefill_s"] = perf["prompt_ms"] / 1000 if "prompt_ms" in perf else None
+        rec["llama_prompt_tokens"] = perf.get("prompt_tokens")
+        text = stdout
+    else:
+        if "decoded_tokens" not in perf:
+            raise ValueError(f"{LLAMA_BINS[name]}: no 'decoded N tokens in X seconds' line in its output")
+        tokens = perf["decoded_tokens"]
+        rec.update(decode_tokens=tokens, decode_s=perf["decoded_s"], steps=None)
+        rec["prefill_s"] = perf.get("encoded_s")
+        rec["llama_prompt_tokens"] = perf.get("encoded_tokens")
+        for k in ("n_draft", "n_drafted", "n_accept", "accept_pct"):
+            if k in perf:
+                rec[k] = perf[k]
+        at = stdout.find(prompt) if prompt else -1  # the example echoes the prompt before the new text
+        text = stdout[at + len(prompt) :] if at >= 0 else stdout
+    ds = rec["decode_s"]
+    rec.update(
+        tokens=tokens,
+        seconds=seconds,
+        tok_s=tokens / seconds if seconds > 0 else 0.0,
+        tokens_per_step=1.0 if rec["steps"] else None,
+        decode_tok_s=rec["decode_tokens"] / ds if ds > 0 else None,
+        load_s=perf["load_ms"] / 1000 if "load_ms" in perf else None,
+        text80=text[:80],
+        ids=[],
+    )
+    return rec
+
+
+def llama_version(bin_dir: Path) -> str:
+    """``llama-completion --version``'s first line (build number and commit), or ? when it says nothing."""
+    try:
+        r = subprocess.run(
+            [str(bin_dir / LLAMA_BINS[LLAMA_AR]), "--version"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    lines = [ln.strip() for ln in (r.stdout + "\n" + r.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else "?"
+
+
 # ---------------------------------------------------------------------------------------------- running
 
 
@@ -272,6 +459,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace, configs: list[Config]) -> None:
         import torch
 
+        from offload.plan import OffloadConfig
         from specexec import api
         from specexec.config import SamplingConfig
         from specexec.loading import hub
@@ -282,16 +470,19 @@ class Runner:
         self.tree_default = default_tree()
         # load with room for the largest tree any configuration grows, so no run reallocates (and recalibrates)
         load_tree = default_tree(max([2048] + fixed))
+        target_dtype, dtype = target_load(args.target_dtype, args.dtype)
         self.engine = api.load(
             args.target,
             args.draft,
             device="cpu",
-            dtype=args.dtype,
+            dtype=dtype,
             context=args.context,
+            offload=OffloadConfig(target_dtype=target_dtype),
             tree=load_tree,
             progress=False,
             invariant=args.invariant,
         )
+        self.threads = torch.get_num_threads()  # llama.cpp's -t: as many threads as ours
         self.tok = self.engine.tokenizer.tokenizer
         self.eos = sorted(self.engine.tokenizer.eos_ids)
         self.samp = SamplingConfig(temperature=args.temperature, seed=args.seed)
@@ -322,6 +513,15 @@ class Runner:
             return render_chat(self.tok, [{"role": "user", "content": p.text}])
         return encode_text(self.tok, p.text)
 
+    def prompt_text(self, p: Prompt) -> str:
+        """The text :meth:`encode` tokenizes: a chat prompt's rendered template (special tokens as text), else the
+        prompt as is (what llama.cpp is given)."""
+        if p.chat and getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template(
+                [{"role": "user", "content": p.text}], add_generation_prompt=True, tokenize=False
+            )
+        return p.text
+
     def tie_check(self, ids: list[int], ref: list[int], i: int, seed: int | None) -> dict[str, Any]:
         """At the first token ``i`` where a run left our AR's ``ref``: the gap between the target's two best scores
         there (computed by one pass over the common prefix; sampling: the walk's Gumbel-max scores for ``seed``).
@@ -346,8 +546,28 @@ class Runner:
         top2 = torch.topk(scores, 2).values
         return {"first_diff_gap": float(top2[0] - top2[1])}
 
-    def run(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
+    def run(self, c: Config, ids: list[int], max_new: int, seed: int | None, text: str | None = None) -> dict[str, Any]:
+        """One run of ``c``; ``text``: the prompt's text (:meth:`prompt_text`), which llama.cpp is given."""
+        if c.side == "llama":
+            return self._llama(c, ids, text if text is not None else self.tok.decode(ids), max_new, seed)
         return self._ours(c, ids, max_new, seed) if c.side == "ours" else self._hf(c, ids, max_new, seed)
+
+    def _llama(self, c: Config, ids: list[int], text: str, max_new: int, seed: int | None) -> dict[str, Any]:
+        bos = getattr(self.tok, "bos_token_id", None)
+        bos_text = getattr(self.tok, "bos_token", None)
+        # llama.cpp adds a BOS exactly when ours did and the text does not already carry it (a chat template may)
+        add_bos = bool(ids) and bos is not None and ids[0] == bos and not (bos_text and text.startswith(bos_text))
+        with tempfile.TemporaryDirectory(prefix="bench_cpu_") as d:
+            f = Path(d) / "prompt.txt"
+            f.write_text(text, encoding="utf-8")
+            cmd = llama_command(c.name, self.args, f, max_new, self.threads, add_bos, seed)
+            t = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
+            dt = time.perf_counter() - t
+        if r.returncode != 0:
+            tail = " | ".join(r.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"{LLAMA_BINS[c.name]} exited with {r.returncode}: {tail}")
+        return llama_record(c.name, r.stdout, r.stderr, text, dt)
 
     def _ours(self, c: Config, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
         from dataclasses import replace
@@ -481,7 +701,10 @@ def _walk_verified(c: Config) -> bool:
 
 def _compared(c: Config, greedy: bool) -> bool:
     """Whether a run of ``c`` is compared token for token to our AR's: greedy, every configuration; sampling, the
-    ones that draw as our AR does with the same seed (the tree-walk methods, and our AR on fast kernels)."""
+    ones that draw as our AR does with the same seed (the tree-walk methods, and our AR on fast kernels). llama.cpp's
+    runs are never compared (other weights)."""
+    if c.side == "llama":
+        return False
     return greedy or _walk_verified(c) or (c.side == "ours" and c.method == "ar")
 
 
@@ -507,16 +730,18 @@ def run_all(
     for set_name, plist in prompts.items():
         for pi, p in enumerate(plist):
             ids = runner.encode(p)
+            text = runner.prompt_text(p) if any(c.side == "llama" for c in configs) else None
             order = configs[k % len(configs) :] + configs[: k % len(configs)]
             k += 1
             seed = None if greedy else runner.args.seed + k
             got = {}
             for c in order:
-                rec = runner.run(c, ids, max_new, seed)
+                rec = runner.run(c, ids, max_new, seed, *([text] if c.side == "llama" else []))
                 got[c.name] = rec
                 log(
                     f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
-                    f"{rec['tok_s']:7.2f} tok/s {rec['tokens_per_step']:5.2f} tok/step"
+                    f"{rec['tok_s']:7.2f} tok/s {_f(rec['tokens_per_step'], '5.2f')} tok/step"
+                    + (f"  decode {_f(rec.get('decode_tok_s'))} tok/s" if c.side == "llama" else "")
                     + (f"  budgets {rec['budgets']} trimmed {rec['trimmed']}" if rec.get("budgets") else "")
                 )
             ref = got.get("ours-ar", {}).get("ids")
@@ -562,18 +787,25 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
         for c in configs:
             rs = by[c.name]
             tokens, secs = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
-            steps = sum(r["steps"] for r in rs)
+            known_steps = all(r.get("steps") is not None for r in rs)  # llama.cpp spec: not in its output
+            steps = sum(r["steps"] for r in rs) if known_steps else 0
             s = {
                 "side": c.side,
                 "prompts": len(rs),
                 "tokens": tokens,
                 "seconds": secs,
                 "tok_s": tokens / secs if secs > 0 else 0.0,
-                "tokens_per_step": tokens / max(steps, 1),
+                "tokens_per_step": tokens / max(steps, 1) if known_steps else None,
             }
             if c.side == "ours":
                 dec = [r["tokens"] / r["decode_tok_s"] for r in rs if r.get("decode_tok_s")]
                 s["decode_tok_s"] = tokens / sum(dec) if dec and sum(dec) > 0 else None
+            elif c.side == "llama":  # its own decode clock: tokens after the prompt pass / their seconds
+                dsec = sum(r.get("decode_s") or 0.0 for r in rs)
+                s["decode_tok_s"] = sum(r.get("decode_tokens") or 0 for r in rs) / dsec if dsec > 0 else None
+                drafted = sum(r.get("n_drafted") or 0 for r in rs)
+                if drafted:
+                    s["accept"] = sum(r.get("n_accept") or 0 for r in rs) / drafted
             if c.name != "ours-ar" and any("match_ar" in r for r in rs):
                 s["mismatches"] = sum(not r.get("match_ar", True) for r in rs)
                 s["must_match_ar"] = _must_match(c)
@@ -584,6 +816,9 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
         ar_by_prompt = {r["prompt"]: r for r in by.get("ours-ar", [])}
         for c in configs:
             s = summ[c.name]
+            if c.side == "llama":  # its whole-call tok/s includes loading the models: compared decode-only below
+                s["vs_our_ar"] = s["vs_our_fast_ar"] = s["vs_best_hf_speculative"] = s["min_prompt_vs_our_ar"] = None
+                continue
             s["vs_our_ar"] = s["tok_s"] / ar if ar else None
             s["vs_our_fast_ar"] = s["tok_s"] / fast_ar if fast_ar else None
             s["vs_best_hf_speculative"] = s["tok_s"] / hf_best if hf_best else None
@@ -594,8 +829,27 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
             ]
             s["min_prompt_vs_our_ar"] = min(ratios) if ratios else None
         best_hf_name = max((n for n in HF_SPECULATIVE if n in summ), key=lambda n: summ[n]["tok_s"], default=None)
-        sets[set_name] = {"configs": summ, "best_hf_speculative": best_hf_name}
+        sets[set_name] = {"configs": summ, "best_hf_speculative": best_hf_name, "decode": _decode_row(summ)}
     return sets
+
+
+def _decode_row(summ: dict[str, Any]) -> dict[str, Any]:
+    """A set's decode-only comparison (prefill excluded, and llama.cpp's model loading): our AR, our default, the
+    default's ratio to our AR, llama.cpp's AR and spec, our default's ratio to llama.cpp's AR."""
+
+    def dec(name: str) -> float | None:
+        return summ.get(name, {}).get("decode_tok_s")
+
+    ar, default, l_ar, l_spec = dec("ours-ar"), dec("ours-default"), dec(LLAMA_AR), dec(LLAMA_SPEC)
+    return {
+        "ours_ar": ar,
+        "ours_default": default,
+        "default_vs_our_ar": default / ar if default and ar else None,
+        "llama_ar": l_ar,
+        "llama_spec": l_spec,
+        "llama_spec_accept": summ.get(LLAMA_SPEC, {}).get("accept"),
+        "default_vs_llama_ar": default / l_ar if default and l_ar else None,
+    }
 
 
 def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
@@ -608,7 +862,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"### CPU benchmark: {m['target']} + {m['draft']}, {m['date']}",
         "",
         f"{m['machine']}; torch {m['torch']} ({m['threads']} threads), transformers {m['transformers']}; "
-        f"our dtype {m['dtype']}; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
+        f"our target {m.get('target_weights', 'dense')} weights computing in {m['dtype']}"
+        + (f" (--target-dtype {m['target_dtype']})" if m.get("target_dtype") else "")
+        + (
+            f"; llama.cpp {m['llama_cpp']['version']}, {m['llama_cpp']['gguf_target']} + {m['llama_cpp']['gguf_draft']}"
+            if m.get("llama_cpp")
+            else ""
+        )
+        + f"; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
         f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
         + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else "")
         + (
@@ -622,9 +883,25 @@ def markdown(report: dict[str, Any]) -> str:
         "decode tok/s excludes our prefill. Ratios: against our AR (shape-invariant passes, as every method of "
         "ours runs), against our AR on the fastest per-shape kernels (fast AR) and against the best of "
         "transformers' speculative options (assisted fp32 / bf16, prompt lookup) in the same set; min/prompt = the "
-        "lowest per-prompt tok/s ratio to our AR.",
+        "lowest per-prompt tok/s ratio to our AR. llama.cpp rows: tok/s over the whole subprocess call (its model "
+        "loading included; no ratios), decode tok/s from its own timing lines (prefill excluded).",
         "",
+        "Decode-only tok/s (prefill excluded; llama.cpp: its own eval / decoded timings, other weights (GGUF), "
+        "text not compared):",
+        "",
+        "| set | ours AR | ours default | default × our AR | llama.cpp AR | llama.cpp spec | llama.cpp spec accept "
+        "| ours default / llama.cpp AR |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for set_name, d in report["sets"].items():
+        r = d.get("decode") or {}
+        lines.append(
+            f"| {set_name} | {_f(r.get('ours_ar'))} | {_f(r.get('ours_default'))} | "
+            f"{_f(r.get('default_vs_our_ar'), suffix='×')} | {_f(r.get('llama_ar'))} | {_f(r.get('llama_spec'))} | "
+            f"{_f(None if r.get('llama_spec_accept') is None else 100 * r['llama_spec_accept'], '.1f', '%')} | "
+            f"{_f(r.get('default_vs_llama_ar'), suffix='×')} |"
+        )
+    lines.append("")
     greedy = m["temperature"] == 0 or any(
         "mismatches" in s for d in report["sets"].values() for s in d["configs"].values()
     )  # the column: greedy, or sampled runs of our tree-walk methods (the same seed gives AR's text)
@@ -641,7 +918,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {name} | {s['tok_s']:.2f} | {_f(s['vs_our_ar'], suffix='×')} | "
                 f"{_f(s.get('vs_our_fast_ar'), suffix='×')} | {_f(s['vs_best_hf_speculative'], suffix='×')} | "
                 f"{_f(s['min_prompt_vs_our_ar'], suffix='×')} | "
-                f"{_f(s.get('decode_tok_s'))} | {s['tokens_per_step']:.2f} |"
+                f"{_f(s.get('decode_tok_s'))} | {_f(s['tokens_per_step'])} |"
                 + (f" {_mismatches(s)} |" if greedy else "")
             )
         lines.append("")
@@ -687,7 +964,10 @@ def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], promp
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "dtype": str(runner.engine.target.dtype).replace("torch.", ""),
+        "dtype": str(runner.engine.target.dtype).replace("torch.", ""),  # the target's compute dtype
+        "target_dtype": args.target_dtype,  # what was asked (--target-dtype)
+        "target_weights": getattr(runner.engine, "target_weights", None) or "dense",  # int8 or dense
+        "draft_weights": getattr(runner.engine, "draft_weights", None),
         # the target's shape-invariant tiling on this machine (None: none found, see specexec.loading.invariance)
         "invariant_tiling": getattr(getattr(runner.engine, "invariance", None), "tiling", None),
         "draft_dtype": str(runner.engine.draft.dtype).replace("torch.", "") if runner.engine.draft else None,
@@ -700,8 +980,25 @@ def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], promp
         "smoke": args.smoke,
         "default_tree": asdict(runner.tree_default),
         "configs": [asdict(c) for c in configs],
+        "llama_cpp": _llama_meta(args, runner) if args.llama_cpp is not None else None,
         "prompts": {
             s: [{"name": p.name, "chat": p.chat, "chars": len(p.text)} for p in ps] for s, ps in prompts.items()
+        },
+    }
+
+
+def _llama_meta(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
+    """llama.cpp's version, files and command lines (PROMPT.txt stands for each prompt's file)."""
+    lc = [c for c in args.configs if c.side == "llama"]
+    return {
+        "dir": str(args.llama_cpp),
+        "version": llama_version(args.llama_cpp),
+        "gguf_target": str(args.gguf_target),
+        "gguf_draft": str(args.gguf_draft),
+        "threads": runner.threads,
+        "commands": {
+            c.name: llama_command(c.name, args, "PROMPT.txt", args.max_new_tokens, runner.threads, False, None)
+            for c in lc
         },
     }
 
@@ -743,6 +1040,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup")
     p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: what generate uses)")
+    p.add_argument(
+        "--target-dtype",
+        default="auto",
+        choices=TARGET_DTYPES,
+        help="our target's weights: auto (int8 where this CPU's probe measures it faster), int8 (computing in bf16), "
+        "or dense bf16/fp16/fp32 (sets the compute dtype when --dtype is auto)",
+    )
+    home = Path(os.environ.get("SPECEXEC_HOME") or Path.home() / ".cache" / "specexec").expanduser()
+    p.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a llama.cpp build's bin directory (llama-completion, llama-speculative-simple): adds llama.cpp AR "
+        "and llama.cpp spec to the rotation",
+    )
+    p.add_argument("--gguf-target", type=Path, default=home / "gguf" / GGUF_TARGET, help="llama.cpp's target")
+    p.add_argument("--gguf-draft", type=Path, default=home / "gguf" / GGUF_DRAFT, help="llama.cpp's draft")
+    p.add_argument(
+        "--llama-draft-max",
+        type=int,
+        default=None,
+        help="llama.cpp spec's --spec-draft-n-max (default: llama.cpp's own)",
+    )
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--md", type=Path, default=None, help="append the markdown tables to this file")
@@ -757,6 +1078,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--prompts-per-set and --max-new-tokens must be >= 1")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
+    if args.target_dtype == "int8" and args.dtype not in ("auto", "bf16"):
+        p.error("--target-dtype int8 computes in bf16: give --dtype auto or bf16")
+    if args.target_dtype not in ("auto", "int8") and args.dtype not in ("auto", args.target_dtype):
+        p.error(f"--target-dtype {args.target_dtype} with --dtype {args.dtype}: give one dense dtype")
+    if args.llama_draft_max is not None and args.llama_draft_max < 1:
+        p.error("--llama-draft-max must be >= 1")
     sets = tuple(s.strip() for s in args.sets.split(",") if s.strip())
     bad = [s for s in sets if s not in SETS]
     if bad or not sets:
@@ -771,6 +1098,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fast_ar = False
     try:
         args.configs = our_configs(args.methods, args.fast_ar) + [Config(h, "hf") for h in hf]
+        if args.llama_cpp is not None:
+            args.configs += [Config(LLAMA_AR, "llama"), Config(LLAMA_SPEC, "llama")]
     except ValueError as e:
         p.error(str(e))
     if not args.invariant:  # fast kernels throughout: differences from our AR are reported, not errors
@@ -781,15 +1110,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configs = args.configs
+    missing = llama_missing(args)
+    if missing:  # before loading anything
+        print(missing, file=sys.stderr)
+        return 2
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     prompts = build_prompts(args.sets, args.prompts_per_set)
-    log(f"loading {args.target} + {args.draft} (ours{', transformers' if args.hf else ''})")
+    log(
+        f"loading {args.target} + {args.draft} (ours{', transformers' if args.hf else ''}"
+        f"{'; llama.cpp runs its own' if args.llama_cpp else ''})"
+    )
     runner = Runner(args, configs)
     # warm-up: every configuration once on a short prompt (allocations, lazy imports, the auto budget's costs)
     warm = next(p for ps in prompts.values() for p in ps)
     ids = runner.encode(warm)
-    for c in configs:
-        runner.run(c, ids, 2 if args.smoke else 4, args.seed)
+    text = runner.prompt_text(warm)
+    for c in configs:  # (llama.cpp's too: the GGUF files in the page cache before the timed runs)
+        runner.run(c, ids, 2 if args.smoke else 4, args.seed, *([text] if c.side == "llama" else []))
     log("warm-up done")
     meta = _meta(args, runner, configs, prompts)  # the commit and date the run starts from
     total = sum(len(ps) for ps in prompts.values())

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts in scripts/: each answers --help, refuses bad options with exit code 2, and
 runs end to end on tiny random models on the CPU where it can (their numbers mean nothing; the flow, the table and
-the JSON fields are what is checked). bench_cpu.py has its own file, tests/test_bench_cpu.py."""
+the JSON fields are what is checked). bench_cpu.py has its own file, tests/test_bench_cpu.py; its llama.cpp
+comparison (output parsing against recorded output of the real binaries, stand-in binaries) is tested here."""
 
 from __future__ import annotations
 
@@ -240,3 +241,210 @@ def test_bench_structured_refuses_bad_options_with_exit_2(bad):
     with pytest.raises(SystemExit) as e:
         script("bench_structured").main(bad)
     assert e.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- bench_cpu: llama.cpp
+# What llama.cpp's binaries wrote (build 0.3.36's vendored llama.cpp, CPU, 2 threads) for the prompt
+# 'def add(a, b):\n    """Return a + b."""\n' with -n 4, greedy: llama-completion (-no-cnv --no-display-prompt) and
+# llama-speculative-simple (--spec-type draft-simple, the 1.5B target and 0.5B draft).
+
+LLAMA_AR_STDERR = """\
+0.00.002.228 I llama_completion: llama backend init
+0.00.005.251 I llama_completion: load the model and apply lora adapter, if any
+0.00.935.873 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model. its type will be overridden
+0.02.283.240 I cmn          init: llama threadpool init, n_threads = 2
+0.02.403.988 I\x20
+0.02.404.179 I system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |\x20
+0.02.404.204 I\x20
+0.02.404.373 I sampler seed: 0
+0.02.404.412 I sampler params:\x20
+\trepeat_last_n = 64, repeat_penalty = 1.000, frequency_penalty = 0.000, presence_penalty = 0.000
+\tdry_multiplier = 0.000, dry_base = 1.750, dry_allowed_length = 2, dry_penalty_last_n = 64
+\ttop_k = 1, top_p = 0.950, min_p = 0.050, xtc_probability = 0.000, xtc_threshold = 0.100, typical_p = 1.000, top_n_sigma = -1.000, temp = 0.000
+\tmirostat = 0, mirostat_lr = 0.100, mirostat_ent = 5.000, adaptive_target = -1.000, adaptive_decay = 0.900
+0.02.404.494 I sampler chain: logits -> logit-bias -> ?penalties -> ?dry -> ?top-n-sigma -> top-k -> ?typical -> top-p -> min-p -> ?xtc -> temp-ext -> dist\x20
+0.02.404.496 I generate: n_ctx = 4096, n_batch = 2048, n_predict = 4, n_keep = 0
+0.02.404.496 I\x20
+0.03.150.241 I common_perf_print:    sampling time =       1.78 ms
+0.03.150.246 I common_perf_print:    samplers time =       0.60 ms /    17 tokens
+0.03.150.253 I common_perf_print:        load time =    1675.27 ms
+0.03.150.255 I common_perf_print: prompt eval time =     540.98 ms /    13 tokens (   41.61 ms per token,    24.03 tokens per second)
+0.03.150.257 I common_perf_print:        eval time =     202.51 ms /     3 runs   (   67.50 ms per token,    14.81 tokens per second)
+0.03.150.258 I common_perf_print:       total time =     746.28 ms /    16 tokens
+0.03.150.259 I common_perf_print: unaccounted time =       1.01 ms /   0.1 %      (total - sampling - prompt eval - eval) / (total)
+0.03.150.260 I common_perf_print:    graphs reused =          2
+"""  # noqa: E501
+
+LLAMA_AR_STDOUT = "\n    return a\n\n"
+LLAMA_SPEC_STDERR = """\
+0.01.469.469 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model. its type will be overridden
+0.02.635.879 I cmn          init: llama threadpool init, n_threads = 2
+0.02.739.518 I common_speculative_init_result: loading draft model '/work/cache/gguf/qwen2.5-coder-0.5b.gguf'
+0.03.099.008 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model. its type will be overridden
+0.06.342.508 I encoded   13 tokens in    0.528 seconds, speed:   24.627 t/s
+0.06.342.535 I decoded    8 tokens in    0.855 seconds, speed:    9.356 t/s
+0.06.342.554 I\x20
+0.06.342.572 I n_draft   = 3
+0.06.342.591 I n_predict = 8
+0.06.342.609 I n_drafted = 8
+0.06.342.628 I n_accept  = 5
+0.06.342.647 I accept    = 62.500%
+0.06.342.665 I\x20
+0.06.342.684 I draft:
+
+0.06.342.756 I\x20
+0.06.342.776 I target:
+
+0.06.342.801 I common_perf_print:    sampling time =       3.40 ms
+0.06.342.821 I common_perf_print:    samplers time =       0.82 ms /     8 tokens
+0.06.342.845 I common_perf_print:        load time =    1466.39 ms
+0.06.342.865 I common_perf_print: prompt eval time =    1085.84 ms /    25 tokens (   43.43 ms per token,    23.02 tokens per second)
+0.06.342.885 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+0.06.342.904 I common_perf_print:       total time =    3603.40 ms /    26 tokens
+0.06.342.924 I common_perf_print: unaccounted time =    2514.15 ms /  69.8 %      (total - sampling - prompt eval - eval) / (total)
+0.06.342.943 I common_perf_print:    graphs reused =          1
+"""  # noqa: E501
+
+LLAMA_SPEC_STDOUT = '\n\ndef add(a, b):\n    """Return a + b."""\n    return a + b\n\ndef\n\n\n\n'
+LLAMA_PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
+
+
+def test_bench_cpu_reads_llama_cpp_decode_speed_and_acceptance_from_its_output():
+    bench = script("bench_cpu")
+    ar = bench.llama_record(bench.LLAMA_AR, LLAMA_AR_STDOUT, LLAMA_AR_STDERR, LLAMA_PROMPT, 3.3)
+    # decode only: 3 eval runs in 202.51 ms (the first of the 4 tokens comes from the prompt pass)
+    assert ar["tokens"] == 4 and ar["decode_tokens"] == 3 and ar["decode_s"] == pytest.approx(0.20251)
+    assert ar["decode_tok_s"] == pytest.approx(14.81, abs=0.01) and ar["prefill_s"] == pytest.approx(0.54098)
+    assert ar["llama_prompt_tokens"] == 13 and ar["load_s"] == pytest.approx(1.67527)
+    assert ar["tok_s"] == pytest.approx(4 / 3.3) and ar["text80"] == LLAMA_AR_STDOUT
+    spec = bench.llama_record(bench.LLAMA_SPEC, LLAMA_SPEC_STDOUT, LLAMA_SPEC_STDERR, LLAMA_PROMPT, 6.5)
+    # its own count (past -n 4) and clock; the prompt it echoes is not its text
+    assert spec["tokens"] == 8 and spec["decode_tok_s"] == pytest.approx(8 / 0.855)
+    assert spec["prefill_s"] == pytest.approx(0.528) and spec["llama_prompt_tokens"] == 13
+    assert (spec["n_draft"], spec["n_drafted"], spec["n_accept"], spec["accept_pct"]) == (3, 8, 5, 62.5)
+    assert spec["text80"].startswith("    return a + b") and spec["steps"] is None
+    with pytest.raises(ValueError, match="eval time"):
+        bench.llama_record(bench.LLAMA_AR, "", LLAMA_SPEC_STDERR.replace("eval time", "x"), LLAMA_PROMPT, 1.0)
+    with pytest.raises(ValueError, match="decoded"):
+        bench.llama_record(bench.LLAMA_SPEC, "", LLAMA_AR_STDERR, LLAMA_PROMPT, 1.0)
+
+
+def test_bench_cpu_reads_llama_perf_lines_whatever_their_prefix_and_skips_the_drafts():
+    log = (
+        "llama_perf_context_print:        load time =     100.00 ms\n"
+        "llama_perf_context_print: prompt eval time =      50.00 ms /    10 tokens (5 ms per token, 200 t/s)\n"
+        "llama_perf_context_print:        eval time =     400.00 ms /    20 runs   (20 ms per token, 50 t/s)\n"
+        "draft:\n"
+        "llama_perf_context_print:        eval time =      10.00 ms /    99 runs   (0.1 ms per token, 9900 t/s)\n"
+    )
+    got = script("bench_cpu").parse_llama(log)
+    assert got == {"load_ms": 100.0, "prompt_ms": 50.0, "prompt_tokens": 10, "eval_ms": 400.0, "eval_runs": 20}
+
+
+def test_bench_cpu_without_the_llama_cpp_binaries_is_one_line_and_exit_2_before_loading(tmp_path, capsys):
+    bench = script("bench_cpu")
+    absent = str(tmp_path / "no-such-model")  # loading it would fail otherwise
+    argv = ["--smoke", "--target", absent, "--draft", absent, "--llama-cpp", str(tmp_path)]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "llama-completion" in err[0] and "llama-speculative-simple" in err[0]
+    fake_llama_cpp(tmp_path / "bin", tmp_path / "calls.jsonl")  # the binaries, but no GGUF files
+    argv = ["--smoke", "--target", absent, "--draft", absent, "--llama-cpp", str(tmp_path / "bin")]
+    assert bench.main([*argv, "--gguf-target", str(tmp_path / "t.gguf"), "--gguf-draft", absent]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "t.gguf" in err[0] and "llama-completion" not in err[0]
+
+
+def test_bench_cpu_target_dtype_sets_how_our_target_loads(capsys):
+    bench = script("bench_cpu")
+    assert bench.target_load("int8", "auto") == ("int8", "auto")
+    assert bench.target_load("auto", "auto") == ("auto", "auto")
+    assert bench.target_load("bf16", "auto") == ("bf16", "bf16")
+    assert bench.target_load("fp32", "auto") == ("auto", "fp32")
+    for bad in (["--target-dtype", "int8", "--dtype", "fp32"], ["--target-dtype", "bf16", "--dtype", "fp32"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(bad)
+        assert e.value.code == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def fake_llama_cpp(bin_dir: Path, calls: Path) -> None:
+    """llama-completion and llama-speculative-simple stand-ins: each writes the recorded output of the real binary
+    (the speculative one echoing its prompt first, as the real one does) and logs its arguments and prompt."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    outputs = {
+        "llama-completion": ("", LLAMA_AR_STDOUT, LLAMA_AR_STDERR),
+        "llama-speculative-simple": ("\n\n", "    return a + b\n\ndef\n", LLAMA_SPEC_STDERR),
+    }
+    for name, (before, after, err) in outputs.items():
+        f = bin_dir / name
+        f.write_text(
+            f"#!{sys.executable}\n"
+            "import json, pathlib, sys\n"
+            "argv = sys.argv[1:]\n"
+            "if argv == ['--version']:\n"
+            "    print('version: 1 (fake)', file=sys.stderr)\n"
+            "    sys.exit(0)\n"
+            "prompt = pathlib.Path(argv[argv.index('-f') + 1]).read_text(encoding='utf-8')\n"
+            f"with open({str(calls)!r}, 'a') as log:\n"
+            f"    log.write(json.dumps({{'bin': {name!r}, 'argv': argv, 'prompt': prompt}}) + '\\n')\n"
+            f"sys.stdout.write({before!r} + ({'prompt' if before else repr('')}) + {after!r})\n"
+            f"sys.stderr.write({err!r})\n"
+        )
+        f.chmod(0o755)
+
+
+def test_bench_cpu_smoke_runs_llama_cpp_in_the_rotation_and_tables_its_decode_speed(tiny_pair, tmp_path, capsys):
+    """With --llama-cpp (stand-ins giving the real binaries' recorded output), llama.cpp AR and spec run on every
+    prompt beside ours, get the text ours tokenizes, greedy, -n, our thread count, no EOS stop; the per-set table
+    puts our decode tok/s beside theirs; their tokens are not compared with ours."""
+    bench = script("bench_cpu")
+    target, draft = tiny_pair
+    calls, out = tmp_path / "calls.jsonl", tmp_path / "cpu.json"
+    fake_llama_cpp(tmp_path / "bin", calls)
+    gguf = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    for g in gguf:
+        g.write_bytes(b"GGUF")
+    argv = ["--smoke", "--quiet", "--target", str(target), "--draft", str(draft), "--hf", "", "--no-fast-ar"]
+    argv += ["--sets", "code,grounded", "--target-dtype", "fp32", "--out", str(out)]
+    argv += ["--llama-cpp", str(tmp_path / "bin")]
+    assert bench.main([*argv, "--gguf-target", str(gguf[0]), "--gguf-draft", str(gguf[1])]) == 0
+    rep = json.loads(out.read_text())
+    m = rep["meta"]
+    assert m["target_weights"] == "dense" and m["dtype"] == "float32" and m["target_dtype"] == "fp32"
+    assert m["llama_cpp"]["version"] == "version: 1 (fake)"
+    names = [c["name"] for c in m["configs"]]
+    assert names == ["ours-ar", "ours-default", "llama.cpp-ar", "llama.cpp-spec"]
+    runs = {(r["set"], r["config"]): r for r in rep["runs"]}
+    assert len(runs) == 2 * len(names)
+    for s in ("code", "grounded"):
+        ar, spec = runs[(s, "llama.cpp-ar")], runs[(s, "llama.cpp-spec")]
+        assert ar["decode_tok_s"] == pytest.approx(3 / 0.20251) and spec["decode_tok_s"] == pytest.approx(8 / 0.855)
+        assert spec["text80"] == "    return a + b\n\ndef\n" and "match_ar" not in ar and "match_ar" not in spec
+        d = rep["sets"][s]["decode"]
+        assert d["llama_ar"] == pytest.approx(3 / 0.20251) and d["llama_spec_accept"] == pytest.approx(5 / 8)
+        assert d["default_vs_llama_ar"] == pytest.approx(d["ours_default"] / d["llama_ar"])
+        assert d["default_vs_our_ar"] == pytest.approx(d["ours_default"] / d["ours_ar"])
+    # the calls: warm-up, then one per prompt (code, grounded) for each binary
+    logged = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [c["bin"] for c in logged].count("llama-completion") == 3
+    threads = str(torch.get_num_threads())
+    for c in logged:
+        a = c["argv"]
+        assert a[a.index("-n") + 1] in ("2", "8") and a[a.index("-t") + 1] == threads
+        assert a[a.index("--temp") + 1] == "0" and a[a.index("--top-k") + 1] == "1" and "--ignore-eos" in a
+        assert a[a.index("-m") + 1] == str(gguf[0]) and "--no-escape" in a
+        if c["bin"] == "llama-completion":
+            assert "-no-cnv" in a and "--no-display-prompt" in a
+        else:
+            assert a[a.index("--spec-type") + 1] == "draft-simple" and a[a.index("-md") + 1] == str(gguf[1])
+    # the text our engine tokenizes: raw for the code prompt, the chat template's rendering for the grounded one
+    prompts = {p.set: p for ps in bench.build_prompts(("code", "grounded"), 1).values() for p in ps}
+    given = {c["prompt"] for c in logged[2:]}
+    assert prompts["code"].text in given
+    chat = [t for t in given if t != prompts["code"].text]
+    assert chat and all(t.startswith("t3 ") and t.endswith("t5") and prompts["grounded"].text in t for t in chat)
+    printed = capsys.readouterr().out
+    assert "| llama.cpp AR | llama.cpp spec |" in printed and "| llama.cpp-spec |" in printed
+    row = next(ln for ln in printed.splitlines() if ln.startswith("| code |"))
+    assert f"| {3 / 0.20251:.2f} | {8 / 0.855:.2f} | 62.5% |" in row
