@@ -482,6 +482,13 @@ class Runner:
             progress=False,
             invariant=args.invariant,
         )
+        if any(c.method == "heads" for c in configs):  # the target's trained heads beside the draft
+            from specexec.propose.heads import Heads, find_heads
+
+            found = find_heads(model_dir(hub.resolve(args.target, progress=False)))
+            if found is None:
+                raise SystemExit(f"error: no trained heads for {args.target}: run `specexec heads train` first")
+            self.engine.heads = Heads.load(found)
         self.threads = torch.get_num_threads()  # llama.cpp's -t: as many threads as ours
         self.tok = self.engine.tokenizer.tokenizer
         self.eos = sorted(self.engine.tokenizer.eos_ids)
@@ -696,7 +703,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def _walk_verified(c: Config) -> bool:
     """Our configurations whose every step is verified by the tree walk, so a seed gives our AR's text also when
     sampling (the default's chain arms propose coupled draws; ``chain:G`` samples under the chain rule)."""
-    return c.side == "ours" and c.method in (None, "specexec", "ngram")
+    return c.side == "ours" and c.method in (None, "specexec", "ngram", "heads")
 
 
 def _compared(c: Config, greedy: bool) -> bool:

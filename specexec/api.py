@@ -27,7 +27,7 @@ import torch
 
 from specexec.config import TreeConfig
 from specexec.decoding.engine import Engine
-from specexec.errors import ConfigError, OutOfMemory, setting
+from specexec.errors import ConfigError, OutOfMemory, SpecexecError, setting
 from specexec.loading import draft_choice, hub, memory, pairing
 from specexec.loading.checkpoint import (
     DEFAULT_DRAFT_VOCAB,
@@ -75,7 +75,9 @@ def load(
         target: an alias, HF id, local directory or GGUF file.
         draft: the same for the draft model; None: no draft (plain decoding). ``"self"``: the target's own
             checkpoint loaded a second time in low bit (SubSpec-style), resident beside the target; it reads the
-            committed tokens' keys and values from the target's cache (``share_prefix``). ``"auto"``: the draft of
+            committed tokens' keys and values from the target's cache (``share_prefix``). ``"heads"``: no draft
+            model; Medusa-style heads trained on this target (``specexec heads train``; the demo target's ship in
+            the package) propose from its last hidden state (:mod:`specexec.propose.heads`). ``"auto"``: the draft of
             the target's known pair, else a smaller model of its family on this machine, else none
             (:func:`specexec.loading.pairing.choose_draft`; the choice is logged). A draft's tokenizer must agree
             with the target's on the ids it can propose; the few ids where it does not are never proposed
@@ -116,6 +118,9 @@ def load(
         choice = pairing.choose_draft(target, home)
         log.info("%s", choice.line)
         draft = choice.draft
+    use_heads = draft == HEADS_DRAFT
+    if use_heads:
+        draft = None
     found = _find(target, draft, progress, home, layers_in_gguf=_layers_in_gguf(offload, draft))
     limit = found.target_cfg.max_position_embeddings
     if context > limit:
@@ -147,7 +152,26 @@ def load(
         engine.draft_weights = mem.draft_fmt if mem.draft_fmt != "dense" else str(d_dt).removeprefix("torch.")
     if t_fmt != "dense":
         engine.target_weights = t_fmt
+    if use_heads:
+        engine.heads = _load_heads(found.target, target, home)
     return engine
+
+
+HEADS_DRAFT = "heads"  # draft="heads": Medusa-style heads on the target instead of a draft model
+
+
+def _load_heads(model_dir: Path, name: str, home: Path | None) -> Any:
+    """The target's trained heads (the cache's, else the package's), or one error naming the train command."""
+    from specexec.propose.heads import Heads, find_heads
+
+    path = find_heads(model_dir, home)
+    if path is None:
+        raise SpecexecError(f"no trained heads for {name}: run `specexec heads train --target {name}` (once)")
+    heads = Heads.load(path)
+    if heads.a.shape[1] != read_config(model_dir).hidden_size:
+        raise SpecexecError(f"the heads in {path} do not fit {name}: train them again (`specexec heads train`)")
+    log.info("heads for %s: %s", name, path)
+    return heads
 
 
 # ---------------------------------------------------------------------------------------------- 1. find
@@ -206,9 +230,7 @@ def _draft_format(
     return draft_format(draft_dtype, dtype, dev, found.draft_cfg, found.self_draft)
 
 
-def _target_format(
-    cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any
-) -> tuple[str, torch.dtype | None]:
+def _target_format(cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any) -> tuple[str, torch.dtype | None]:
     """(weight format, compute dtype) of a resident target: ``int8`` weights computing in bf16 (a CPU's
     ``int8pack`` kernel) when asked (``OffloadConfig.target_dtype`` int8), or, with both the target dtype and the
     compute dtype ``auto`` on a CPU, where this machine runs them clearly faster
@@ -414,8 +436,8 @@ def load_engine(
         draft = pairing.choose_draft(opts.target, opts.cache_dir).draft
     from_blocks = _layers_in_gguf(opts.offload, draft)
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir, layers_in_gguf=from_blocks)
-    if draft == SELF_DRAFT:
-        d_path = SELF_DRAFT  # the target's own weights in low bit: nothing to resolve
+    if draft in (SELF_DRAFT, HEADS_DRAFT):
+        d_path = draft  # the target's own weights in low bit, or heads on it: nothing to resolve
     elif draft:
         d_path = hub.resolve(draft, progress=progress, home=opts.cache_dir)
     with (status or (lambda _msg: nullcontext()))("loading models"):

@@ -10,7 +10,7 @@ from specexec.errors import ConfigError, check_finite, setting
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("ar", "chain", "specexec", "ngram")
+METHODS = ("ar", "chain", "specexec", "ngram", "heads")
 NEEDS_DRAFT = ("chain", "specexec")  # methods that need a draft model
 
 

@@ -297,3 +297,56 @@ def fp32_check() -> None:
         assert r.tokens == ar, (prompt, _first_diff(ar, r.tokens))
     assert r.stats.tokens_per_step > 1.0  # on the repetitive prompt the trie's proposals were accepted
     print("fp32 check passed")
+
+
+@slow
+def test_int8_target_and_heads_exact():
+    """The CPU's int8 target (``--target-dtype int8``) with the demo target's shipped heads and with the draft: every
+    method's greedy output equals the int8 target's own AR output, and the heads propose tokens the target accepts.
+    In a child process of its own, like the fp32 check (``int8_heads_check``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = "from tests.test_real_pair import int8_heads_check; int8_heads_check()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "int8 heads check passed" in r.stdout
+
+
+def int8_heads_check() -> None:
+    """The body of :func:`test_int8_target_and_heads_exact` (raises AssertionError on a failure)."""
+    from offload.plan import OffloadConfig
+    from specexec import api
+    from specexec.loading import hub
+    from specexec.propose import heads as h
+    from tests.conftest import REAL_CONTEXT, _pull_demo
+
+    _pull_demo()
+    int8 = OffloadConfig(target_dtype="int8")
+    path = hub.resolve(TARGET, progress=False)
+    assert h.find_heads(path) is not None, "the demo target's heads ship in the package"
+    engine = api.load(TARGET, "heads", device="cpu", offload=int8, context=REAL_CONTEXT, progress=False)
+    assert engine.target_weights == "int8" and engine.heads is not None
+    per_step = []
+    for p in PROMPTS[:2]:
+        engine.reset()
+        ref = engine.generate(p, 48, method="ar").tokens
+        for kw in (dict(), dict(method="heads", tree=TreeConfig.fixed(4))):
+            engine.reset()
+            r = engine.generate(p, 48, **kw)
+            assert r.tokens == ref, (p, kw)
+            per_step.append(r.stats.tokens_per_step)
+    assert max(per_step) > 1.3, per_step  # the shipped heads are trained: a wiring check, not a speed claim
+    del engine
+    engine = api.load(TARGET, DRAFT, device="cpu", offload=int8, context=REAL_CONTEXT, progress=False)
+    engine.reset()
+    ref = engine.generate(PROMPTS[0], 48, method="ar").tokens
+    for kw in (dict(), dict(method="chain", chain=ChainConfig(gamma=3)), dict(tree=TreeConfig.fixed(8))):
+        engine.reset()
+        assert engine.generate(PROMPTS[0], 48, **kw).tokens == ref, kw
+    print("int8 heads check passed", per_step)

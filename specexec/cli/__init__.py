@@ -29,8 +29,10 @@ from specexec.cli.models import app as _models_app  # noqa: E402
 app.add_typer(_models_app, name="models", help="List and pull models (aliases, demo pair).")
 
 from specexec.cli.cache import app as _cache_app  # noqa: E402
+from specexec.cli.heads import app as _heads_app  # noqa: E402
 
 app.add_typer(_cache_app, name="cache", help="List and remove specexec's caches (models, layer caches, wheels).")
+app.add_typer(_heads_app, name="heads", help="Train Medusa-style heads for a target (--draft heads).")
 
 # commands that live in their own modules (each module defines one function of that name)
 for _name in ("chat", "doctor", "bench", "serve", "export"):

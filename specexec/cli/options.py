@@ -119,7 +119,9 @@ class Shared:
         "largest model of its family already on this machine with its tokenizer and at most half its size, else "
         "none (one line says which); 'none' for no draft (plain decoding); 'self' for the target's own weights "
         "loaded a second time in low bit (--draft-dtype), reading the target's KV prefix: the draft for a target "
-        f"that has no compatible small model. With the default target auto picks {DEMO_DRAFT}.",
+        "that has no compatible small model; 'heads' for Medusa-style heads on the target, no draft model "
+        f"(`specexec heads train`; the demo target's ship with specexec). With the default target auto picks "
+        f"{DEMO_DRAFT}.",
     )
     budget: str = _option(
         "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
@@ -146,7 +148,9 @@ class Shared:
         help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
         "finds faster), fp32, bf16, fp16.",
     )
-    target_dtype: str = _option("auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 (CPU).")
+    target_dtype: str = _option(
+        "auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 (CPU)."
+    )
     draft_dtype: str | None = _option(
         None,
         "--draft-dtype",

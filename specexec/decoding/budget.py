@@ -402,12 +402,13 @@ class AdaptiveBudget:
         """Expected tokens/s of a chain of ``g`` from the chains measured so far (None before any): each drafted
         token accepted with the measured rate a, so a step emits (1 - a^(g+1)) / (1 - a) tokens in g draft passes
         plus one verification of g + 1 tokens."""
-        if self._chain_passes == 0 or not self.verify.known():
+        verify = self.verify.at(g + 1)
+        if self._chain_passes == 0 or verify is None:
             return None
         a = (self._chain_accepted + 1) / (self._chain_accepted + self._chain_rejected + 2)  # Laplace's rule
         a = min(a, 0.99)
         tokens = (1 - a ** (g + 1)) / (1 - a)
-        return tokens / (g * self._chain_draft_s / self._chain_passes + self.verify.at(g + 1))
+        return tokens / (g * self._chain_draft_s / self._chain_passes + verify)
 
     def choose(self) -> int:
         self._step += 1

@@ -47,6 +47,8 @@ from specexec.model.transformer import Transformer
 from specexec.propose import (
     ChainDraft,
     DraftModel,
+    Heads,
+    HeadsDraft,
     NGramConfig,
     NGramDraft,
     NoDraft,
@@ -70,6 +72,7 @@ CPU_ARMS = (4, 8)
 # (with the n-gram continuations merged in): on 3 grounded prompts 2.74x / 2.39x AR vs 2.48x / 2.25x without it,
 # the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
 CPU_CHAINS = (2, 3, 4, 6, 10)
+HEAD_ARMS = (0, 1, 2, 4, 8, 16)  # head trees the measured-rate policy chooses among (0: plain decoding)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 
 
@@ -271,6 +274,7 @@ class Engine:
         self.invariance = invariance.apply(target, invariant, home=self._home())
         self.draft_weights: str | None = None  # the draft's weight format, as specexec.load chose it (int8, ...)
         self.target_weights: str | None = None  # the target's low-bit format when it has one (int8 on a CPU)
+        self.heads: Heads | None = None  # Medusa-style heads on the target (method "heads"; specexec.load sets them)
         # the largest tree the memory plan left room for (specexec.load lowers --max-budget to fit a streamed
         # target): auto trees are capped at it, a bigger fixed budget is refused; None: no cap
         self.max_tree = max_tree
@@ -408,11 +412,13 @@ class Engine:
         would, whatever the method. ``logprobs``: record each token's target log-prob in the generation's
         ``logprobs`` (and the result's), with the ``logprobs`` most probable tokens at each position (0: none).
         """
-        method = method or ("specexec" if self.draft is not None else "ar")
+        method = method or ("specexec" if self.draft is not None else "heads" if self.heads is not None else "ar")
         check_method(method)
         stops = check_stops(stop)
         if method in NEEDS_DRAFT and self.draft is None:
             raise SpecexecError(f"{setting('method', method)} needs a draft model: pass {setting('draft')}")
+        if method == "heads" and self.heads is None:
+            raise SpecexecError(f"{setting('method', method)} needs trained heads: pass {setting('draft', 'heads')}")
         ids = self.encode(prompt, chat)
         if not ids:
             raise InvalidPrompt("the prompt is empty")
@@ -505,6 +511,14 @@ class Engine:
         learnt = f"{method}+grammar" if constrained else method
         if method == "ar":
             return NoDraft(dev), FixedBudget(0)
+        if method == "heads":
+            assert self.heads is not None
+            heads = HeadsDraft(self.heads, self.target.globals.lm_head, dev)
+            if tree.auto:  # measured choice between plain AR (0) and head trees of a few sizes
+                arms = tuple(b for b in HEAD_ARMS if b <= tree.max_budget)
+                stats.budget_auto = True
+                return heads, self._adaptive_policy(learnt, arms, tree, stats)
+            return heads, FixedBudget(tree.budget)
         if method == "ngram":
             assert ngram is not None
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes

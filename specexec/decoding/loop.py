@@ -281,7 +281,8 @@ def decode(
                 allowed = np.concatenate([constraint.one_hot(forced), allowed])
             sync(dev)
             tt = time.perf_counter()
-            logits = score_tree(state.model, state.cache, verified.tree, n, verify_chunk)  # (N, V)
+            hidden: list[Tensor] | None = [] if getattr(proposer, "wants_hidden", False) else None
+            logits = score_tree(state.model, state.cache, verified.tree, n, verify_chunk, hidden)  # (N, V)
             raw = logits  # the target's own logits (a mask makes a masked copy): the log-probs' source
             if allowed is not None:
                 logits = mask_rows(logits, allowed)
@@ -294,6 +295,8 @@ def decode(
             state.commit(path, out)
             k = len(forced)
             ppath = [0] + [i - k for i in path[k + 1 :]] if forced else path  # the proposer's own nodes
+            if hidden is not None:  # heads: the last accepted node's hidden state (its logits chose seq[-1])
+                prop.hidden = (hidden[0] if len(hidden) == 1 else torch.cat(hidden))[path[-1]]
             proposer.commit(prop, ppath, state.seq)
             if constraint is not None:
                 constraint.commit(out[k:])

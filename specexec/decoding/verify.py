@@ -21,8 +21,11 @@ from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
 
 
-def score_tree(target: Transformer, cache: KVCache, tree: Tree, n: int, chunk: int) -> Tensor:
-    """Target logits (N, V) fp32 for every tree node; writes node i's KV at slot n+i."""
+def score_tree(
+    target: Transformer, cache: KVCache, tree: Tree, n: int, chunk: int, hidden: list[Tensor] | None = None
+) -> Tensor:
+    """Target logits (N, V) fp32 for every tree node; writes node i's KV at slot n+i. ``hidden``: append the
+    nodes' final hidden states (N, D), chunk by chunk."""
     N = tree.size
     dev = target.device
     out = []
@@ -34,7 +37,7 @@ def score_tree(target: Transformer, cache: KVCache, tree: Tree, n: int, chunk: i
         mask[:, :n] = True
         mask[:, n:] = anc[s:e, :e]
         pos = n + tree.depth[s:e]
-        out.append(target.forward(tree.tokens[s:e], pos, n + rows, mask, cache))
+        out.append(target.forward(tree.tokens[s:e], pos, n + rows, mask, cache, hidden=hidden))
     return torch.cat(out) if len(out) > 1 else out[0]
 
 

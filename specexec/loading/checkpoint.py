@@ -503,7 +503,9 @@ def load_model(
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype, int8_kernel) if k in INT8_KEYS else t.to(device, dtype)
+                        k: quantize_weight(t, fmt, device, dtype, int8_kernel)
+                        if k in INT8_KEYS
+                        else t.to(device, dtype)
                         for k, t in w.items()
                     }
                 )

@@ -407,6 +407,7 @@ class Transformer:
         logits_rows: Tensor | slice | None = None,
         trace: list[Tensor] | None = None,
         fused_norm: bool = False,
+        hidden: list[Tensor] | None = None,
     ) -> Tensor:
         """One pass. tokens/positions/cache_slots (T,) long; mask (T, L) bool, True = may attend to slot.
 
@@ -414,7 +415,8 @@ class Transformer:
         written before or in this pass). Returns fp32 logits (T', V) for ``logits_rows`` (default all rows).
         ``trace``: append the residual stream (T, D) entering the first layer and leaving each layer.
         ``fused_norm``: RMSNorm through one fused kernel (:func:`fused_rms_norm`; a draft's passes on a GPU, never
-        a target's).
+        a target's). ``hidden``: append the final normed hidden states (T', D) the logits are computed from (what
+        Medusa-style heads read).
         """
         c = self.cfg
         head = self.globals.lm_head
@@ -437,23 +439,27 @@ class Transformer:
             x = self._layers(x, glob, local, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
             if logits_rows is not None:
                 x = x[logits_rows]
-            return self._logits(linear(norm(x, self.globals.norm, c.rms_norm_eps), head))
+            x = norm(x, self.globals.norm, c.rms_norm_eps)
+            if hidden is not None:
+                hidden.append(x)
+            return self._logits(linear(x, head))
         # passes larger than the invariance was checked for run as consecutive passes; rows attend only to slots
         # written by earlier rows or passes (causal prefill, tree ancestry), so the result is the same
         T = tokens.shape[0]
         step = t.max_rows if trace is None else T
-        hidden = [
+        parts = [
             self._invariant_pass(tokens[a : a + step], positions[a : a + step], cache_slots[a : a + step],
                                  mask[a : a + step], cache, trace, norm)
             for a in range(0, T, step)
         ]  # fmt: skip
-        x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is not None:
             x = x[logits_rows]
-        out = [
-            tiled_linear(norm(x[a : a + t.max_rows], self.globals.norm, c.rms_norm_eps), head, t)
-            for a in range(0, x.shape[0], t.max_rows)
-        ]
+        eps, step = c.rms_norm_eps, t.max_rows
+        x = torch.cat([norm(x[a : a + step], self.globals.norm, eps) for a in range(0, x.shape[0], step)])
+        if hidden is not None:
+            hidden.append(x)
+        out = [tiled_linear(x[a : a + step], head, t) for a in range(0, x.shape[0], step)]
         return self._logits(out[0] if len(out) == 1 else torch.cat(out))
 
     def _embed(self, tokens: Tensor) -> Tensor:

@@ -20,15 +20,16 @@ Implementations:
 - :class:`NGramDraft` -- draft-free prompt lookup: continuations of earlier occurrences of the last few tokens
   (in the prompt and the text generated so far), merged into one trie. No model, so a step costs only the
   target's pass.
+- :class:`HeadsDraft` -- Medusa-style heads on the target's last hidden state: a tree of the most probable head
+  paths, for the cost of a few small products (:mod:`specexec.propose.heads`).
 
 How the coming proposers plug in:
 
 - *Draft-free* (n-gram lookup, Token Recycling): keep an index of the committed tokens, build a tree in
   ``propose`` without any model, update the index in ``commit``. :class:`NGramDraft` is the example.
-- *Needing the target's hidden states* (Medusa heads, EAGLE): the loop owns the target pass, so it is the one
-  place that would also return the last layer's hidden states and pass them to ``commit`` (an extra argument);
-  such a proposer keeps the hidden state of the last accepted node and builds the next tree from it. Its own
-  state (e.g. EAGLE's KV cache) is committed like a draft model's.
+- *Needing the target's hidden states* (Medusa heads, EAGLE): a proposer with ``wants_hidden`` True gets, on
+  the proposal its ``commit`` receives, the final hidden state of the last accepted node (``Proposal.hidden``,
+  from the verify pass the loop ran); it builds the next tree from it. :class:`HeadsDraft` is the example.
 
 Every proposal is verified exactly, so a proposer can only change speed, never the output.
 """
@@ -37,12 +38,15 @@ from specexec.propose.base import Proposal, Proposer, StepContext
 from specexec.propose.best_first import TreeDraft
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel, TargetPrefix
+from specexec.propose.heads import Heads, HeadsDraft
 from specexec.propose.ngram import NGramConfig, NGramDraft
 from specexec.propose.nodraft import NoDraft
 
 __all__ = [
     "ChainDraft",
     "DraftModel",
+    "Heads",
+    "HeadsDraft",
     "NGramConfig",
     "NGramDraft",
     "NoDraft",

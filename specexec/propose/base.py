@@ -57,6 +57,8 @@ class Proposal:
     source: str = ""  # which proposer made it (its commit tells its own proposals from delegated ones)
     merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
     trimmed: int = 0  # nodes :meth:`trim` dropped as not worth their verification time
+    # after verification, for a proposer that reads it (heads): the last accepted node's final hidden state (D,)
+    hidden: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

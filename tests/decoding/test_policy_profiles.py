@@ -50,7 +50,7 @@ def _step(arm: int, alpha: float, target: dict[int, float], draft: dict[int, flo
     else:
         g = arm // 2  # depth of a two-children-per-level tree of b tokens
         passes, rows, p = g, arm + 1, alpha + (1 - alpha) * alpha * SECOND
-        beams = [min(2 ** i, 8) for i in range(g)]
+        beams = [min(2**i, 8) for i in range(g)]
     accepted = 0
     while accepted < g and rng.random() < p:
         accepted += 1
