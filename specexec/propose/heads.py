@@ -156,7 +156,7 @@ class HeadsDraft:
     wants_hidden = True  # the decode loop hands :meth:`commit` the accepted node's final hidden state
 
     def __init__(self, heads: Heads, lm_head: Any, device: torch.device) -> None:
-        self.heads = Heads(*(t.to(device) for t in (heads.a, heads.b, heads.c, heads.ids)), heads.meta)
+        self.heads = Heads(heads.a.to(device), heads.b.to(device), heads.c.to(device), heads.ids.to(device), heads.meta)
         self.device = device
         ids = self.heads.ids
         self._ids = ids
