@@ -283,11 +283,14 @@ def train(
     lr: float = 2e-3,
     progress: Callable[[TrainState, float], None] | None = None,
     key: str = "",
+    max_steps: int | None = None,
 ) -> tuple[Heads, TrainState]:
     """Self-distil heads from ``model`` (a :class:`~specexec.model.transformer.Transformer`) over ``texts`` for at
     most ``max_minutes``, resuming from ``out`` when it holds a run for the same key; saves to ``out`` as it goes
     (every minute and at the end). Each text chunk of ``chunk`` tokens is one target pass (hidden states and the
-    target's own greedy tokens); each pass is followed by optimizer steps over the positions collected so far."""
+    target's own greedy tokens); each pass is followed by optimizer steps over the positions collected so far.
+    ``max_steps``: also stop once this many optimizer steps are done in all (a fixed amount of work: the same heads
+    on any machine, whatever its speed). Batches are drawn from a generator seeded by the step count."""
     heads, state, opt_state = _resume(out, model.cfg.hidden_size, ids, key)
     params = [p.requires_grad_(True) for p in heads.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -307,8 +310,11 @@ def train(
     budget_s = max_minutes * 60
     texts = list(texts)
     read_now = 0
+    gen = torch.Generator().manual_seed(state.steps)
     for tokens in _passes(texts, tokenize, chunk, state):
         if state.seconds + time.perf_counter() - t_start >= budget_s:
+            break
+        if max_steps is not None and state.steps >= max_steps:
             break
         read_now += 1
         h, pred = _features(model, tokens)
@@ -325,7 +331,7 @@ def train(
             labels.pop(0)
         H, Y = torch.cat(feats), torch.cat(labels)
         for _ in range(STEPS_PER_PASS):  # a target pass costs far more than a step: reuse what was collected
-            pick = torch.randint(0, H.shape[0], (min(batch, H.shape[0]),))
+            pick = torch.randint(0, H.shape[0], (min(batch, H.shape[0]),), generator=gen)
             x = heads.blocks(H[pick].float())  # (n, K, D)
             logits = x @ lm.T  # (n, K, V')
             y = Y[pick]

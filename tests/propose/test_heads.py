@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -20,6 +22,7 @@ CPU = torch.device("cpu")
 PROMPTS = ("t10 t11 t12 t13 t14", "t3 t9 t3 t9 t3 t9 t3")
 # a text the tiny model can learn to continue: a cycle of tokens, so the next few are predictable
 TEXT = " ".join(f"t{3 + (i * 7) % 50}" for i in range(4000))
+STEPS = 800  # a fixed amount of training (not a time limit): the same heads on a busy machine as on a quiet one
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +36,8 @@ def trained(tmp_path_factory):
     out = h.heads_path(target, home)
     ids = torch.arange(model.cfg.vocab_size)
     before = h.Heads.new(model.cfg.hidden_size, ids)
-    heads, state = h.train(model, tok.tokenizer.encode, [TEXT], out, ids, max_minutes=0.15, chunk=64, batch=64,
-                           key=h.target_key(target))  # fmt: skip
+    heads, state = h.train(model, tok.tokenizer.encode, [TEXT], out, ids, max_minutes=10, chunk=64, batch=64,
+                           key=h.target_key(target), max_steps=STEPS)  # fmt: skip
     return target, home, model, tok, before, heads, state
 
 
@@ -63,12 +66,16 @@ def test_training_resumes_where_it_stopped(trained, tmp_path):
     out = tmp_path / "h.safetensors"
     ids = torch.arange(model.cfg.vocab_size)
     key = h.target_key(target)
-    _, first = h.train(model, tok.tokenizer.encode, [TEXT], out, ids, max_minutes=0.02, chunk=64, batch=32, key=key)
-    _, second = h.train(model, tok.tokenizer.encode, [TEXT], out, ids, max_minutes=0.04, chunk=64, batch=32, key=key)
-    assert second.steps > first.steps and second.chunks > first.chunks and second.seconds > first.seconds
-    other = tmp_path / "other.safetensors"
-    _, fresh = h.train(model, tok.tokenizer.encode, [TEXT], other, ids, max_minutes=0.01, chunk=64, batch=32, key="x")
-    assert fresh.steps < second.steps  # another key starts over
+
+    def run(path, steps, k=key):
+        return h.train(model, tok.tokenizer.encode, [TEXT], path, ids, 10, chunk=64, batch=32, key=k, max_steps=steps)
+
+    _, first = run(out, 16)
+    _, second = run(out, 40)
+    assert first.steps == 16 and second.steps == 40
+    assert second.chunks > first.chunks and second.seconds > first.seconds
+    _, fresh = run(tmp_path / "other.safetensors", 8, "x")
+    assert fresh.steps == 8  # another key starts over
 
 
 def test_the_hidden_state_is_what_the_logits_come_from(trained):
@@ -107,11 +114,36 @@ def test_heads_greedy_equals_ar(engines, weights):
             assert r.tokens == ref, (kw, p)
             assert r.stats.method == "heads"
             steps += r.stats.steps
+
+
+def test_heads_propose_from_the_hidden_state_the_loop_hands_over(engines, monkeypatch):
+    """Heads that guess perfectly (an oracle in place of the trained blocks) make every step after the first emit
+    K + 1 tokens: the loop hands the proposer the accepted node's hidden state, the best-first paths form the tree,
+    and the walk accepts them. Without a hidden state (the first step) the proposal is the root alone."""
+    e = engines["dense"]
     e.reset()
-    r = e.generate(PROMPTS[1], 40, method="heads", tree=TreeConfig.fixed(8))
-    # the heads do propose and some proposals are accepted (a wiring check, not a speed claim: the tiny random
-    # target's own greedy text is hard to predict)
-    assert r.stats.mean_tree_size > 1 and any(n > 1 for n in r.stats.accepted_hist), r.stats
+    ref = e.generate(PROMPTS[0], 40, method="ar").tokens
+    full = e.encode(PROMPTS[0]) + ref
+    seen: list[int] = []
+    orig = h.HeadsDraft.propose
+
+    def propose(self, seq, ctx):
+        self._at = len(seq)
+        return orig(self, seq, ctx)
+
+    def guesses(self, hidden, top):
+        assert hidden is not None and hidden.shape == (e.target.cfg.hidden_size,)
+        seen.append(self._at)
+        nxt = [full[self._at + j] if self._at + j < len(full) else 0 for j in range(self.heads.k)]
+        return torch.tensor(nxt)[:, None], torch.zeros(self.heads.k, 1)
+
+    monkeypatch.setattr(h.HeadsDraft, "propose", propose)
+    monkeypatch.setattr(h.HeadsDraft, "guesses", guesses)
+    e.reset()
+    r = e.generate(PROMPTS[0], 40, method="heads", tree=TreeConfig.fixed(h.HEADS))
+    assert r.tokens == ref and seen
+    # the first step verifies the root alone; every later one emits the K guesses and the bonus token
+    assert r.stats.steps == 1 + math.ceil((len(ref) - 1) / (h.HEADS + 1)), r.stats
 
 
 def test_sampled_heads_follow_the_seeded_ar_draws(engines):
