@@ -455,11 +455,12 @@ class Transformer:
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is not None:
             x = x[logits_rows]
-        eps, step = c.rms_norm_eps, t.max_rows
-        x = torch.cat([norm(x[a : a + step], self.globals.norm, eps) for a in range(0, x.shape[0], step)])
-        if hidden is not None:
-            hidden.append(x)
-        out = [tiled_linear(x[a : a + step], head, t) for a in range(0, x.shape[0], step)]
+        out = []
+        for a in range(0, x.shape[0], t.max_rows):
+            h = norm(x[a : a + t.max_rows], self.globals.norm, c.rms_norm_eps)
+            if hidden is not None:
+                hidden.append(h)
+            out.append(tiled_linear(h, head, t))
         return self._logits(out[0] if len(out) == 1 else torch.cat(out))
 
     def _embed(self, tokens: Tensor) -> Tensor:
