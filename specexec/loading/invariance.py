@@ -9,16 +9,17 @@ different micro-kernel; the rows past the last whole micro-tile an edge kernel),
 reduction differently round differently. Which row counts share a kernel differs between CPUs, libraries,
 builds and GPUs, so nothing here is assumed: for the model's own layer and head shapes, in its dtype, on its
 device, :func:`choose` tries row tiles (:class:`~specexec.formats.dense.Tiling`) from the smallest up and keeps
-the first tile, per orientation, under which a probe row gives the same bits at every pass size and place it
-checks (1 row to ``max_rows``); then the smallest row tile for the attention's products (fp32 whatever the
-model's dtype) under which a probe query agrees across one-token, prefill and tree layouts. Among the tilings that pass
-it keeps the fastest for a one-token step plus a 16-row tree pass (CPU) or plus a 256-row one (GPU). When
+the first tile under which a probe row gives the same bits at every pass size and place it checks (1 row to
+``max_rows``): ``F.linear``'s when it has one, else ``w @ x.T``'s (on a CPU; that orientation has passed random
+probe weights and then failed real ones, so it is never chosen for speed alone); then the smallest row tile for
+the attention's products (fp32 whatever the model's dtype) under which a probe query agrees across one-token,
+prefill and tree layouts. When
 nothing passes (no tiling makes this machine's kernels agree), the target runs its fastest kernels and a
 warning says that greedy speculation may then differ from plain decoding at near-ties.
 
 Results are cached in ``<cache home>/invariance.json`` keyed by the device, torch version, thread count, dtype
 and shapes, and kept for the process; models too small to matter (tests' tiny models) are checked once a process
-(milliseconds), not timed (the first invariant tiling in the candidates' order) and not written to the cache.
+(milliseconds) and not written to the cache.
 """
 
 from __future__ import annotations
@@ -229,70 +230,31 @@ def model_format(model: Transformer) -> str:
     return "int8" if isinstance(head, Int8Linear) and head.kernel == "int8pack" else "dense"
 
 
-def _pass_ms(
-    shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, tiling: Tiling, fmt: str = "dense"
-) -> float:
-    """ms of a one-token pass plus a tree pass (16 rows on a CPU, 256 on a GPU) through the layer's linears."""
-    gen = torch.Generator().manual_seed(2)
-    wrap = weight_wrapper(fmt)
-    ws = [wrap((torch.rand(s, generator=gen) - 0.5).to(device, dtype)) for s in shapes[:4]]
-    tree = 16 if device.type == "cpu" else 256
-    xs = {n: [torch.randn(n, s[1], generator=gen).to(device, dtype) for s in shapes[:4]] for n in (1, tree)}
-
-    def run() -> None:
-        for n in (1, tree):
-            for x, w in zip(xs[n], ws):
-                tiled_linear(x, w, tiling)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
-
-
 def find(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timed: bool = True, fmt: str = "dense"
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fmt: str = "dense"
 ) -> tuple[Tiling | None, dict[str, float], str]:
-    """Check the candidate tilings on ``cfg``'s shapes; (the fastest invariant one or None, timings, a note).
-    ``timed`` False: the first invariant one in the candidates' order (no timing: the same choice every run).
+    """Check the candidate tilings on ``cfg``'s shapes; (the invariant one or None, {}, a note).
     ``fmt``: the linears' weight format (:func:`weight_wrapper`)."""
     shapes = head_shapes(cfg)
     wrap = weight_wrapper(fmt)
-    found: list[Tiling] = []
-    tried_orient: set[bool] = set()
-    for t in _candidates(device, cfg):
-        if t.transposed in tried_orient:
-            continue  # the smallest invariant tile of an orientation is kept; larger ones only cost more
-        if linear_invariant(shapes, dtype, device, t, wrap):
-            found.append(t)
-            tried_orient.add(t.transposed)
-    if not found:  # no padded single call agrees with itself: one fixed-shape call per tile always does
+    # the smallest invariant tile, F.linear's when it has one: w @ x.T has passed random weights and failed real ones
+    found = next((t for t in _candidates(device, cfg) if linear_invariant(shapes, dtype, device, t, wrap)), None)
+    if found is None:  # no padded single call agrees with itself: one fixed-shape call per tile always does
         tile = 16 if device.type == "cpu" else 128
         fixed = Tiling(_rows(tile, device, cfg), False, True, KEY_BLOCK, _candidates(device)[0].max_rows, tile)
-        if linear_invariant(shapes, dtype, device, fixed, wrap):
-            found.append(fixed)
-    if not found:
+        found = fixed if linear_invariant(shapes, dtype, device, fixed, wrap) else None
+    if found is None:
         return None, {}, "no row tiling makes this machine's matrix kernels agree across pass sizes"
     # the attention computes in fp32 whatever the model's dtype: its own tile, the smallest that agrees
     tiles = CPU_TILES if device.type == "cpu" else CUDA_TILES
-    with_attn = [replace(found[0], attn_rows=_attn_rows(a, device)) for a in tiles]
+    with_attn = [replace(found, attn_rows=_attn_rows(a, device)) for a in tiles]
     attn = next((t.attn_rows for t in with_attn if attention_invariant(cfg, dtype, device, t)), None)
     if attn is None:
         return None, {}, "this machine's attention products give different results for different pass shapes"
-    kept = [replace(t, attn_rows=attn) for t in found]
-    if len(kept) == 1 or not timed:
-        return kept[0], {}, ""
-    ms = {t.describe(): _pass_ms(shapes, dtype, device, t, fmt) for t in kept}
-    best = min(kept, key=lambda t: ms[t.describe()])
-    return best, ms, ""
+    return replace(found, attn_rows=attn), {}, ""
 
 
-CHECK_VERSION = 3  # bumped when what the check covers changes: older cached choices are checked again
+CHECK_VERSION = 4  # bumped when what the check covers changes: older cached choices are checked again
 
 
 def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fmt: str = "dense") -> str:
@@ -364,7 +326,7 @@ def choose(
         )
     t0 = time.perf_counter()
     try:
-        tiling, ms, note = find(cfg, dtype, device, timed=big, fmt=fmt)
+        tiling, ms, note = find(cfg, dtype, device, fmt=fmt)
     except torch.cuda.OutOfMemoryError:  # the check's full-size random weights did not fit beside the model
         torch.cuda.empty_cache()
         note = "not enough free GPU memory to run the check (it needs about one output head's size)"
