@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 GB = 1e9
 GIB = 1 << 30
 MODES = ("auto", "none", "ram", "ssd")
-TARGET_DTYPES = ("auto", "bf16", "fp16", "nf4", "int8")
+TARGET_DTYPES = ("auto", "bf16", "fp16", "nf4", "int8", "q4")
 DEFAULT_H2D_GBPS = 25.0  # pinned host->device GB/s assumed when not measured (PCIe 4.0 x16)
 VRAM_HEADROOM = GIB // 2  # bytes kept free on the GPU (allocator fragmentation, cuBLAS workspaces)
 RAM_MARGIN_FRACTION = 0.10  # of total RAM kept free for the OS and everything else ...
@@ -58,7 +58,7 @@ class OffloadConfig:
 
     mode: str = "auto"  # auto | none (all on GPU) | ram (stream from pinned RAM) | ssd (stream from disk)
     gpu_memory_gb: float | None = None  # cap on the VRAM the target may use (GB = 1e9 bytes); None: all free
-    target_dtype: str = "auto"  # auto | bf16 | fp16 | nf4 | int8 (CPU, resident): how target layers are stored
+    target_dtype: str = "auto"  # auto | bf16 | fp16 | nf4 | int8, q4 (CPU, resident): how target layers are stored
     cache_dir: Path | None = None  # specexec's cache root (packed layers: <cache_dir>/offload); None: hub.cache_home()
     lookahead: int = 1  # streamed layers in flight while one computes
     ring_size: int | None = None  # GPU layer buffers for streaming; None: lookahead + 1

@@ -232,23 +232,32 @@ def _draft_format(
 
 def _target_format(cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any) -> tuple[str, torch.dtype | None]:
     """(weight format, compute dtype) of a resident target: ``int8`` weights computing in bf16 (a CPU's
-    ``int8pack`` kernel) when asked (``OffloadConfig.target_dtype`` int8), or, with both the target dtype and the
+    ``int8pack`` kernel) or ``q4`` weights computing in fp32 (our 4-bit CPU kernel) when asked
+    (``OffloadConfig.target_dtype``), or, with both the target dtype and the
     compute dtype ``auto`` on a CPU, where this machine runs them clearly faster
     (:func:`specexec.loading.cpu_probe.choose_target`); else ``dense`` in the resolved dtype (None: a streamed or
     NF4 target, whose offload plan decides)."""
     want = offload.target_dtype if offload is not None else "auto"
-    if want == "int8":
-        field = "OffloadConfig.target_dtype"
-        if dev.type != "cpu":
-            raise ConfigError(field, "int8", f"is a CPU format; on a GPU use {setting(field, 'nf4')}")
-        if offload.mode in ("ram", "ssd"):
-            raise ConfigError(field, "int8", "keeps the target resident in RAM: not with a streamed target")
-        if dtype not in ("auto", "bf16"):
-            raise ConfigError("dtype", dtype, "int8 target weights compute in bf16: use auto or bf16")
+    if want in ("int8", "q4"):
         from specexec.loading import cpu_probe
 
-        cpu_probe.orientation(cfg, torch.bfloat16)
-        return "int8", torch.bfloat16
+        field = "OffloadConfig.target_dtype"
+        if dev.type != "cpu":
+            raise ConfigError(field, want, f"is a CPU format; on a GPU use {setting(field, 'nf4')}")
+        if offload.mode in ("ram", "ssd"):
+            raise ConfigError(field, want, "keeps the target resident in RAM: not with a streamed target")
+        dt = cpu_probe.TARGET_FORMATS[want]
+        name = "bf16" if dt == torch.bfloat16 else "fp32"
+        if dtype not in ("auto", name):
+            raise ConfigError("dtype", dtype, f"{want} target weights compute in {name}: use auto or {name}")
+        if want == "q4":
+            from specexec.formats import q4
+
+            why = q4.available()
+            if why is not None:
+                raise ConfigError(field, want, f"cannot run here: {why}")
+        cpu_probe.orientation(cfg, dt)
+        return want, dt
     if _offloaded(offload, dev):
         return "dense", None
     if want == "auto" and dev.type == "cpu" and dtype == "auto":
@@ -378,8 +387,8 @@ def _load_target(
     t_fmt: str = "dense",
     t_dt: torch.dtype | None = None,
 ) -> Transformer:
-    """The target: through the offload manager when it has a plan, else resident (int8 weights: each linear
-    quantized while loading, run by the weight-only ``int8pack`` kernel)."""
+    """The target: through the offload manager when it has a plan, else resident (int8 or 4-bit weights: each
+    linear quantized while loading)."""
     if mem.offload is not None:
         from specexec.loading.offloaded import load_offloaded
 
@@ -388,6 +397,9 @@ def _load_target(
     if t_fmt == "int8":
         log.info("loading the target in int8 weights (computing in bf16)")
         return _load(found.target, dev, dt, fmt="int8", int8_kernel="int8pack")
+    if t_fmt == "q4":
+        log.info("loading the target in 4-bit weights (computing in fp32)")
+        return _load(found.target, dev, dt, fmt="q4")
     return _load(found.target, dev, dt)
 
 

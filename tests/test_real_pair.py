@@ -300,10 +300,11 @@ def fp32_check() -> None:
 
 
 @slow
-def test_int8_target_and_heads_exact():
-    """The CPU's int8 target (``--target-dtype int8``) with the demo target's shipped heads and with the draft: every
-    method's greedy output equals the int8 target's own AR output, and the heads propose tokens the target accepts.
-    In a child process of its own, like the fp32 check (``int8_heads_check``)."""
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_low_bit_target_and_heads_exact(fmt):
+    """The CPU's int8 and 4-bit targets (``--target-dtype int8|q4``) with the demo target's shipped heads and with
+    the draft: every method's greedy output equals the low-bit target's own AR output, and the heads propose tokens
+    the target accepts. In a child process of its own, like the fp32 check (``low_bit_heads_check``)."""
     import os
     import subprocess
     import sys
@@ -311,15 +312,15 @@ def test_int8_target_and_heads_exact():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = "from tests.test_real_pair import int8_heads_check; int8_heads_check()"
+    code = f"from tests.test_real_pair import low_bit_heads_check; low_bit_heads_check({fmt!r})"
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     print(r.stdout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "int8 heads check passed" in r.stdout
+    assert f"{fmt} heads check passed" in r.stdout
 
 
-def int8_heads_check() -> None:
-    """The body of :func:`test_int8_target_and_heads_exact` (raises AssertionError on a failure)."""
+def low_bit_heads_check(fmt: str) -> None:
+    """The body of :func:`test_low_bit_target_and_heads_exact` (raises AssertionError on a failure)."""
     from offload.plan import OffloadConfig
     from specexec import api
     from specexec.loading import hub
@@ -327,11 +328,11 @@ def int8_heads_check() -> None:
     from tests.conftest import REAL_CONTEXT, _pull_demo
 
     _pull_demo()
-    int8 = OffloadConfig(target_dtype="int8")
+    low = OffloadConfig(target_dtype=fmt)
     path = hub.resolve(TARGET, progress=False)
     assert h.find_heads(path) is not None, "the demo target's heads ship in the package"
-    engine = api.load(TARGET, "heads", device="cpu", offload=int8, context=REAL_CONTEXT, progress=False)
-    assert engine.target_weights == "int8" and engine.heads is not None
+    engine = api.load(TARGET, "heads", device="cpu", offload=low, context=REAL_CONTEXT, progress=False)
+    assert engine.target_weights == fmt and engine.heads is not None
     per_step = []
     for p in PROMPTS[:2]:
         engine.reset()
@@ -343,10 +344,10 @@ def int8_heads_check() -> None:
             per_step.append(r.stats.tokens_per_step)
     assert max(per_step) > 1.3, per_step  # the shipped heads are trained: a wiring check, not a speed claim
     del engine
-    engine = api.load(TARGET, DRAFT, device="cpu", offload=int8, context=REAL_CONTEXT, progress=False)
+    engine = api.load(TARGET, DRAFT, device="cpu", offload=low, context=REAL_CONTEXT, progress=False)
     engine.reset()
     ref = engine.generate(PROMPTS[0], 48, method="ar").tokens
     for kw in (dict(), dict(method="chain", chain=ChainConfig(gamma=3)), dict(tree=TreeConfig.fixed(8))):
         engine.reset()
         assert engine.generate(PROMPTS[0], 48, **kw).tokens == ref, kw
-    print("int8 heads check passed", per_step)
+    print(f"{fmt} heads check passed", per_step)

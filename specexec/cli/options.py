@@ -149,7 +149,10 @@ class Shared:
         "finds faster), fp32, bf16, fp16.",
     )
     target_dtype: str = _option(
-        "auto", "--target-dtype", help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 (CPU)."
+        "auto",
+        "--target-dtype",
+        help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 or q4 (CPU; q4 compiles a 4-bit kernel with the "
+        "system C compiler on first use). auto on a CPU: whichever this machine runs fastest (measured once).",
     )
     draft_dtype: str | None = _option(
         None,

@@ -418,6 +418,10 @@ def quantize_weight(
     ``device`` from ``dtype``)."""
     if fmt == "int8":
         return Int8Linear(w.float(), kernel=int8_kernel).to(device)
+    if fmt == "q4":
+        from specexec.formats.q4 import Q4Linear
+
+        return Q4Linear(w.float())
     if fmt != "nf4":
         raise ValueError(f"unknown low-bit weight format {fmt!r}")
     from specexec.model.sizes import NF4_BLOCKSIZE
@@ -437,9 +441,9 @@ def _low_bit_globals(
     read = dtype if fmt == "nf4" else torch.float32
     embed_w = shards.get("model.embed_tokens.weight")
     embed: Any
-    if fmt == "int8" and tied:
+    if fmt in ("int8", "q4") and tied:
         embed = lm = quantize_weight(embed_w, fmt, device, dtype, int8_kernel)
-    elif fmt == "int8":
+    elif fmt in ("int8", "q4"):
         lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype, int8_kernel)
         embed = _owned(embed_w, dtype).to(device)
     else:
@@ -468,7 +472,8 @@ def load_model(
     :class:`~specexec.formats.int8.Int8Linear` (quantized layer by layer while loading; on CUDA its bitsandbytes
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4
     (:class:`specexec.formats.nf4.NF4Linear`).
-    ``fmt``: the weight format by name, dense | int8 | nf4; it replaces the two flags. An untied embedding stays
+    ``fmt``: the weight format by name, dense | int8 | nf4 | q4 (a CPU target's 4-bit weights,
+    :class:`~specexec.formats.q4.Q4Linear`); it replaces the two flags. An untied embedding stays
     dense. ``int8_kernel``: the int8 weights' kernel (a CPU target's: ``int8pack``, weight-only, computing in
     ``dtype``; None: the device's default, a draft's).
     Activations, norms, biases and the KV cache stay in ``dtype``.
@@ -478,7 +483,7 @@ def load_model(
     if int8 + nf4 + (fmt is not None) > 1:
         raise ValueError("int8, nf4 and fmt are exclusive ways to name the weight format")
     fmt = fmt or ("int8" if int8 else "nf4" if nf4 else "dense")
-    if fmt not in ("dense", *QUANTIZED):
+    if fmt not in ("dense", "q4", *QUANTIZED):
         raise ValueError(f"unknown weight format {fmt!r}")
     path = model_dir(path)
     cfg = read_config(path)

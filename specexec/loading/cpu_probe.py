@@ -363,67 +363,92 @@ def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
     return (torch.float32, True) if result.int8 else (dense, False)
 
 
+TARGET_FORMATS = {"int8": torch.bfloat16, "q4": torch.float32}  # low-bit CPU target formats -> compute dtype
+
+
 @dataclass(frozen=True)
 class TargetProbe:
-    """Per-layer ms of the target's linears, dense (its compute dtype) vs int8 weights computing in bf16 (the
-    weight-only ``int8pack`` kernel), and the choice."""
+    """Per-layer ms of the target's linears, dense (its compute dtype) vs each low-bit CPU format in its compute
+    dtype (int8: the weight-only ``int8pack`` kernel on bf16; q4: our 4-bit kernel on fp32), and the choice."""
 
     key: str
     dense: str  # "fp32" / "bf16"
-    ms: dict[str, dict[str, float]]  # "dense" / "int8" -> rows -> ms
-    int8: bool
+    ms: dict[str, dict[str, float]]  # "dense" / "int8" / "q4" -> rows -> ms
+    fmt: str  # the chosen format: "dense", "int8" or "q4"
     seconds: float = 0.0
 
     def summary(self) -> str:
-        d, q = self.ms.get("dense", {}), self.ms.get("int8", {})
-        parts = [f"{r} rows {self.dense} {d[r]:.1f} / int8 {q[r]:.1f} ms" for r in d if r in q]
-        return f"target {'int8' if self.int8 else self.dense} weights ({'; '.join(parts)} per layer)"
+        d = self.ms.get("dense", {})
+        parts = [
+            f"{r} rows {self.dense} {d[r]:.1f}"
+            + "".join(f" / {f} {self.ms[f][r]:.1f}" for f in TARGET_FORMATS if r in self.ms.get(f, {}))
+            for r in d
+        ]
+        name = self.dense if self.fmt == "dense" else self.fmt
+        return f"target {name} weights ({'; '.join(parts)} ms per layer)"
 
 
-def measure_target_int8(
+def measure_target(
     shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
 ) -> dict[str, dict[str, float]]:
-    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of int8 ``int8pack`` copies fed bf16
-    activations (a target's int8 format)."""
+    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of each low-bit CPU target format
+    that runs here (:data:`TARGET_FORMATS`), each fed activations in its compute dtype, timed alternately with
+    the dense ones."""
+    from specexec.formats import q4
     from specexec.formats.int8 import Int8Linear
 
     gen = torch.Generator().manual_seed(0)
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
     dense = [w.to(dtype) for w in w32]
-    q = [Int8Linear(w, kernel="int8pack") for w in w32]
-    out: dict[str, dict[str, float]] = {"dense": {}, "int8": {}}
+    low: dict[str, list[Any]] = {}
+    if hasattr(torch, "_weight_int8pack_mm"):
+        low["int8"] = [Int8Linear(w, kernel="int8pack") for w in w32]
+    if q4.available() is None:
+        low["q4"] = [q4.Q4Linear(w) for w in w32]
+    out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
-        xd, xb = [x.to(dtype) for x in xs], [x.to(torch.bfloat16) for x in xs]
-        out["dense"][str(r)], out["int8"][str(r)] = _best_ms_pair(
-            lambda: [linear(x, w) for x, w in zip(xd, dense)],
-            lambda: [w.linear(x, invariant=True) for x, w in zip(xb, q)],
-            repeats,
-        )
+        xd = [x.to(dtype) for x in xs]
+        for f, ws in low.items():
+            xq = [x.to(TARGET_FORMATS[f]) for x in xs]
+            dense_ms, out[f][str(r)] = _best_ms_pair(
+                lambda: [linear(x, w) for x, w in zip(xd, dense)],
+                lambda ws=ws, xq=xq: [w.linear(x, invariant=True) for x, w in zip(xq, ws)],  # type: ignore[misc]
+                repeats,
+            )
+            out["dense"][str(r)] = min(dense_ms, out["dense"].get(str(r), dense_ms))
     return out
+
+
+def pick_target(ms: dict[str, dict[str, float]]) -> str:
+    """The format whose layer costs least summed over the measured row counts, among the dense one and the low-bit
+    ones that cost at most :data:`INT8_GAIN` of dense at every row count (a clear gain, not noise)."""
+    dense = ms["dense"]
+    ok = [f for f in TARGET_FORMATS if f in ms and all(ms[f][r] <= INT8_GAIN * dense[r] for r in dense)]
+    return min(ok, key=lambda f: sum(ms[f][r] for r in dense), default="dense")
 
 
 def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
     """A CPU target's (weight format, compute dtype) for ``--target-dtype auto``, measured once per machine and
-    cached: ``("int8", bf16)`` when int8 weights run its linears clearly faster (:data:`INT8_GAIN`) than the dense
-    dtype :func:`choose_dtype` picks, at one row (plain decoding) and at a few rows (verification); else
-    ``("dense", that dtype)``. A token costs reading the weights, and int8 weights are a quarter of fp32's bytes."""
+    cached: a low-bit format (int8 on bf16, or 4-bit on fp32) when it runs the layer's linears clearly faster than
+    the dense dtype :func:`choose_dtype` picks, at one row (plain decoding) and at a few rows (verification)
+    (:func:`pick_target`); else ``("dense", that dtype)``. A token costs reading the weights: int8 weights are a
+    quarter of fp32's bytes, 4-bit ones a sixth."""
     dense = choose_dtype(cfg)
     shapes = layer_shapes(cfg)
-    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or not hasattr(torch, "_weight_int8pack_mm"):
+    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
         return "dense", dense
     name = "fp32" if dense == torch.float32 else "bf16"
-    key = f"target int8 vs {name}|{probe_key(shapes)}"
+    key = f"target formats vs {name}|{probe_key(shapes)}"
     result = _cached(key, TargetProbe)
     if result is None:
-        log.info("measuring int8 vs %s target weights on this CPU (once; cached in %s)", name, cache_path())
+        log.info("measuring low-bit vs %s target weights on this CPU (once; cached in %s)", name, cache_path())
         t0 = time.perf_counter()
-        ms = measure_target_int8(shapes, dense)
-        ok = all(ms["int8"][r] <= INT8_GAIN * ms["dense"][r] for r in ms["dense"])
-        result = TargetProbe(key, name, ms, ok, round(time.perf_counter() - t0, 2))
+        ms = measure_target(shapes, dense)
+        result = TargetProbe(key, name, ms, pick_target(ms), round(time.perf_counter() - t0, 2))
         log.info("CPU target probe: %s", result.summary())
         _write_cache(result)
-    return ("int8", torch.bfloat16) if result.int8 else ("dense", dense)
+    return (result.fmt, TARGET_FORMATS[result.fmt]) if result.fmt != "dense" else ("dense", dense)
 
 
 def choose_dtype(cfg: ModelConfig) -> torch.dtype:

@@ -211,22 +211,30 @@ def _candidates(device: torch.device, cfg: ModelConfig | None = None) -> list[Ti
 
 def weight_wrapper(fmt: str) -> Callable[[Tensor], Any]:
     """How a random dense weight becomes a weight of format ``fmt`` for the check: ``dense`` as it is, ``int8`` as
-    a CPU target's int8 weight (the ``int8pack`` kernel, :class:`~specexec.formats.int8.Int8Linear`)."""
+    a CPU target's int8 weight (the ``int8pack`` kernel, :class:`~specexec.formats.int8.Int8Linear`), ``q4`` as
+    its 4-bit one (:class:`~specexec.formats.q4.Q4Linear`)."""
     if fmt == "dense":
         return lambda w: w
     if fmt == "int8":
         from specexec.formats.int8 import Int8Linear
 
         return lambda w: Int8Linear(w.float(), kernel="int8pack")
+    if fmt == "q4":
+        from specexec.formats.q4 import Q4Linear
+
+        return lambda w: Q4Linear(w.float())
     raise ValueError(f"no invariance check for {fmt!r} weights")
 
 
 def model_format(model: Transformer) -> str:
-    """The weight format a model's invariant passes run (``int8``: a CPU target's int8 weights; else ``dense``,
-    which NF4 also is here: its invariant path dequantizes, then runs the dense product)."""
+    """The weight format a model's invariant passes run (``int8``/``q4``: a CPU target's int8/4-bit weights; else
+    ``dense``, which NF4 also is here: its invariant path dequantizes, then runs the dense product)."""
     from specexec.formats.int8 import Int8Linear
+    from specexec.formats.q4 import Q4Linear
 
     head = model.globals.lm_head
+    if isinstance(head, Q4Linear):
+        return "q4"
     return "int8" if isinstance(head, Int8Linear) and head.kernel == "int8pack" else "dense"
 
 

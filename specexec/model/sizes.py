@@ -33,7 +33,7 @@ from specexec.model.transformer import ModelConfig
 GB = 1e9
 NF4_BLOCKSIZE = 64  # values per NF4 absmax block (bitsandbytes' quantize_4bit, no nested quantization)
 NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCKSIZE  # 4-bit codes + one fp32 absmax per block
-WEIGHT_FORMATS = ("dense", "int8", "nf4")  # how a (draft) model's linears are held: model_weight_bytes
+WEIGHT_FORMATS = ("dense", "int8", "nf4", "q4")  # how a model's linears are held: model_weight_bytes
 
 # safetensors dtype names -> bytes per element
 SAFETENSORS_DTYPE_BYTES = {
@@ -111,11 +111,13 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
 
 
 def _linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, or NF4 codes (two a byte)
-    + one fp32 absmax per block."""
+    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, 4-bit q4 blocks (20 bytes per
+    32 values), or NF4 codes (two a byte) + one fp32 absmax per block."""
     n = out * inp
     if fmt == "int8":
         return n + 4 * out
+    if fmt == "q4":
+        return out * (inp // 32) * 20
     return (n + 1) // 2 + 4 * -(-n // NF4_BLOCKSIZE)
 
 
@@ -124,7 +126,8 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     ``itemsize``.
 
     ``dense``: every parameter at ``itemsize``. ``int8``: the layers' four linears and the lm_head as int8 + one
-    fp32 scale per output row (a tied embedding is that lm_head). ``nf4``: the linears and the lm_head in NF4. An
+    fp32 scale per output row (a tied embedding is that lm_head); ``q4`` likewise in 4-bit blocks. ``nf4``: the
+    linears and the lm_head in NF4. An
     untied embedding (and an NF4 model's tied one) stays dense. Norms and biases stay at ``itemsize``.
     Exact for what the loader allocates (a test checks).
     """
@@ -138,7 +141,7 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     small = norm_params(cfg) + ((q + 2 * kv) if cfg.qkv_bias else 0)
     layer = sum(_linear_bytes(o, i, fmt) for o, i in linears) + small * itemsize
     head = _linear_bytes(v, d, fmt)
-    embed = 0 if fmt == "int8" and cfg.tie_word_embeddings else v * d * itemsize
+    embed = 0 if fmt in ("int8", "q4") and cfg.tie_word_embeddings else v * d * itemsize
     return cfg.num_layers * layer + head + embed + d * itemsize
 
 

@@ -127,27 +127,30 @@ def _cfg(hidden: int = 1024) -> ModelConfig:
 
 
 @pytest.mark.parametrize(
-    "int8_ms, want",
+    "low_ms, want",
     [
-        ({"1": 1.0, "8": 4.0}, "int8"),  # a quarter of the bytes: clearly faster at both sizes
-        ({"1": 1.0, "8": 12.0}, "dense"),  # a CPU whose dense multi-row products are much cheaper
-        ({"1": 3.5, "8": 4.0}, "dense"),  # one row not clearly faster
+        ({"int8": {"1": 1.0, "8": 4.0}}, "int8"),  # a quarter of the bytes: clearly faster at both sizes
+        ({"int8": {"1": 1.0, "8": 12.0}}, "dense"),  # a CPU whose dense multi-row products are much cheaper
+        ({"int8": {"1": 3.5, "8": 4.0}}, "dense"),  # one row not clearly faster
+        ({"int8": {"1": 1.0, "8": 4.0}, "q4": {"1": 0.7, "8": 3.0}}, "q4"),  # the cheapest clear gain
+        ({"int8": {"1": 1.0, "8": 4.0}, "q4": {"1": 0.5, "8": 7.0}}, "int8"),  # 4-bit dear at a few rows
+        ({"q4": {"1": 0.7, "8": 3.0}}, "q4"),  # no int8 kernel in this torch build
     ],
 )
-def test_auto_target_format_follows_the_measured_costs(tmp_path, monkeypatch, int8_ms, want):
+def test_auto_target_format_follows_the_measured_costs(tmp_path, monkeypatch, low_ms, want):
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_probe, "choose_dtype", lambda cfg: torch.float32)
     calls = []
 
     def fake(shapes, dtype, rows=cpu_probe.INT8_ROWS, repeats=cpu_probe.REPEATS):
         calls.append(dtype)
-        return {"dense": {"1": 4.0, "8": 8.0}, "int8": int8_ms}
+        return {"dense": {"1": 4.0, "8": 8.0}, **low_ms}
 
-    monkeypatch.setattr(cpu_probe, "measure_target_int8", fake)
+    monkeypatch.setattr(cpu_probe, "measure_target", fake)
     fmt, dt = cpu_probe.choose_target(_cfg())
-    assert fmt == want and dt == (torch.bfloat16 if want == "int8" else torch.float32)
+    assert fmt == want and dt == {"int8": torch.bfloat16}.get(want, torch.float32)
     assert cpu_probe.choose_target(_cfg()) == (fmt, dt) and len(calls) == 1  # cached: measured once
-    assert any("target int8" in k for k in cpu_probe._read_cache())
+    assert any("target formats" in k for k in cpu_probe._read_cache())
 
 
 def test_tiny_models_are_not_probed_and_stay_dense(tiny_models):

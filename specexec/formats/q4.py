@@ -1,0 +1,175 @@
+"""4-bit CPU weights: blocks of 32 values with an fp16 scale and minimum, run by our own C kernel.
+
+A CPU token costs reading the weights: int8 weights are 8.5 bits a value, these 5 (the bytes llama.cpp's 4-bit
+files read). The kernel (``q4.c`` beside this file) quantizes each activation row by blocks of 32 to int8 and
+takes integer dot products with the 4-bit values, block by block: the scheme of llama.cpp's Q4_1 x Q8_1 dot
+product. Each output element is one thread's fixed sequence of operations, so a row's result is the same in
+every pass (the target's exactness rests on that; :mod:`specexec.loading.invariance` checks it anyway).
+
+The kernel is compiled for this CPU on first use with the system C compiler (``cc``, or ``$CC``) and kept under
+the cache home (``kernels/``); it shares torch's OpenMP threads. Without a compiler :func:`available` says why
+and nothing chooses this format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+QK = 32  # values per block
+BLOCK_BYTES = 20  # fp16 scale, fp16 minimum, 16 bytes of nibbles
+SOURCE = Path(__file__).with_name("q4.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return cc if cc and shutil.which(cc.split()[0]) else None
+
+
+def _build(home: Path | None = None) -> ctypes.CDLL:
+    from specexec.home import cache_home
+    from specexec.loading.cpu_probe import cpu_name
+
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
+    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + version.encode() + cpu_name().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_home(home) / "kernels" / f"q4-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        log.info("compiling the 4-bit CPU kernel (once; kept in %s)", out)
+        proc = subprocess.run(
+            [*cc.split(), *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"the C compiler failed: {proc.stderr.strip()[-400:]}")
+        tmp.replace(out)
+    lib = ctypes.CDLL(str(out))
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.q8_rows.argtypes = [P, I, I, P, P, P]
+    lib.q8_rows.restype = None
+    lib.q4_linear.argtypes = [P, I, I, P, P, P, I, P]
+    lib.q4_linear.restype = None
+    return lib
+
+
+def kernel() -> ctypes.CDLL:
+    """The compiled kernel (built on first use); RuntimeError naming why when it cannot be."""
+    global _lib, _why_not
+    if _lib is None:
+        if _why_not is not None:
+            raise RuntimeError(_why_not)
+        try:
+            _lib = _build()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _why_not = f"the 4-bit CPU kernel is unavailable: {e}"
+            raise RuntimeError(_why_not) from None
+    return _lib
+
+
+def available() -> str | None:
+    """None when the 4-bit CPU kernel can run here, else why not (one line)."""
+    try:
+        kernel()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def quantize(w: Tensor) -> Tensor:
+    """A weight (out, in) as packed blocks (out, in / 32 * 20) uint8: per block of 32 along a row the fp16 scale
+    ``(max - min) / 15`` and fp16 minimum, then the values rounded to 0..15 as nibbles."""
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"4-bit weights need rows of a multiple of {QK} values, not {k}")
+    b = w.detach().float().reshape(n, k // QK, QK)
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    dq = d.float().clamp(min=torch.finfo(torch.float16).tiny)
+    q = torch.round((b - m.float()[..., None]) / dq[..., None]).clamp_(0, 15).to(torch.uint8)
+    nib = q[..., :16] | (q[..., 16:] << 4)
+    head = torch.stack((d, m), -1).view(torch.uint8).reshape(n, k // QK, 4)
+    return torch.cat((head, nib), -1).reshape(n, -1).contiguous()
+
+
+def dequantize_blocks(packed: Tensor, k: int) -> Tensor:
+    """Packed rows (n, k / 32 * 20) -> their values (n, k) in fp32."""
+    n = packed.shape[0]
+    b = packed.reshape(n, k // QK, BLOCK_BYTES)
+    dm = b[..., :4].contiguous().view(torch.float16).float()  # (n, blocks, 2)
+    nib = b[..., 4:]
+    q = torch.cat((nib & 15, nib >> 4), -1).float()  # (n, blocks, 32)
+    return (q * dm[..., :1] + dm[..., 1:]).reshape(n, k)
+
+
+class Q4Linear:
+    """A linear weight (out, in) in 4 bits (see the module docstring), on the CPU.
+
+    ``linear(x)`` returns x's dtype; the product runs in fp32 from int8-quantized rows of x. ``rows(ids)``
+    dequantizes embedding rows (a tied lm_head doubles as the embedding)."""
+
+    kernel = "q4"
+
+    def __init__(self, w: Tensor) -> None:
+        self.shape = (int(w.shape[0]), int(w.shape[1]))
+        self.packed = quantize(w)
+
+    @classmethod
+    def _from(cls, packed: Tensor, shape: tuple[int, int]) -> Q4Linear:
+        out = cls.__new__(cls)
+        out.shape, out.packed = shape, packed
+        return out
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_blocks(self.packed, self.shape[1]).to(dtype)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Dequantized rows ``ids`` (n, in) in fp32 (embedding lookups)."""
+        return dequantize_blocks(self.packed[ids], self.shape[1])
+
+    def subset(self, ids: Tensor) -> Q4Linear:
+        return Q4Linear._from(self.packed[ids].contiguous(), (int(ids.shape[0]), self.shape[1]))
+
+    def to(self, device: torch.device) -> Q4Linear:
+        if torch.device(device).type != "cpu":
+            raise ValueError("4-bit q4 weights are a CPU format")
+        return self
+
+    def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
+        """x (T, in) -> (T, out) in x's dtype; every row's result is independent of the others (``invariant`` is
+        accepted for the common weight interface: this kernel always is)."""
+        lib = kernel()
+        n, k = self.shape
+        xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
+        rows = xf.shape[0]
+        qa = torch.empty(rows, k, dtype=torch.int8)
+        da = torch.empty(rows, k // QK)
+        sa = torch.empty(rows, k // QK)
+        out = torch.empty(rows, n)
+        if rows:
+            lib.q8_rows(xf.data_ptr(), rows, k, qa.data_ptr(), da.data_ptr(), sa.data_ptr())
+            ptrs = (qa.data_ptr(), da.data_ptr(), sa.data_ptr())
+            lib.q4_linear(self.packed.data_ptr(), n, k, *ptrs, rows, out.data_ptr())
+        return out.reshape(*x.shape[:-1], n).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel()

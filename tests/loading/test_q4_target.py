@@ -1,0 +1,177 @@
+"""A CPU target in 4-bit weights (our C kernel): the format, exactness relative to the 4-bit target, the errors.
+
+Each output element of the kernel is one thread's fixed sequence of operations, so a row's result does not depend
+on the pass it is in; every method's greedy output is then the 4-bit target's plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from offload.plan import OffloadConfig
+from specexec import api
+from specexec.cli import app
+from specexec.config import ChainConfig, TreeConfig
+from specexec.errors import ConfigError
+from specexec.formats import q4
+from specexec.loading import invariance
+from specexec.loading.checkpoint import load_model, read_config
+from specexec.model.sizes import model_weight_bytes
+from tests.conftest import FAMILIES
+from tests.model.test_invariance import _ar_logits, _tree_pass
+
+CPU = torch.device("cpu")
+PROMPTS = ([5, 9, 17, 33, 4], [3, 60, 61, 62, 63, 12, 40])
+Q4 = OffloadConfig(target_dtype="q4")
+
+pytestmark = pytest.mark.skipif(q4.available() is not None, reason=str(q4.available()))
+
+
+def _weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_blocks_hold_the_weight_to_within_a_step():
+    w = _weight()
+    q = q4.Q4Linear(w)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (96, 256 // 32 * 20) and q.nbytes() == 96 * 8 * 20
+    deq = q.dequantize()
+    step = (w.reshape(96, 8, 32).amax(-1) - w.reshape(96, 8, 32).amin(-1)) / 15
+    assert ((deq - w).abs().reshape(96, 8, 32) <= step[..., None] * 0.51 + 1e-3).all()
+    ids = torch.tensor([5, 0, 95])
+    assert torch.equal(q.rows(ids), deq[ids])
+    assert torch.equal(q.subset(ids).dequantize(), deq[ids])
+
+
+def test_the_product_is_the_dequantized_one_up_to_8_bit_activations():
+    w, x = _weight(), torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    q = q4.Q4Linear(w)
+    ref = x @ q.dequantize().T
+    got = q.linear(x)
+    assert got.shape == (7, 96) and got.dtype == torch.float32
+    assert (got - ref).norm() / ref.norm() < 0.02
+    assert q.linear(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_a_row_gets_the_same_bits_in_any_pass_and_on_any_thread_count():
+    w, x = _weight(200, 512), torch.randn(70, 512, generator=torch.Generator().manual_seed(2))
+    q = q4.Q4Linear(w)
+    full = q.linear(x)
+    for start, n in ((0, 1), (3, 1), (5, 2), (9, 3), (10, 5), (0, 37), (33, 37)):
+        assert torch.equal(q.linear(x[start : start + n]), full[start : start + n]), (start, n)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if old > 1 else 2)
+        assert torch.equal(q.linear(x), full)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_rows_that_are_not_whole_blocks_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4.Q4Linear(torch.zeros(4, 48))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_q4_target_gives_a_position_the_same_logits_in_every_pass(tiny_models, family):
+    model = load_model(tiny_models[family], CPU, torch.float32, fmt="q4")
+    assert isinstance(model.globals.lm_head, q4.Q4Linear)
+    choice = invariance.apply(model)
+    assert choice is not None and model.tiling is not None and "q4 weights" in choice.key, choice
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.cfg.vocab_size, (40,), generator=gen)
+    ar = _ar_logits(model, ids)
+    pos = torch.arange(len(ids))
+    assert torch.equal(model.forward(ids, pos, pos, pos[None, :] <= pos[:, None], model.new_cache(48)), ar)
+    for n0, rows in ((30, 10), (25, 37), (20, 64)):
+        logits, path = _tree_pass(model, ids, n0, rows, gen)
+        assert torch.equal(logits[path], ar[n0 : n0 + len(path)]), (n0, rows)
+
+
+def test_q4_logits_are_close_to_the_dense_ones_and_the_size_is_planned_exactly(tiny_models):
+    path = tiny_models["qwen2"]
+    dense = load_model(path, CPU, torch.float32)
+    q = load_model(path, CPU, torch.float32, fmt="q4")
+    ids = torch.arange(3, 23)
+    pos = torch.arange(20)
+    mask = pos[None, :] <= pos[:, None]
+    a = dense.forward(ids, pos, pos, mask, dense.new_cache(20))
+    b = q.forward(ids, pos, pos, mask, q.new_cache(20))
+    assert not torch.equal(a, b)  # it is another model: the quantized one
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9, (a - b).norm() / a.norm()
+    held = sum(w.nbytes() if isinstance(w, q4.Q4Linear) else w.numel() * 4 for w in _weights(q))
+    assert held == model_weight_bytes(read_config(path), "q4", 4)
+
+
+def _weights(model):
+    g = model.globals
+    seen = {id(g.lm_head): g.lm_head, id(g.embed): g.embed, id(g.norm): g.norm}
+    for i in range(model.cfg.num_layers):
+        for w in model.layers.layer(i).values():
+            seen[id(w)] = w
+    return seen.values()
+
+
+@pytest.fixture(scope="module")
+def q4_engines(noisy_pairs):
+    return {
+        f: api.load(str(noisy_pairs[f][0]), str(noisy_pairs[f][1]), device="cpu", offload=Q4, context=256,
+                    progress=False)
+        for f in ("llama", "qwen2", "llama_tied", "gemma2")
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama_tied", "gemma2"])
+def test_q4_target_greedy_speculation_equals_its_ar(q4_engines, family):
+    e = q4_engines[family]
+    assert e.target_weights == "q4" and e.target.dtype == torch.float32
+    assert isinstance(e.target.layers.layer(0)["w13"], q4.Q4Linear)
+    for p in PROMPTS:
+        e.reset()
+        ref = e.generate(p, 24, method="ar").tokens
+        for kw in (
+            dict(method="specexec", tree=TreeConfig.fixed(16)),
+            dict(method="specexec", tree=TreeConfig.fixed(48)),
+            dict(method="chain", chain=ChainConfig(gamma=4)),
+            dict(method="ngram"),
+            dict(),  # the default: the measured policy
+        ):
+            e.reset()
+            assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(dtype="bf16", offload=Q4), "dtype"),
+        (dict(offload=OffloadConfig(mode="ram", target_dtype="q4")), "target_dtype"),
+    ],
+)
+def test_q4_target_refuses_what_it_cannot_be(tiny_pair, kw, field):
+    with pytest.raises(ConfigError, match=field):
+        api.load(str(tiny_pair[0]), device="cpu", progress=False, context=64, **kw)
+
+
+def test_without_a_compiler_q4_is_one_clear_error(tiny_pair, monkeypatch, tmp_path):
+    monkeypatch.setattr(q4, "_lib", None)
+    monkeypatch.setattr(q4, "_why_not", None)
+    monkeypatch.setattr(q4, "_compiler", lambda: None)
+    assert "no C compiler" in str(q4.available())
+    r = CliRunner().invoke(
+        app,
+        ["generate", "--target", str(tiny_pair[0]), "--device", "cpu", "-q", "-p", "t1", "--target-dtype", "q4"],
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "no C compiler" in lines[0], r.output
+
+
+def test_cli_q4_target_generates(tiny_pair):
+    r = CliRunner().invoke(
+        app,
+        ["generate", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--device", "cpu", "-q", "-p",
+         "t10 t11", "-n", "6", "--target-dtype", "q4"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip()
