@@ -17,8 +17,8 @@ configuration always runs first):
   llama.cpp spec       ``llama-speculative-simple --spec-type draft-simple`` on the GGUF target + draft
 
 Our target's weights: ``--target-dtype`` (auto: int8 where this CPU's probe measures it clearly faster than dense;
-int8: int8 weights computing in bf16; bf16/fp16/fp32: dense in that dtype). The report's metadata names the
-weight format (``target_weights``: int8 or dense) and the compute dtype.
+int8: int8 weights computing in bf16; q4: 4-bit weights computing in fp32; bf16/fp16/fp32: dense in that dtype).
+The report's metadata names the weight format (``target_weights``: int8, q4 or dense) and the compute dtype.
 
 llama.cpp (``--llama-cpp DIR``, its build's bin directory): each llama.cpp configuration is a subprocess per prompt,
 in the same interleaved rotation as ours, given the same prompt text our engine tokenizes (a chat-template prompt:
@@ -91,7 +91,7 @@ LLAMA_AR, LLAMA_SPEC = "llama.cpp-ar", "llama.cpp-spec"
 LLAMA_BINS = {LLAMA_AR: "llama-completion", LLAMA_SPEC: "llama-speculative-simple"}
 GGUF_TARGET, GGUF_DRAFT = "qwen2.5-coder-1.5b.gguf", "qwen2.5-coder-0.5b.gguf"  # under $SPECEXEC_HOME/gguf
 # our --target-dtype: the library's resident CPU formats (OffloadConfig.target_dtype) and a dense fp32
-TARGET_DTYPES = ("auto", "int8", "bf16", "fp16", "fp32")
+TARGET_DTYPES = ("auto", "int8", "q4", "bf16", "fp16", "fp32")
 
 # Pure-Python stdlib modules whose public functions have docstrings (missing ones are skipped).
 CODE_MODULES = (
@@ -296,7 +296,7 @@ def target_load(target_dtype: str, dtype: str) -> tuple[str, str]:
     """(``OffloadConfig.target_dtype``, ``dtype``) for :func:`specexec.api.load` from our --target-dtype and --dtype:
     auto and int8 pass through; a dense format (bf16, fp16, fp32) is the compute dtype when --dtype is auto (fp32 is
     no ``OffloadConfig`` format: the target is then dense in --dtype fp32)."""
-    if target_dtype in ("auto", "int8"):
+    if target_dtype in ("auto", "int8", "q4"):
         return target_dtype, dtype
     return ("auto" if target_dtype == "fp32" else target_dtype), (target_dtype if dtype == "auto" else dtype)
 
@@ -1051,8 +1051,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target-dtype",
         default="auto",
         choices=TARGET_DTYPES,
-        help="our target's weights: auto (int8 where this CPU's probe measures it faster), int8 (computing in bf16), "
-        "or dense bf16/fp16/fp32 (sets the compute dtype when --dtype is auto)",
+        help="our target's weights: auto (int8 where this CPU's probe measures it faster), int8 (computing in "
+        "bf16), q4 (4-bit, computing in fp32), or dense bf16/fp16/fp32 (sets the compute dtype when --dtype is auto)",
     )
     home = Path(os.environ.get("SPECEXEC_HOME") or Path.home() / ".cache" / "specexec").expanduser()
     p.add_argument(
@@ -1087,7 +1087,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--temperature must be >= 0")
     if args.target_dtype == "int8" and args.dtype not in ("auto", "bf16"):
         p.error("--target-dtype int8 computes in bf16: give --dtype auto or bf16")
-    if args.target_dtype not in ("auto", "int8") and args.dtype not in ("auto", args.target_dtype):
+    if args.target_dtype == "q4" and args.dtype not in ("auto", "fp32"):
+        p.error("--target-dtype q4 computes in fp32: give --dtype auto or fp32")
+    if args.target_dtype not in ("auto", "int8", "q4") and args.dtype not in ("auto", args.target_dtype):
         p.error(f"--target-dtype {args.target_dtype} with --dtype {args.dtype}: give one dense dtype")
     if args.llama_draft_max is not None and args.llama_draft_max < 1:
         p.error("--llama-draft-max must be >= 1")

@@ -8,7 +8,8 @@ every pass (the target's exactness rests on that; :mod:`specexec.loading.invaria
 
 The kernel is compiled for this CPU on first use with the system C compiler (``cc``, or ``$CC``) and kept under
 the cache home (``kernels/``); it shares torch's OpenMP threads. Without a compiler :func:`available` says why
-and nothing chooses this format.
+and nothing chooses this format. ``--target-dtype auto`` does not pick it yet (see
+:data:`specexec.loading.cpu_probe.AUTO_TARGET_FORMATS`).
 """
 
 from __future__ import annotations
