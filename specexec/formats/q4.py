@@ -9,7 +9,7 @@ every pass (the target's exactness rests on that; :mod:`specexec.loading.invaria
 The kernel is compiled for this CPU on first use with the system C compiler (``cc``, or ``$CC``) and kept under
 the cache home (``kernels/``); it shares torch's OpenMP threads. Without a compiler :func:`available` says why
 and nothing chooses this format. ``--target-dtype auto`` does not pick it yet (see
-:data:`specexec.loading.cpu_probe.AUTO_TARGET_FORMATS`).
+:func:`specexec.loading.cpu_probe.measure_target`).
 """
 
 from __future__ import annotations

@@ -364,9 +364,6 @@ def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
 
 
 TARGET_FORMATS = {"int8": torch.bfloat16, "q4": torch.float32}  # low-bit CPU target formats -> compute dtype
-# what --target-dtype auto measures and may pick: q4 decodes plain steps fastest, but its multi-row passes cost
-# relatively more, and the decoding policy does not yet keep its default at plain decoding's speed there
-AUTO_TARGET_FORMATS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -395,19 +392,17 @@ def measure_target(
     shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
 ) -> dict[str, dict[str, float]]:
     """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of each low-bit CPU target format
-    ``auto`` may pick that runs here (:data:`AUTO_TARGET_FORMATS`), each fed activations in its compute dtype, timed
-    alternately with the dense ones."""
-    from specexec.formats import q4
+    ``auto`` may pick that runs here, fed activations in its compute dtype, timed alternately with the dense ones.
+    That is int8 alone: q4 decodes plain steps faster still, but its multi-row passes cost relatively more, and
+    the decoding policy does not yet keep its default at plain decoding's speed with it."""
     from specexec.formats.int8 import Int8Linear
 
     gen = torch.Generator().manual_seed(0)
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
     dense = [w.to(dtype) for w in w32]
     low: dict[str, list[Any]] = {}
-    if "int8" in AUTO_TARGET_FORMATS and hasattr(torch, "_weight_int8pack_mm"):
+    if hasattr(torch, "_weight_int8pack_mm"):
         low["int8"] = [Int8Linear(w, kernel="int8pack") for w in w32]
-    if "q4" in AUTO_TARGET_FORMATS and q4.available() is None:
-        low["q4"] = [q4.Q4Linear(w) for w in w32]
     out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
@@ -433,7 +428,7 @@ def pick_target(ms: dict[str, dict[str, float]]) -> str:
 
 def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
     """A CPU target's (weight format, compute dtype) for ``--target-dtype auto``, measured once per machine and
-    cached: a low-bit format (:data:`AUTO_TARGET_FORMATS`) when it runs the layer's linears clearly faster than
+    cached: a low-bit format (:func:`measure_target`'s) when it runs the layer's linears clearly faster than
     the dense dtype :func:`choose_dtype` picks, at one row (plain decoding) and at a few rows (verification)
     (:func:`pick_target`); else ``("dense", that dtype)``. A token costs reading the weights: int8 weights are a
     quarter of fp32's bytes, 4-bit ones a sixth."""
