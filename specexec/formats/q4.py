@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,16 +42,28 @@ def _compiler() -> str | None:
     return cc if cc and shutil.which(cc.split()[0]) else None
 
 
+def _cpu_id() -> str:
+    """What ``-march=native`` compiles for: the CPU's model name and instruction-set flags (Linux), else platform's
+    names."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.lower().startswith(("model name", "flags"))][:2]
+        if keep:
+            return "\n".join(keep)
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def _build(home: Path | None = None) -> ctypes.CDLL:
     from specexec.home import cache_home
-    from specexec.loading.cpu_probe import cpu_name
 
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
     version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + version.encode() + cpu_name().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + version.encode() + _cpu_id().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_home(home) / "kernels" / f"q4-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
