@@ -412,3 +412,13 @@ def hf_view(model, path: Path):
     if leftover:
         raise AssertionError(f"hf_view left these on the meta device: {leftover}")
     return hf.eval()
+
+
+def assert_methods_equal_ar(engine, prompts, methods, n: int = 24) -> None:
+    """Every generation kwargs in ``methods`` gives ``engine``'s own greedy AR tokens on every prompt."""
+    for p in prompts:
+        engine.reset()
+        ref = engine.generate(p, n, method="ar").tokens
+        for kw in methods:
+            engine.reset()
+            assert engine.generate(p, n, **kw).tokens == ref, (kw, p)

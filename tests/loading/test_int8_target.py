@@ -20,12 +20,19 @@ from specexec.formats.int8 import Int8Linear
 from specexec.loading import cpu_probe, invariance
 from specexec.loading.checkpoint import load_model
 from specexec.model.transformer import ModelConfig
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, assert_methods_equal_ar
 from tests.model.test_invariance import _ar_logits, _tree_pass
 
 CPU = torch.device("cpu")
 PROMPTS = ([5, 9, 17, 33, 4], [3, 60, 61, 62, 63, 12, 40])
 INT8 = OffloadConfig(target_dtype="int8")
+LOW_BIT_METHODS = (  # every method a low-bit CPU target's greedy AR is checked against
+    dict(method="specexec", tree=TreeConfig.fixed(16)),
+    dict(method="specexec", tree=TreeConfig.fixed(48)),
+    dict(method="chain", chain=ChainConfig(gamma=4)),
+    dict(method="ngram"),
+    dict(),  # the default: the measured policy
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -72,18 +79,7 @@ def test_int8_target_greedy_speculation_equals_its_ar(int8_engines, family):
     e = int8_engines[family]
     assert e.target_weights == "int8" and e.target.dtype == torch.bfloat16
     assert isinstance(e.target.layers.layer(0)["w13"], Int8Linear)
-    for p in PROMPTS:
-        e.reset()
-        ref = e.generate(p, 24, method="ar").tokens
-        for kw in (
-            dict(method="specexec", tree=TreeConfig.fixed(16)),
-            dict(method="specexec", tree=TreeConfig.fixed(48)),
-            dict(method="chain", chain=ChainConfig(gamma=4)),
-            dict(method="ngram"),
-            dict(),  # the default: the measured policy
-        ):
-            e.reset()
-            assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
+    assert_methods_equal_ar(e, PROMPTS, LOW_BIT_METHODS)
 
 
 @pytest.mark.parametrize(

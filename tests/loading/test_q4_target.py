@@ -13,13 +13,13 @@ from typer.testing import CliRunner
 from offload.plan import OffloadConfig
 from specexec import api
 from specexec.cli import app
-from specexec.config import ChainConfig, TreeConfig
 from specexec.errors import ConfigError
 from specexec.formats import q4
 from specexec.loading import invariance
 from specexec.loading.checkpoint import load_model, read_config
 from specexec.model.sizes import model_weight_bytes
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, assert_methods_equal_ar
+from tests.loading.test_int8_target import LOW_BIT_METHODS
 from tests.model.test_invariance import _ar_logits, _tree_pass
 
 CPU = torch.device("cpu")
@@ -128,18 +128,7 @@ def test_q4_target_greedy_speculation_equals_its_ar(q4_engines, family):
     e = q4_engines[family]
     assert e.target_weights == "q4" and e.target.dtype == torch.float32
     assert isinstance(e.target.layers.layer(0)["w13"], q4.Q4Linear)
-    for p in PROMPTS:
-        e.reset()
-        ref = e.generate(p, 24, method="ar").tokens
-        for kw in (
-            dict(method="specexec", tree=TreeConfig.fixed(16)),
-            dict(method="specexec", tree=TreeConfig.fixed(48)),
-            dict(method="chain", chain=ChainConfig(gamma=4)),
-            dict(method="ngram"),
-            dict(),  # the default: the measured policy
-        ):
-            e.reset()
-            assert e.generate(p, 24, **kw).tokens == ref, (kw, p)
+    assert_methods_equal_ar(e, PROMPTS, LOW_BIT_METHODS)
 
 
 @pytest.mark.parametrize(
