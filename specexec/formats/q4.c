@@ -1,12 +1,18 @@
 /* A CPU linear with 4-bit weights and 8-bit activations (specexec.formats.q4).
 
-   Weights: blocks of 32 values along a row, 20 bytes each: fp16 scale d, fp16 minimum m, then 16 bytes whose
-   low nibbles hold values 0..15 of the block and high nibbles values 16..31; a value is d * q + m, q in 0..15.
-   Activations: each row quantized by blocks of 32 to int8 with an fp32 scale (absmax / 127).
+   Weights: super-blocks of SB = 32 * NS values along a row (NS = 1, 2, 4 or 8 sub-blocks of 32), 4 + 18 * NS bytes
+   each: fp16 d, fp16 dmin, NS uint8 sub-scales, NS int8 sub-minimums, then 16 * NS bytes of nibbles. Sub-blocks
+   2p and 2p + 1 share 32 bytes (byte i: value i of 2p in its low nibble, of 2p + 1 in its high); a lone sub-block
+   (NS = 1) has 16 bytes (byte i: value i low, value i + 16 high). A value is d * sc * q + dmin * mn, q in 0..15.
+   Activations: each row quantized by super-blocks to int8 with one fp32 scale (absmax / 127), plus the int16 sum
+   of every sub-block of 32.
 
-   Every output element is computed by one thread in one fixed sequence of operations, whatever the number of
-   rows, outputs or threads: a row's result never depends on the pass it is in. Built by the package at first use
-   with the system C compiler for this CPU (-march=native), without -ffast-math and with -ffp-contract=off. */
+   A super-block's products stay in integers (sub-scales times the 4 x 8-bit dot products, sub-minimums times the
+   activation sums); one float multiply-add per super-block and row turns them into the result, the scheme of
+   llama.cpp's Q4_K x Q8_K dot product. Every output element is computed by one thread in one fixed sequence of
+   operations, whatever the number of rows, outputs or threads: a row's result never depends on the pass it is
+   in. Built by the package at first use with the system C compiler for this CPU (-march=native), without
+   -ffast-math and with -ffp-contract=off. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -15,7 +21,6 @@
 #endif
 
 #define QK 32
-#define BLOCK_BYTES 20 /* uint16 d, uint16 m (fp16), 16 bytes: value j in byte j's low nibble, j + 16 in its high */
 
 static inline float h2f(uint16_t h) {
 #ifdef __F16C__
@@ -31,109 +36,149 @@ static inline float h2f(uint16_t h) {
 #endif
 }
 
-/* x (rows, k) fp32 -> qa (rows, k) int8, da (rows, k/32) scale, sa (rows, k/32) = da * sum(qa). */
-void q8_rows(const float *x, int64_t rows, int64_t k, int8_t *qa, float *da, float *sa) {
-    int64_t nb = k / QK;
+static inline int64_t sb_bytes(int ns) { return 4 + 18 * (int64_t)ns; }
+
+/* x (rows, k) fp32 -> qa (rows, k) int8, dx (rows, k / SB) scales, bs (rows, k / 32) int16 sums of qa. */
+void q8_rows(const float *x, int64_t rows, int64_t k, int ns, int8_t *qa, float *dx, int16_t *bs) {
+    const int64_t sb = (int64_t)QK * ns, nsb = k / sb;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * k + b * QK;
+        for (int64_t s = 0; s < nsb; s++) {
+            const float *v = x + r * k + s * sb;
             float amax = 0.f;
-            for (int j = 0; j < QK; j++) { float a = fabsf(v[j]); if (a > amax) amax = a; }
+            for (int64_t j = 0; j < sb; j++) { float a = fabsf(v[j]); if (a > amax) amax = a; }
             float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            for (int j = 0; j < QK; j++) {
-                int q = (int)nearbyintf(v[j] * id);
-                qa[r * k + b * QK + j] = (int8_t)q;
-                sum += q;
+            for (int j = 0; j < ns; j++) {
+                int sum = 0;
+                for (int i = 0; i < QK; i++) {
+                    int q = (int)nearbyintf(v[j * QK + i] * id);
+                    qa[r * k + s * sb + j * QK + i] = (int8_t)q;
+                    sum += q;
+                }
+                bs[r * (k / QK) + s * ns + j] = (int16_t)sum;
             }
-            da[r * nb + b] = d;
-            sa[r * nb + b] = d * (float)sum;
+            dx[r * nsb + s] = d;
         }
     }
 }
 
-#define RT 4 /* activation rows sharing one unpacked weight block */
+#define RT 4 /* activation rows sharing one unpacked weight super-block */
 
 #ifdef __AVX2__
 /* Rows r0 .. r0 + R - 1 against one weight row; R is a constant once inlined, so the accumulators live in
-   registers. Blocks alternate between two accumulator chains (even, odd) to halve the add latency. */
-static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, int64_t nb, int64_t k,
-                                                           const int8_t *qa, const float *da, const float *sa,
+   registers. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, int ns, int64_t nsb, int64_t k,
+                                                           const int8_t *qa, const float *dx, const int16_t *bs,
                                                            const int R, float *res, int64_t stride) {
-    __m256 acc0[RT], acc1[RT];
-    float min0[RT], min1[RT];
-    for (int r = 0; r < R; r++) { acc0[r] = acc1[r] = _mm256_setzero_ps(); min0[r] = min1[r] = 0.f; }
-    const __m128i low = _mm_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-#define Q4_BLOCK(b, ACC, MIN)                                                                                     \
-    do {                                                                                                          \
-        const uint8_t *blk = wr + (b) * BLOCK_BYTES;                                                              \
-        uint16_t hd, hm;                                                                                          \
-        memcpy(&hd, blk, 2);                                                                                      \
-        memcpy(&hm, blk + 2, 2);                                                                                  \
-        const float d = h2f(hd), m = h2f(hm);                                                                     \
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));                                          \
-        const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low)); \
-        for (int r = 0; r < R; r++) {                                                                             \
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * k + (b) * QK));                       \
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);                               \
-            ACC[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * da[r * nb + (b)]), _mm256_cvtepi32_ps(p), ACC[r]);        \
-            MIN[r] += m * sa[r * nb + (b)];                                                                       \
-        }                                                                                                         \
-    } while (0)
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        Q4_BLOCK(b, acc0, min0);
-        Q4_BLOCK(b + 1, acc1, min1);
+    const int64_t sb = (int64_t)QK * ns, nbs = k / QK, sbb = sb_bytes(ns);
+    __m256 acc[RT];
+    __m128 macc[RT];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm_setzero_ps(); }
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    /* the sub-minimums beyond NS (bytes of the nibbles that follow) are masked off */
+    const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = wr + s * sbb;
+        uint16_t hd, hm;
+        memcpy(&hd, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        const float d = h2f(hd), dm = h2f(hm);
+        const uint8_t *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+        __m256i isum[RT];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        if (ns == 1) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+            const __m128i lo4 = _mm256_castsi256_si128(low);
+            const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), lo4), _mm_and_si128(raw, lo4));
+            const __m256i s0 = _mm256_set1_epi16(sc[0]);
+            for (int r = 0; r < R; r++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * k + s * sb));
+                isum[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), s0);
+            }
+        } else {
+            for (int p = 0; p < ns / 2; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                const __m256i w0 = _mm256_and_si256(raw, low), w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                const __m256i s0 = _mm256_set1_epi16(sc[2 * p]), s1 = _mm256_set1_epi16(sc[2 * p + 1]);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = qa + r * k + s * sb + 64 * p;
+                    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)a)), s0);
+                    const __m256i p1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(a + 32))), s1);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p0, p1));
+                }
+            }
+        }
+        int64_t mn8;
+        memcpy(&mn8, blk + 4 + ns, 8);
+        const __m128i mn = _mm_and_si128(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(mn8)), keep);
+        for (int r = 0; r < R; r++) {
+            const float xd = dx[r * nsb + s];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns));
+            macc[r] = _mm_fmadd_ps(_mm_set1_ps(dm * xd), _mm_cvtepi32_ps(_mm_madd_epi16(mn, b)), macc[r]);
+        }
     }
-    if (b < nb) Q4_BLOCK(b, acc0, min0);
-#undef Q4_BLOCK
     for (int r = 0; r < R; r++) {
-        __m256 a = _mm256_add_ps(acc0[r], acc1[r]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        res[r * stride] = _mm_cvtss_f32(s) + (min0[r] + min1[r]);
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        __m128 m4 = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
+        m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
+        res[r * stride] = _mm_cvtss_f32(s4) + _mm_cvtss_f32(m4);
     }
 }
 #endif
 
-/* out (rows, n) = dequant(w) (n, k) applied to the quantized rows; every output element is one thread's fixed
-   sequence of operations, whatever rows, n or the thread count. */
-void q4_linear(const uint8_t *w, int64_t n, int64_t k, const int8_t *qa, const float *da, const float *sa,
-               int64_t rows, float *out) {
-    int64_t nb = k / QK;
+/* out (rows, n) = dequant(w) (n, k) applied to the quantized rows (see q8_rows; bs is read 8 sums at a time, so
+   it has 8 more past its end); every output element is one thread's fixed sequence of operations, whatever rows,
+   n or the thread count. */
+void q4_linear(const uint8_t *w, int64_t n, int64_t k, int ns, const int8_t *qa, const float *dx,
+               const int16_t *bs, int64_t rows, float *out) {
+    const int64_t sb = (int64_t)QK * ns, nsb = k / sb, nbs = k / QK, sbb = sb_bytes(ns);
     #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < n; o++) {
-        const uint8_t *wr = w + o * nb * BLOCK_BYTES;
+        const uint8_t *wr = w + o * nsb * sbb;
         for (int64_t r0 = 0; r0 < rows; r0 += RT) {
             int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
 #ifdef __AVX2__
             const int8_t *q = qa + r0 * k;
-            const float *d = da + r0 * nb, *s = sa + r0 * nb;
+            const float *d = dx + r0 * nsb;
+            const int16_t *b = bs + r0 * nbs;
             float *res = out + r0 * n + o;
             switch (rt) {
-                case 1: dot_rows(wr, nb, k, q, d, s, 1, res, n); break;
-                case 2: dot_rows(wr, nb, k, q, d, s, 2, res, n); break;
-                case 3: dot_rows(wr, nb, k, q, d, s, 3, res, n); break;
-                default: dot_rows(wr, nb, k, q, d, s, 4, res, n); break;
+                case 1: dot_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
+                case 2: dot_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
+                case 3: dot_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
+                default: dot_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
             }
 #else
             for (int r = 0; r < rt; r++) {
                 int64_t row = r0 + r;
-                float acc = 0.f, mins = 0.f;
-                for (int64_t b = 0; b < nb; b++) {
-                    const uint8_t *blk = wr + b * BLOCK_BYTES;
+                float acc = 0.f, macc = 0.f;
+                for (int64_t s = 0; s < nsb; s++) {
+                    const uint8_t *blk = wr + s * sbb, *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+                    const int8_t *mn = (const int8_t *)(blk + 4 + ns);
                     uint16_t hd, hm;
                     memcpy(&hd, blk, 2); memcpy(&hm, blk + 2, 2);
-                    const int8_t *a = qa + row * k + b * QK;
-                    int sum = 0;
-                    for (int j = 0; j < 16; j++) sum += (blk[4 + j] & 15) * a[j] + (blk[4 + j] >> 4) * a[j + 16];
-                    acc += h2f(hd) * da[row * nb + b] * (float)sum;
-                    mins += h2f(hm) * sa[row * nb + b];
+                    const int8_t *a = qa + row * k + s * sb;
+                    int isum = 0, imin = 0;
+                    for (int j = 0; j < ns; j++) {
+                        int dot = 0;
+                        for (int i = 0; i < QK; i++) {
+                            int q;
+                            if (ns == 1) q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+                            else q = j & 1 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 15;
+                            dot += q * a[j * QK + i];
+                        }
+                        isum += sc[j] * dot;
+                        imin += mn[j] * bs[row * nbs + s * ns + j];
+                    }
+                    const float xd = dx[row * nsb + s];
+                    acc += h2f(hd) * xd * (float)isum;
+                    macc += h2f(hm) * xd * (float)imin;
                 }
-                out[row * n + o] = acc + mins;
+                out[row * n + o] = acc + macc;
             }
 #endif
         }

@@ -29,7 +29,6 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 QK = 32  # values per block
-BLOCK_BYTES = 20  # fp16 scale, fp16 minimum, 16 bytes of nibbles
 SOURCE = Path(__file__).with_name("q4.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -78,9 +77,10 @@ def _build(home: Path | None = None) -> ctypes.CDLL:
         tmp.replace(out)
     lib = ctypes.CDLL(str(out))
     P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.q8_rows.argtypes = [P, I, I, P, P, P]
+    N = ctypes.c_int
+    lib.q8_rows.argtypes = [P, I, I, N, P, P, P]
     lib.q8_rows.restype = None
-    lib.q4_linear.argtypes = [P, I, I, P, P, P, I, P]
+    lib.q4_linear.argtypes = [P, I, I, N, P, P, P, I, P]
     lib.q4_linear.restype = None
     return lib
 
@@ -108,31 +108,69 @@ def available() -> str | None:
     return None
 
 
-def quantize(w: Tensor) -> Tensor:
-    """A weight (out, in) as packed blocks (out, in / 32 * 20) uint8: per block of 32 along a row the fp16 scale
-    ``(max - min) / 15`` and fp16 minimum, then the values rounded to 0..15 as nibbles."""
-    n, k = w.shape
+def sub_blocks(k: int) -> int:
+    """Sub-blocks of 32 in a super-block of a row of ``k`` values: the most of 8, 4, 2, 1 that divides it."""
     if k % QK:
         raise ValueError(f"4-bit weights need rows of a multiple of {QK} values, not {k}")
-    b = w.detach().float().reshape(n, k // QK, QK)
-    lo, hi = b.amin(-1), b.amax(-1)
-    d = ((hi - lo) / 15).half()
-    m = lo.half()
-    dq = d.float().clamp(min=torch.finfo(torch.float16).tiny)
-    q = torch.round((b - m.float()[..., None]) / dq[..., None]).clamp_(0, 15).to(torch.uint8)
-    nib = q[..., :16] | (q[..., 16:] << 4)
-    head = torch.stack((d, m), -1).view(torch.uint8).reshape(n, k // QK, 4)
-    return torch.cat((head, nib), -1).reshape(n, -1).contiguous()
+    return next(ns for ns in (8, 4, 2, 1) if k % (QK * ns) == 0)
+
+
+def row_bytes(k: int) -> int:
+    """Bytes of one packed row of ``k`` values."""
+    ns = sub_blocks(k)
+    return k // (QK * ns) * (4 + 18 * ns)
+
+
+def _up(x: Tensor) -> Tensor:
+    """x as fp16, rounded up where rounding to nearest went down (a stored scale then never shrinks a range)."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def quantize(w: Tensor) -> Tensor:
+    """A weight (out, in) as packed super-blocks (out, :func:`row_bytes`) uint8 (layout: ``q4.c``). Per sub-block
+    of 32 the minimum is rounded down to an int8 multiple of its super-block's ``dmin`` and the step that then
+    spans the values in 15 up to a uint8 multiple of ``d``; the values round to the nearest step."""
+    n, k = w.shape
+    ns = sub_blocks(k)
+    b = w.detach().float().reshape(n, k // (QK * ns), ns, QK)
+    tiny = torch.finfo(torch.float32).tiny
+    lo, hi = b.amin(-1), b.amax(-1)  # (n, super-blocks, ns)
+    dmin = _up(lo.abs().amax(-1) / 127)
+    dmf = dmin.float().clamp(min=tiny)[..., None]
+    mn = torch.floor(lo / dmf).clamp_(-127, 127)
+    m = mn * dmf
+    step = (hi - m) / 15
+    d = _up(step.amax(-1) / 255)
+    df = d.float().clamp(min=tiny)[..., None]
+    sc = torch.ceil(step / df).clamp_(0, 255)
+    s = (sc * df).clamp(min=tiny)
+    q = torch.round((b - m[..., None]) / s[..., None]).clamp_(0, 15).to(torch.uint8)
+    if ns == 1:
+        nib = q[..., :16] | (q[..., 16:] << 4)
+    else:
+        nib = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
+    head = torch.stack((d, dmin), -1).view(torch.uint8)  # (n, super-blocks, 4)
+    scales = torch.cat((sc.to(torch.uint8), mn.to(torch.int8).view(torch.uint8)), -1)
+    nsb = k // (QK * ns)
+    return torch.cat((head, scales, nib.reshape(n, nsb, -1)), -1).reshape(n, -1).contiguous()
 
 
 def dequantize_blocks(packed: Tensor, k: int) -> Tensor:
-    """Packed rows (n, k / 32 * 20) -> their values (n, k) in fp32."""
-    n = packed.shape[0]
-    b = packed.reshape(n, k // QK, BLOCK_BYTES)
-    dm = b[..., :4].contiguous().view(torch.float16).float()  # (n, blocks, 2)
-    nib = b[..., 4:]
-    q = torch.cat((nib & 15, nib >> 4), -1).float()  # (n, blocks, 32)
-    return (q * dm[..., :1] + dm[..., 1:]).reshape(n, k)
+    """Packed rows (n, :func:`row_bytes`) -> their values (n, k) in fp32."""
+    n, ns = packed.shape[0], sub_blocks(k)
+    b = packed.reshape(n, k // (QK * ns), 4 + 18 * ns)
+    dm = b[..., :4].contiguous().view(torch.float16).float()  # (n, super-blocks, 2)
+    sc = b[..., 4 : 4 + ns].float()
+    mn = b[..., 4 + ns : 4 + 2 * ns].contiguous().view(torch.int8).float()
+    nib = b[..., 4 + 2 * ns :]
+    if ns == 1:
+        q = torch.cat((nib & 15, nib >> 4), -1).reshape(n, -1, 1, QK)
+    else:
+        pairs = nib.reshape(n, -1, ns // 2, 1, QK)
+        q = torch.cat((pairs & 15, pairs >> 4), -2).reshape(n, -1, ns, QK)
+    vals = q.float() * (dm[..., :1] * sc)[..., None] + (dm[..., 1:] * mn)[..., None]
+    return vals.reshape(n, k)
 
 
 class Q4Linear:
@@ -175,14 +213,15 @@ class Q4Linear:
         n, k = self.shape
         xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
         rows = xf.shape[0]
+        ns = sub_blocks(k)
         qa = torch.empty(rows, k, dtype=torch.int8)
-        da = torch.empty(rows, k // QK)
-        sa = torch.empty(rows, k // QK)
+        dx = torch.empty(rows, k // (QK * ns))
+        bs = torch.zeros(rows * (k // QK) + 8, dtype=torch.int16)  # the kernel reads sums 8 at a time
         out = torch.empty(rows, n)
         if rows:
-            lib.q8_rows(xf.data_ptr(), rows, k, qa.data_ptr(), da.data_ptr(), sa.data_ptr())
-            ptrs = (qa.data_ptr(), da.data_ptr(), sa.data_ptr())
-            lib.q4_linear(self.packed.data_ptr(), n, k, *ptrs, rows, out.data_ptr())
+            ptrs = (qa.data_ptr(), dx.data_ptr(), bs.data_ptr())
+            lib.q8_rows(xf.data_ptr(), rows, k, ns, *ptrs)
+            lib.q4_linear(self.packed.data_ptr(), n, k, ns, *ptrs, rows, out.data_ptr())
         return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
     def nbytes(self) -> int:

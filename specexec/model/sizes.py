@@ -111,13 +111,15 @@ def layer_bytes(cfg: ModelConfig, kind: str) -> int:
 
 
 def _linear_bytes(out: int, inp: int, fmt: str) -> int:
-    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, 4-bit q4 blocks (20 bytes per
-    32 values), or NF4 codes (two a byte) + one fp32 absmax per block."""
+    """One (out, in) linear weight: int8 codes + one fp32 scale per output channel, 4-bit q4 super-blocks
+    (:func:`specexec.formats.q4.row_bytes` a row), or NF4 codes (two a byte) + one fp32 absmax per block."""
     n = out * inp
     if fmt == "int8":
         return n + 4 * out
     if fmt == "q4":
-        return out * (inp // 32) * 20
+        from specexec.formats.q4 import row_bytes
+
+        return out * row_bytes(inp)
     return (n + 1) // 2 + 4 * -(-n // NF4_BLOCKSIZE)
 
 
