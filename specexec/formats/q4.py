@@ -1,111 +1,38 @@
-"""4-bit CPU weights: blocks of 32 values with an fp16 scale and minimum, run by our own C kernel.
+"""4-bit CPU weights in super-blocks (integer sub-scales and sub-minimums), run by our own C kernel.
 
-A CPU token costs reading the weights: int8 weights are 8.5 bits a value, these 5 (the bytes llama.cpp's 4-bit
-files read). The kernel (``q4.c`` beside this file) quantizes each activation row by blocks of 32 to int8 and
-takes integer dot products with the 4-bit values, block by block: the scheme of llama.cpp's Q4_1 x Q8_1 dot
-product. Each output element is one thread's fixed sequence of operations, so a row's result is the same in
-every pass (the target's exactness rests on that; :mod:`specexec.loading.invariance` checks it anyway).
+A CPU token costs reading the weights: int8 weights are 8.5 bits a value, these 4.625 where a row is a multiple
+of 256 values (the bytes llama.cpp's Q4_K files read). A super-block holds up to 8 sub-blocks of 32 values, each
+with a uint8 scale and an int8 minimum under the super-block's fp16 pair. The kernel (``q4.c`` beside this file)
+quantizes each activation row by super-blocks to int8 and keeps a super-block's dot products in integers, with
+one float multiply-add per super-block: the scheme of llama.cpp's Q4_K x Q8_K dot product. Each output element is
+one thread's fixed sequence of operations, so a row's result is the same in every pass (the target's exactness
+rests on that; :mod:`specexec.loading.invariance` checks it anyway).
 
-The kernel is compiled for this CPU on first use with the system C compiler (``cc``, or ``$CC``) and kept under
-the cache home (``kernels/``); it shares torch's OpenMP threads. Without a compiler :func:`available` says why
-and nothing chooses this format. ``--target-dtype auto`` does not pick it yet (see
+The kernel is compiled with the package's other CPU kernels (:mod:`specexec.formats.native`). Without a compiler
+:func:`available` says why and nothing chooses this format. ``--target-dtype auto`` does not pick it yet (see
 :func:`specexec.loading.cpu_probe.measure_target`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from specexec.formats import native
 
-QK = 32  # values per block
-SOURCE = Path(__file__).with_name("q4.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-
-_lib: ctypes.CDLL | None = None
-_why_not: str | None = None
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return cc if cc and shutil.which(cc.split()[0]) else None
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` compiles for: the CPU's model name and instruction-set flags (Linux), else platform's
-    names."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        keep = [ln for ln in lines if ln.lower().startswith(("model name", "flags"))][:2]
-        if keep:
-            return "\n".join(keep)
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
-
-
-def _build(home: Path | None = None) -> ctypes.CDLL:
-    from specexec.home import cache_home
-
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
-    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + version.encode() + _cpu_id().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_home(home) / "kernels" / f"q4-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        log.info("compiling the 4-bit CPU kernel (once; kept in %s)", out)
-        proc = subprocess.run(
-            [*cc.split(), *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"the C compiler failed: {proc.stderr.strip()[-400:]}")
-        tmp.replace(out)
-    lib = ctypes.CDLL(str(out))
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    N = ctypes.c_int
-    lib.q8_rows.argtypes = [P, I, I, N, P, P, P]
-    lib.q8_rows.restype = None
-    lib.q4_linear.argtypes = [P, I, I, N, P, P, P, I, P]
-    lib.q4_linear.restype = None
-    return lib
+QK = 32  # values per sub-block
 
 
 def kernel() -> ctypes.CDLL:
-    """The compiled kernel (built on first use); RuntimeError naming why when it cannot be."""
-    global _lib, _why_not
-    if _lib is None:
-        if _why_not is not None:
-            raise RuntimeError(_why_not)
-        try:
-            _lib = _build()
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _why_not = f"the 4-bit CPU kernel is unavailable: {e}"
-            raise RuntimeError(_why_not) from None
-    return _lib
+    """The compiled CPU kernels (:mod:`specexec.formats.native`); RuntimeError naming why when they cannot be."""
+    return native.kernel()
 
 
 def available() -> str | None:
     """None when the 4-bit CPU kernel can run here, else why not (one line)."""
-    try:
-        kernel()
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return native.available()
 
 
 def sub_blocks(k: int) -> int:

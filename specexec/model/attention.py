@@ -1,4 +1,4 @@
-"""Attention over the static KV cache, two ways.
+"""Attention over the static KV cache, three ways.
 
 - :func:`sdpa`: PyTorch's fused kernel under an additive mask; the fastest. Its result for a row depends on the
   pass around it (how many rows, where the row's keys sit in the cache, how many slots it spans), because the
@@ -13,6 +13,10 @@
   rows at once; each row's last block and any block that holds its tree ancestors are gathered per row. Both
   run the same fixed-shape products, with query rows padded to the tiling's row tile (see
   :class:`~specexec.formats.dense.Tiling`; the invariance check runs this function).
+- :func:`native`: shape-invariant on a CPU, by construction: a C kernel takes each row and head on its own over
+  the row's keys in position order. One call a layer where :func:`blocked` runs some forty torch operations, whose
+  dispatch cost more than the arithmetic in a one-token step. A CPU model's invariant passes use it wherever the
+  package's C kernels build (:func:`native_ready`).
 """
 
 from __future__ import annotations
@@ -242,3 +246,65 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, plan: KeyPlan, scale: floa
     num = _fold(torch.cat(o_parts, dim=-2), -2)  # (KVH, P, G, hd)
     out = num / denom[..., None]
     return out.transpose(0, 1).reshape(P, H * hd).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    """Each row's visible slots in position order, all rows' lists end to end (made once a pass, used by every
+    layer of :func:`native`)."""
+
+    idx: Tensor  # (N,) int64 slots
+    start: Tensor  # (P + 1,) int64: row r's slots are idx[start[r]:start[r + 1]]
+
+
+def row_keys(mask: Tensor, positions: Tensor, padded: int, window: int | None = None) -> RowKeys:
+    """The :class:`RowKeys` of ``mask`` (T, L) bool and ``positions`` (T,) for a pass padded to ``padded`` rows
+    (padding rows see slot 0). A row sees one slot per position 0..positions[r] in increasing slot order (causal
+    prefill, a tree's ancestry), so its visible slots in slot order are in position order. ``window``: only the
+    row's latest ``window`` positions (a sliding layer)."""
+    T, L = mask.shape
+    m = torch.zeros(padded, L, dtype=torch.bool)
+    m[:T] = mask.cpu()
+    m[T:, 0] = True
+    if window is not None:
+        pos = torch.zeros(padded, dtype=torch.long)
+        pos[:T] = positions.cpu()
+        m &= m.cumsum(1) - 1 > pos[:, None] - window
+    start = torch.zeros(padded + 1, dtype=torch.long)
+    torch.cumsum(m.sum(1), 0, out=start[1:])
+    return RowKeys(m.nonzero()[:, 1].contiguous(), start)
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the caches :func:`native` reads
+
+
+def native_ready(device: torch.device, dtype: torch.dtype) -> bool:
+    """Do a model's shape-invariant passes on ``device`` in ``dtype`` run :func:`native` (a CPU, an fp32 or bf16
+    cache, and the C kernels built here) rather than :func:`blocked`?"""
+    if device.type != "cpu" or dtype not in NATIVE_DTYPES:
+        return False
+    from specexec.formats import native as kernels
+
+    return kernels.available() is None
+
+
+def native(q: Tensor, keys: Tensor, values: Tensor, rows: RowKeys, scale: float | None = None,
+           cap: float | None = None) -> Tensor:  # fmt: skip
+    """Shape-invariant attention on a CPU by the package's C kernel (``attn.c``, :mod:`specexec.formats.native`):
+    every (row, head) is one thread's fixed sequence of fp32 operations over the row's keys in position order, so
+    a row gets the same bits in any pass. q (P, H, hd); keys/values (KVH, slots, hd) fp32 or bf16, rows and heads
+    contiguous; ``scale`` default 1/sqrt(hd), ``cap``: tanh soft-capping -> (P, H*hd) in q's dtype."""
+    from specexec.formats import native as kernels
+
+    P, H, hd = q.shape
+    KVH = keys.shape[0]
+    assert keys.dtype in NATIVE_DTYPES and values.dtype == keys.dtype and keys.stride() == values.stride()
+    assert keys.stride(2) == 1 and keys.stride(1) == hd
+    qf = q.float().contiguous()
+    out = torch.empty(P, H, hd)
+    kernels.kernel().attn_rows(
+        qf.data_ptr(), P, H, KVH, hd, keys.data_ptr(), values.data_ptr(), int(keys.dtype == torch.bfloat16),
+        keys.stride(0), rows.idx.data_ptr(), rows.start.data_ptr(), 1.0 / math.sqrt(hd) if scale is None else scale,
+        0.0 if cap is None else cap, out.data_ptr(),
+    )  # fmt: skip
+    return out.view(P, H * hd).to(q.dtype)

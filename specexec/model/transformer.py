@@ -29,7 +29,7 @@ from torch import Tensor
 
 from specexec.formats.dense import Tiling, embed_rows, linear, tiled_linear
 from specexec.formats.subset import SubsetHead
-from specexec.model.attention import blocked, plan_keys, sdpa, sdpa_bias
+from specexec.model.attention import blocked, native, native_ready, plan_keys, row_keys, sdpa, sdpa_bias
 from specexec.model.kv_cache import KVCache
 
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
@@ -494,14 +494,24 @@ class Transformer:
             x = torch.cat((x, x.new_zeros(P - T, x.shape[1])))
             pos = torch.cat((positions, positions.new_zeros(P - T)))
         glob, local = self._ropes(pos)
-        plan = plan_keys(mask, positions, P, t.key_block, t.attn_rows)
-        wplan = None
-        if c.sliding_window is not None:
-            wplan = plan_keys(mask, positions, P, t.key_block, t.attn_rows, window=c.sliding_window)
+        attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]
+        if native_ready(x.device, self.dtype):
+            rows = row_keys(mask, positions, P)
+            wrows = None if c.sliding_window is None else row_keys(mask, positions, P, window=c.sliding_window)
 
-        def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-            p = wplan if wplan is not None and c.window(i) else plan
-            return blocked(q, keys, values, p, c.attn_scale, c.attn_softcap)
+            def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                r = wrows if wrows is not None and c.window(i) else rows
+                return native(q, keys, values, r, c.attn_scale, c.attn_softcap)
+
+        else:
+            plan = plan_keys(mask, positions, P, t.key_block, t.attn_rows)
+            wplan = None
+            if c.sliding_window is not None:
+                wplan = plan_keys(mask, positions, P, t.key_block, t.attn_rows, window=c.sliding_window)
+
+            def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                p = wplan if wplan is not None and c.window(i) else plan
+                return blocked(q, keys, values, p, c.attn_scale, c.attn_softcap)
 
         def lin(a: Tensor, w: Any) -> Tensor:
             return tiled_linear(a, w, t)

@@ -14,7 +14,7 @@ from offload.plan import OffloadConfig
 from specexec import api
 from specexec.cli import app
 from specexec.errors import ConfigError
-from specexec.formats import q4
+from specexec.formats import native, q4
 from specexec.loading import invariance
 from specexec.loading.checkpoint import load_model, read_config
 from specexec.model.sizes import model_weight_bytes
@@ -164,9 +164,9 @@ def test_q4_target_refuses_what_it_cannot_be(tiny_pair, kw, field):
 
 
 def test_without_a_compiler_q4_is_one_clear_error(tiny_pair, monkeypatch, tmp_path):
-    monkeypatch.setattr(q4, "_lib", None)
-    monkeypatch.setattr(q4, "_why_not", None)
-    monkeypatch.setattr(q4, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
     assert "no C compiler" in str(q4.available())
     r = CliRunner().invoke(
         app,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from specexec.formats.dense import Tiling, tiled_linear
 from specexec.loading import invariance
 from specexec.loading.checkpoint import load_model
+from specexec.model import attention, transformer
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")
@@ -58,9 +59,20 @@ def _tree_pass(model, ids: torch.Tensor, n0: int, rows: int, gen: torch.Generato
     return logits, path
 
 
+@pytest.fixture(params=["native", "blocked"])
+def cpu_attention(request, monkeypatch):
+    """The invariant passes' attention on a CPU: the C kernel where it builds (``native``), or the torch
+    ``blocked`` one every other device runs and a CPU keeps without a C compiler."""
+    if request.param == "blocked":
+        monkeypatch.setattr(transformer, "native_ready", lambda device, dtype: False)
+    elif not attention.native_ready(CPU, torch.float32):
+        pytest.skip("the CPU kernels do not build here")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_position_has_the_same_logits_in_every_pass(tiny_models, family, dtype):
+def test_a_position_has_the_same_logits_in_every_pass(tiny_models, family, dtype, cpu_attention):
     model = load_model(tiny_models[family], CPU, dtype)
     choice = invariance.apply(model)
     assert choice is not None and model.tiling is not None, choice
@@ -94,8 +106,7 @@ def test_a_pass_larger_than_the_checked_size_runs_as_consecutive_passes(tiny_mod
 def test_attention_in_row_chunks_gives_the_same_bits(tiny_models, monkeypatch, family):
     """A big pass's attention runs in chunks of row tiles (bounded memory); a row's logits do not depend on it (also
     in sliding layers, whose rows gather their whole window)."""
-    from specexec.model import attention
-
+    monkeypatch.setattr(transformer, "native_ready", lambda device, dtype: False)
     model = load_model(tiny_models[family], CPU, torch.float32)
     invariance.apply(model)
     ids = torch.randint(3, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
@@ -104,6 +115,44 @@ def test_attention_in_row_chunks_gives_the_same_bits(tiny_models, monkeypatch, f
     monkeypatch.setattr(attention, "CHUNK_ELEMENTS", 1)  # one row tile a chunk
     chunked = model.forward(ids, pos, pos, pos[None, :] <= pos[:, None], model.new_cache(96))
     assert torch.equal(whole, chunked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window, cap, scale", [(None, None, None), (6, 2.0, 0.3)])
+def test_native_attention_is_the_blocked_one_up_to_rounding(dtype, window, cap, scale):
+    """The C kernel computes what the torch invariant attention does (causal rows and a tree's rows over a prefix,
+    sliding windows, soft-capping, a given scale), up to the order of fp32 sums."""
+    if not attention.native_ready(CPU, dtype):
+        pytest.skip("the CPU kernels do not build here")
+    gen = torch.Generator().manual_seed(4)
+    H, KVH, hd, n0 = 6, 2, 24, 21
+    keys, values = (torch.randn(KVH, 64, hd, generator=gen).to(dtype) for _ in range(2))
+    parent = [-1, 0, 0, 1, 3, 2, 5, 1]  # tree rows at slots n0.., each under its parent
+    depth = [0, 1, 1, 2, 3, 2, 3, 2]
+    tree = torch.zeros(len(parent), len(parent), dtype=torch.bool)
+    for r, p in enumerate(parent):
+        tree[r, r] = True
+        if p >= 0:
+            tree[r] |= tree[p]
+    causal = torch.arange(n0)[None, :] <= torch.arange(n0)[:, None]
+    masks = {
+        "prefill": (torch.cat((causal, torch.zeros(n0, 64 - n0, dtype=torch.bool)), 1), torch.arange(n0)),
+        "tree": (torch.cat((torch.ones(8, n0, dtype=torch.bool), tree, torch.zeros(8, 64 - n0 - 8, dtype=torch.bool)),
+                           1), n0 + torch.tensor(depth)),
+    }  # fmt: skip
+    for name, (mask, pos) in masks.items():
+        T = mask.shape[0]
+        q = torch.randn(T, H, hd, generator=gen).to(dtype)
+        got = attention.native(q, keys, values, attention.row_keys(mask, pos, T, window), scale, cap)
+        plan = attention.plan_keys(mask, pos, T, 8, 1, window)
+        want = attention.blocked(q, keys, values, plan, scale, cap)
+        assert got.dtype == dtype and got.shape == (T, H * hd)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), name
+        for r in (0, T - 1, T // 2):  # a row alone gets the same bits
+            alone = attention.native(q[r : r + 1], keys, values, attention.row_keys(mask[r : r + 1], pos[r : r + 1], 1,
+                                     window), scale, cap)  # fmt: skip
+            assert torch.equal(alone, got[r : r + 1]), (name, r)
 
 
 class _ShapeDependent:
