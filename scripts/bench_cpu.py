@@ -16,7 +16,7 @@ configuration always runs first):
   llama.cpp AR         ``llama-completion`` on the GGUF target (with --llama-cpp DIR)
   llama.cpp spec       ``llama-speculative-simple --spec-type draft-simple`` on the GGUF target + draft
 
-Our target's weights: ``--target-dtype`` (auto: int8 where this CPU's probe measures it clearly faster than dense;
+Our target's weights: ``--target-dtype`` (auto: q4 or int8 where this CPU's probe measures it clearly faster than dense;
 int8: int8 weights computing in bf16; q4: 4-bit weights computing in fp32; bf16/fp16/fp32: dense in that dtype).
 The report's metadata names the weight format (``target_weights``: int8, q4 or dense) and the compute dtype.
 
@@ -1051,7 +1051,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target-dtype",
         default="auto",
         choices=TARGET_DTYPES,
-        help="our target's weights: auto (int8 where this CPU's probe measures it faster), int8 (computing in "
+        help="our target's weights: auto (q4 or int8 where this CPU's probe measures it faster), int8 (computing in "
         "bf16), q4 (4-bit, computing in fp32), or dense bf16/fp16/fp32 (sets the compute dtype when --dtype is auto)",
     )
     home = Path(os.environ.get("SPECEXEC_HOME") or Path.home() / ".cache" / "specexec").expanduser()

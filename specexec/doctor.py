@@ -79,6 +79,7 @@ class SystemInfo:
     disk: DiskInfo | None
     versions: dict[str, str | None] = field(default_factory=dict)
     cache_disk_free: int | None = None  # free bytes on the cache's filesystem (None: unknown)
+    cpu_kernels: str = ""  # the package's C kernels (4-bit weights, CPU attention): "built" or why not
 
 
 @dataclass
@@ -283,7 +284,19 @@ def system_info(disk_dir: Path | None = None, disk_mb: int = 256, measure: bool 
         cuda_note="" if gpu else "no CUDA GPU: CPU-only mode",
         disk=disk,
         versions=versions(),
+        cpu_kernels=_cpu_kernels(),
     )
+
+
+def _cpu_kernels() -> str:
+    """Whether the package's C kernels (:mod:`specexec.formats.native`) build and load here (compiled on the first
+    call, then cached), and what runs without them."""
+    from specexec.formats import native
+
+    why = native.available()
+    if why is None:
+        return "built: 4-bit CPU weights (--target-dtype q4) and the CPU attention kernel"
+    return f"{why}: no 4-bit CPU weights; attention runs in torch"
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -76,6 +76,8 @@ def _print(report) -> None:
         table.add_row("GPU", s.cuda_note)
     table.add_row("RAM", f"{s.ram_available / GB:.1f} GB available of {s.ram_total / GB:.1f} GB")
     table.add_row("CPU", f"{s.cpu_model} ({s.cpu_cores} cores, {s.cpu_threads} threads)")
+    if s.cpu_kernels:
+        table.add_row("CPU kernels", s.cpu_kernels)
     if s.disk:
         table.add_row("disk read", f"{_gbps(s.disk.read_gbps)} ({s.disk.method}) in {s.disk.directory}")
         if s.disk.note:

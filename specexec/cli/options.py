@@ -152,8 +152,8 @@ class Shared:
         "auto",
         "--target-dtype",
         help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 or q4 (CPU; q4 compiles a 4-bit kernel with the "
-        "system C compiler on first use). auto on a CPU: int8 where this machine runs it clearly faster (measured "
-        "once).",
+        "system C compiler on first use). auto on a CPU: the low-bit weights (q4 or int8) this machine runs "
+        "clearly fastest (measured once), else dense.",
     )
     draft_dtype: str | None = _option(
         None,

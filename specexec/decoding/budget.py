@@ -324,10 +324,14 @@ class _Arm:
 
 
 MAX_WAIT = 128  # the most steps between two explorations of an arm that keeps losing
-EXPLORE_SHARE = 0.03  # of the decoding time, what repeated explorations may lose against the best arm
+EXPLORE_SHARE = 0.02  # of the decoding time, what repeated explorations may lose against the best arm
 CHAIN_MODEL_WEIGHT = 3.0  # a chain arm's rate: its own measurement weighs n / (n + this) against the chain model
 CHAIN_DECAY = 0.95  # per chain step, the weight the chain model's older counts keep
-SHRINK_STEPS = 1.0  # a drafting arm's rate is pulled toward plain decoding's as if by this many steps of it
+SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as if by this many steps of it
+# a drafting arm leads only when its measured rate beats plain decoding's by this share: step times on a shared
+# CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
+# bigger verification), while a tie kept at plain decoding costs nothing
+TIE_MARGIN = 0.1
 
 
 @dataclass
@@ -346,7 +350,8 @@ class AdaptiveBudget:
 
     So that it never decodes much slower than plain decoding, whatever the machine's costs and the text:
 
-    - it starts at arm 0 (no draft), the one that cannot lose;
+    - it starts at arm 0 (no draft), the one that cannot lose, and keeps it unless a drafting arm measures clearly
+      faster (:data:`TIE_MARGIN`);
     - chain arms not yet tried are rated by a model of the chains tried so far: the acceptance rate per drafted
       token they measured, the draft pass's measured seconds and the verification cost curve give every chain
       length's expected tokens/s, so one measured chain ranks all the others (and a text the draft cannot predict
@@ -418,6 +423,8 @@ class AdaptiveBudget:
             best = 0 if 0 in self.arms else self.arms[0]
         else:
             best = max(known, key=lambda a: known[a])
+            if best != 0 and 0 in known and known[best] < (1 + TIE_MARGIN) * known[0]:
+                best = 0
         choice = best
         near = self._near(best)
         if self._stats[best].n == 0:  # rated by the model alone: measure it

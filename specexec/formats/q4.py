@@ -9,8 +9,8 @@ one thread's fixed sequence of operations, so a row's result is the same in ever
 rests on that; :mod:`specexec.loading.invariance` checks it anyway).
 
 The kernel is compiled with the package's other CPU kernels (:mod:`specexec.formats.native`). Without a compiler
-:func:`available` says why and nothing chooses this format. ``--target-dtype auto`` does not pick it yet (see
-:func:`specexec.loading.cpu_probe.measure_target`).
+:func:`available` says why and nothing chooses this format; else ``--target-dtype auto`` picks it where the CPU
+probe measures it fastest (:func:`specexec.loading.cpu_probe.choose_target`).
 """
 
 from __future__ import annotations

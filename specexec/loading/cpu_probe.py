@@ -388,21 +388,28 @@ class TargetProbe:
         return f"target {name} weights ({'; '.join(parts)} ms per layer)"
 
 
+def target_formats() -> tuple[str, ...]:
+    """The low-bit CPU target formats that run here: int8 where this torch has the ``int8pack`` kernel, q4 where
+    the package's C kernels build."""
+    from specexec.formats import q4
+
+    return tuple(f for f, ok in (("int8", hasattr(torch, "_weight_int8pack_mm")), ("q4", q4.available() is None)) if ok)
+
+
 def measure_target(
     shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
 ) -> dict[str, dict[str, float]]:
     """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of each low-bit CPU target format
-    ``auto`` may pick that runs here, fed activations in its compute dtype, timed alternately with the dense ones.
-    That is int8 alone: q4 decodes plain steps faster still, but its multi-row passes cost relatively more, and
-    the decoding policy does not yet keep its default at plain decoding's speed with it."""
+    that runs here (:func:`target_formats`), fed activations in its compute dtype, timed alternately with the
+    dense ones."""
     from specexec.formats.int8 import Int8Linear
+    from specexec.formats.q4 import Q4Linear
 
     gen = torch.Generator().manual_seed(0)
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
     dense = [w.to(dtype) for w in w32]
-    low: dict[str, list[Any]] = {}
-    if hasattr(torch, "_weight_int8pack_mm"):
-        low["int8"] = [Int8Linear(w, kernel="int8pack") for w in w32]
+    make = {"int8": lambda w: Int8Linear(w, kernel="int8pack"), "q4": Q4Linear}
+    low: dict[str, list[Any]] = {f: [make[f](w) for w in w32] for f in target_formats()}
     out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
@@ -437,7 +444,7 @@ def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
     if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
         return "dense", dense
     name = "fp32" if dense == torch.float32 else "bf16"
-    key = f"target formats vs {name}|{probe_key(shapes)}"
+    key = f"target formats {'+'.join(target_formats())} vs {name}|{probe_key(shapes)}"
     result = _cached(key, TargetProbe)
     if result is None:
         log.info("measuring low-bit vs %s target weights on this CPU (once; cached in %s)", name, cache_path())

@@ -104,13 +104,16 @@ def test_doctor_json_with_a_local_target(pair, tmp_path, monkeypatch):
         assert system["gpu"] is None and system["cuda_note"] == "no CUDA GPU: CPU-only mode"
         assert rec["tier"] == "cpu" and rec["dtype"] == "fp32"
     assert rec["present"] and rec["num_layers"] == 2 and rec["floor_s_per_pass"] >= 0
+    from specexec.formats import native
+
+    assert system["cpu_kernels"].startswith("built") == (native.available() is None), system["cpu_kernels"]
 
 
 def test_doctor_text_and_missing_model(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
     result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--target", "nobody-xyz/not-a-model"])
     assert result.exit_code == 0, result.output
-    assert "not present locally" in result.stdout
+    assert "not present locally" in result.stdout and "CPU kernels" in result.stdout
     if not torch.cuda.is_available():
         assert "CPU-only" in result.stdout
 

@@ -149,6 +149,17 @@ def test_auto_target_format_follows_the_measured_costs(tmp_path, monkeypatch, lo
     assert any("target formats" in k for k in cpu_probe._read_cache())
 
 
+def test_the_target_probe_times_every_low_bit_format_that_runs_here():
+    from specexec.formats import q4
+
+    shapes = [(64, 256), (256, 64)]
+    ms = cpu_probe.measure_target(shapes, torch.float32, rows=(1, 3), repeats=1)
+    want = {"dense"} | ({"int8"} if hasattr(torch, "_weight_int8pack_mm") else set())
+    want |= {"q4"} if q4.available() is None else set()
+    assert set(ms) == want and set(cpu_probe.target_formats()) == want - {"dense"}
+    assert all(set(v) == {"1", "3"} and all(x > 0 for x in v.values()) for v in ms.values())
+
+
 def test_tiny_models_are_not_probed_and_stay_dense(tiny_models):
     from specexec.loading.checkpoint import read_config
 

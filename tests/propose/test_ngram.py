@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specexec.config import NGRAM_LEN_GPU, NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
-from specexec.decoding.budget import AdaptiveBudget, AutoBudget
+from specexec.decoding.budget import SHRINK_STEPS, AdaptiveBudget, AutoBudget
 from specexec.decoding.engine import Engine, default_ngram
 from specexec.decoding.loop import StepInfo
 from specexec.errors import ConfigError
@@ -228,8 +228,11 @@ def test_adaptive_policy_follows_measured_rates():
     assert picks.count(8) >= 2
     _feed(p, 32, 2, 4.0)  # 0.5 tok/s
     _feed(p, 8, 3, 1.5, 3)
-    # measured rates, pulled toward plain decoding's by a step's worth (few steps are weak evidence against it)
-    assert p.rate(8) == pytest.approx((4 * 2.0 + 1.0) / 5) and p.rate(32) == pytest.approx((0.5 + 1.0) / 2)
+    # measured rates, pulled toward plain decoding's by SHRINK_STEPS steps of it (few steps are weak evidence
+    # against it)
+    k = SHRINK_STEPS
+    assert p.rate(8) == pytest.approx((4 * 2.0 + k * 1.0) / (4 + k))
+    assert p.rate(32) == pytest.approx((0.5 + k * 1.0) / (1 + k))
     # the text changes: arm 8 starts failing; exploration notices and the policy moves to arm 0
     for _ in range(40):
         a = p.choose()
