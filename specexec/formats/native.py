@@ -68,10 +68,8 @@ def _build(home: Path | None = None) -> ctypes.CDLL:
         tmp.replace(out)
     lib = ctypes.CDLL(str(out))
     P, I, N, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.q8_rows.argtypes = [P, I, I, N, P, P, P]
-    lib.q8_rows.restype = None
-    lib.q4_linear.argtypes = [P, I, I, N, P, P, P, I, P]
-    lib.q4_linear.restype = None
+    lib.q4_matmul.argtypes = [P, I, I, N, P, I, P]
+    lib.q4_matmul.restype = N
     lib.attn_rows.argtypes = [P, I, I, I, I, P, P, N, I, P, P, F, F, P]
     lib.attn_rows.restype = None
     return lib

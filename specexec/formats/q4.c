@@ -14,6 +14,7 @@
    in. Built by the package at first use with the system C compiler for this CPU (-march=native), without
    -ffast-math and with -ffp-contract=off. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef __AVX2__
@@ -38,27 +39,25 @@ static inline float h2f(uint16_t h) {
 
 static inline int64_t sb_bytes(int ns) { return 4 + 18 * (int64_t)ns; }
 
-/* x (rows, k) fp32 -> qa (rows, k) int8, dx (rows, k / SB) scales, bs (rows, k / 32) int16 sums of qa. */
-void q8_rows(const float *x, int64_t rows, int64_t k, int ns, int8_t *qa, float *dx, int16_t *bs) {
+/* Row r of x (rows, k) fp32 -> its int8 values in qa (rows, k), its super-blocks' scales in dx (rows, k / SB) and
+   its sub-blocks' sums in bs (rows, k / 32). */
+static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, float *dx, int16_t *bs) {
     const int64_t sb = (int64_t)QK * ns, nsb = k / sb;
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t s = 0; s < nsb; s++) {
-            const float *v = x + r * k + s * sb;
-            float amax = 0.f;
-            for (int64_t j = 0; j < sb; j++) { float a = fabsf(v[j]); if (a > amax) amax = a; }
-            float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-            for (int j = 0; j < ns; j++) {
-                int sum = 0;
-                for (int i = 0; i < QK; i++) {
-                    int q = (int)nearbyintf(v[j * QK + i] * id);
-                    qa[r * k + s * sb + j * QK + i] = (int8_t)q;
-                    sum += q;
-                }
-                bs[r * (k / QK) + s * ns + j] = (int16_t)sum;
+    for (int64_t s = 0; s < nsb; s++) {
+        const float *v = x + r * k + s * sb;
+        float amax = 0.f;
+        for (int64_t j = 0; j < sb; j++) { float a = fabsf(v[j]); if (a > amax) amax = a; }
+        float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < ns; j++) {
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                int q = (int)nearbyintf(v[j * QK + i] * id);
+                qa[r * k + s * sb + j * QK + i] = (int8_t)q;
+                sum += q;
             }
-            dx[r * nsb + s] = d;
+            bs[r * (k / QK) + s * ns + j] = (int16_t)sum;
         }
+        dx[r * nsb + s] = d;
     }
 }
 
@@ -130,57 +129,70 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
 }
 #endif
 
-/* out (rows, n) = dequant(w) (n, k) applied to the quantized rows (see q8_rows; bs is read 8 sums at a time, so
-   it has 8 more past its end); every output element is one thread's fixed sequence of operations, whatever rows,
-   n or the thread count. */
-void q4_linear(const uint8_t *w, int64_t n, int64_t k, int ns, const int8_t *qa, const float *dx,
-               const int16_t *bs, int64_t rows, float *out) {
+/* out (rows, n) = x (rows, k) fp32 times dequant(w) (n, k) transposed: x's rows quantized (q8_row), then every
+   output element one thread's fixed sequence of operations, whatever rows, n or the thread count. One parallel
+   region for both (a one-token step runs some hundred of these: each fork and join costs). Returns 0, or -1 when
+   the scratch memory cannot be had. */
+int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out) {
     const int64_t sb = (int64_t)QK * ns, nsb = k / sb, nbs = k / QK, sbb = sb_bytes(ns);
-    #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < n; o++) {
-        const uint8_t *wr = w + o * nsb * sbb;
-        for (int64_t r0 = 0; r0 < rows; r0 += RT) {
-            int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
+    int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nsb));
+    int16_t *bs = (int16_t *)calloc((size_t)(rows * nbs + 8), sizeof(int16_t)); /* read 8 sums at a time */
+    if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, bs);
+        #pragma omp for schedule(static)
+        for (int64_t o = 0; o < n; o++) {
+            const uint8_t *wr = w + o * nsb * sbb;
+            for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+                int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
 #ifdef __AVX2__
-            const int8_t *q = qa + r0 * k;
-            const float *d = dx + r0 * nsb;
-            const int16_t *b = bs + r0 * nbs;
-            float *res = out + r0 * n + o;
-            switch (rt) {
-                case 1: dot_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
-                case 2: dot_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
-                case 3: dot_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
-                default: dot_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
-            }
-#else
-            for (int r = 0; r < rt; r++) {
-                int64_t row = r0 + r;
-                float acc = 0.f, macc = 0.f;
-                for (int64_t s = 0; s < nsb; s++) {
-                    const uint8_t *blk = wr + s * sbb, *sc = blk + 4, *qs = blk + 4 + 2 * ns;
-                    const int8_t *mn = (const int8_t *)(blk + 4 + ns);
-                    uint16_t hd, hm;
-                    memcpy(&hd, blk, 2); memcpy(&hm, blk + 2, 2);
-                    const int8_t *a = qa + row * k + s * sb;
-                    int isum = 0, imin = 0;
-                    for (int j = 0; j < ns; j++) {
-                        int dot = 0;
-                        for (int i = 0; i < QK; i++) {
-                            int q;
-                            if (ns == 1) q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
-                            else q = j & 1 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 15;
-                            dot += q * a[j * QK + i];
-                        }
-                        isum += sc[j] * dot;
-                        imin += mn[j] * bs[row * nbs + s * ns + j];
-                    }
-                    const float xd = dx[row * nsb + s];
-                    acc += h2f(hd) * xd * (float)isum;
-                    macc += h2f(hm) * xd * (float)imin;
+                const int8_t *q = qa + r0 * k;
+                const float *d = dx + r0 * nsb;
+                const int16_t *b = bs + r0 * nbs;
+                float *res = out + r0 * n + o;
+                switch (rt) {
+                    case 1: dot_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
+                    case 2: dot_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
+                    case 3: dot_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
+                    default: dot_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
                 }
-                out[row * n + o] = acc + macc;
-            }
+#else
+                for (int r = 0; r < rt; r++) {
+                    int64_t row = r0 + r;
+                    float acc = 0.f, macc = 0.f;
+                    for (int64_t s = 0; s < nsb; s++) {
+                        const uint8_t *blk = wr + s * sbb, *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+                        const int8_t *mn = (const int8_t *)(blk + 4 + ns);
+                        uint16_t hd, hm;
+                        memcpy(&hd, blk, 2); memcpy(&hm, blk + 2, 2);
+                        const int8_t *a = qa + row * k + s * sb;
+                        int isum = 0, imin = 0;
+                        for (int j = 0; j < ns; j++) {
+                            int dot = 0;
+                            for (int i = 0; i < QK; i++) {
+                                int q;
+                                if (ns == 1) q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+                                else q = j & 1 ? qs[32 * (j / 2) + i] >> 4 : qs[32 * (j / 2) + i] & 15;
+                                dot += q * a[j * QK + i];
+                            }
+                            isum += sc[j] * dot;
+                            imin += mn[j] * bs[row * nbs + s * ns + j];
+                        }
+                        const float xd = dx[row * nsb + s];
+                        acc += h2f(hd) * xd * (float)isum;
+                        macc += h2f(hm) * xd * (float)imin;
+                    }
+                    out[row * n + o] = acc + macc;
+                }
 #endif
+            }
         }
     }
+    free(qa);
+    free(dx);
+    free(bs);
+    return 0;
 }

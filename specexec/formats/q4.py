@@ -110,12 +110,13 @@ class Q4Linear:
 
     def __init__(self, w: Tensor) -> None:
         self.shape = (int(w.shape[0]), int(w.shape[1]))
+        self.ns = sub_blocks(self.shape[1])
         self.packed = quantize(w)
 
     @classmethod
     def _from(cls, packed: Tensor, shape: tuple[int, int]) -> Q4Linear:
         out = cls.__new__(cls)
-        out.shape, out.packed = shape, packed
+        out.shape, out.packed, out.ns = shape, packed, sub_blocks(shape[1])
         return out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -136,19 +137,12 @@ class Q4Linear:
     def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype; every row's result is independent of the others (``invariant`` is
         accepted for the common weight interface: this kernel always is)."""
-        lib = kernel()
         n, k = self.shape
         xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
         rows = xf.shape[0]
-        ns = sub_blocks(k)
-        qa = torch.empty(rows, k, dtype=torch.int8)
-        dx = torch.empty(rows, k // (QK * ns))
-        bs = torch.zeros(rows * (k // QK) + 8, dtype=torch.int16)  # the kernel reads sums 8 at a time
         out = torch.empty(rows, n)
-        if rows:
-            ptrs = (qa.data_ptr(), dx.data_ptr(), bs.data_ptr())
-            lib.q8_rows(xf.data_ptr(), rows, k, ns, *ptrs)
-            lib.q4_linear(self.packed.data_ptr(), n, k, ns, *ptrs, rows, out.data_ptr())
+        if rows and kernel().q4_matmul(self.packed.data_ptr(), n, k, self.ns, xf.data_ptr(), rows, out.data_ptr()):
+            raise MemoryError("the 4-bit kernel could not allocate its scratch memory")
         return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
     def nbytes(self) -> int:
