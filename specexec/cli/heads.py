@@ -4,6 +4,7 @@ in :mod:`specexec.propose.heads`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -17,6 +18,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def training_format(cfg: Any) -> tuple[Any, str | None]:
+    """A CPU's compute dtype and weight format for reading text with the target (many rows a pass): bf16 where
+    this CPU's probe measures bf16 products faster than fp32 (native bf16 units), else the 4-bit kernel where it
+    builds, else fp32."""
+    import torch
+
+    from specexec.formats import q4
+    from specexec.loading.cpu_probe import choose_dtype
+
+    if choose_dtype(cfg) == torch.bfloat16:
+        return torch.bfloat16, None
+    return torch.float32, ("q4" if q4.available() is None else None)
 
 
 @app.command(
@@ -39,7 +54,14 @@ def train_cmd(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specexec.loading import hub
-    from specexec.loading.checkpoint import draft_vocab_ids, load_model, load_tokenizer, model_dir, parse_device
+    from specexec.loading.checkpoint import (
+        draft_vocab_ids,
+        load_model,
+        load_tokenizer,
+        model_dir,
+        parse_device,
+        read_config,
+    )
     from specexec.propose import heads as h
 
     if not max_minutes > 0:
@@ -49,8 +71,10 @@ def train_cmd(
     try:
         path = model_dir(hub.resolve(target, progress=not quiet, home=cache_dir))
         dev = parse_device(device)
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        model = load_model(path, dev, dtype)
+        dtype, fmt = torch.bfloat16, None
+        if dev.type == "cpu":  # the target's passes over the text are the training's cost: the fastest weights
+            dtype, fmt = training_format(read_config(path))
+        model = load_model(path, dev, dtype, fmt=fmt)
         tok = load_tokenizer(path)
         ids = draft_vocab_ids(tok, model.cfg.vocab_size, h.VOCAB)
         out = h.heads_path(path, cache_dir)

@@ -36,6 +36,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GRID = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# arms of the measured-rate policy from here up are head trees: HEADS_ARM + b proposes b nodes from the target's
+# trained heads (:mod:`specexec.propose.heads`), no draft pass
+HEADS_ARM = 1 << 20
+
+
+def arm_kind(arm: int) -> str:
+    """What a proposal size asks for: ``plain`` (0: no draft pass; the n-gram trie or plain decoding), ``chain``
+    (-g: g draft tokens in a row), ``tree`` (b > 0: a draft tree of b nodes) or ``heads`` (HEADS_ARM + b)."""
+    return "plain" if arm == 0 else "chain" if arm < 0 else "heads" if arm >= HEADS_ARM else "tree"
+
+
+def arm_label(arm: int) -> str:
+    """A proposal size as users read it: ``-3``, ``0``, ``8``, ``heads:4``."""
+    return f"heads:{arm - HEADS_ARM}" if arm >= HEADS_ARM else str(arm)
+
+
+def arm_json(arm: int | None) -> int | str | None:
+    """A proposal size in JSON: the number, or ``"heads:b"`` for a head tree."""
+    return arm_label(arm) if arm is not None and arm >= HEADS_ARM else arm
 
 
 def interp(points: dict[int, float], x: float) -> float:
@@ -332,6 +351,7 @@ SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as
 # CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
 # bigger verification), while a tie kept at plain decoding costs nothing
 TIE_MARGIN = 0.1
+TRY_ORDER = ("plain", "heads", "chain", "tree")  # untried arms are tried cheapest kind first
 
 
 @dataclass
@@ -380,6 +400,11 @@ class AdaptiveBudget:
     _chain_rejected: float = 0.0
     _chain_passes: float = 0.0
     _chain_draft_s: float = 0.0
+    heads_depth: int = 3  # how many heads the head arms' proposals have (their trees' most depth)
+    _heads_accepted: float = 0.0
+    _heads_rejected: float = 0.0
+    _heads_steps: float = 0.0
+    _heads_s: float = 0.0
     _seconds: float = 0.0  # all steps' seconds
     _lost_s: float = 0.0  # what explorations lost against the best measured arm
 
@@ -391,7 +416,12 @@ class AdaptiveBudget:
 
     def rate(self, arm: int) -> float | None:
         s = self._stats[arm]
-        model = self._chain_model(-arm) if arm < 0 and self.prior is None else None
+        kind = arm_kind(arm)
+        model = None
+        if self.prior is None and kind == "chain":
+            model = self._chain_model(-arm)
+        elif self.prior is None and kind == "heads":
+            model = self._heads_model(arm - HEADS_ARM)
         if s.n == 0:
             return self.prior(arm) if self.prior is not None else model
         measured = s.tokens / max(s.seconds, 1e-9)
@@ -415,6 +445,17 @@ class AdaptiveBudget:
         tokens = (1 - a ** (g + 1)) / (1 - a)
         return tokens / (g * self._chain_draft_s / self._chain_passes + verify)
 
+    def _heads_model(self, b: int) -> float | None:
+        """Expected tokens/s of a head tree of ``b`` from the head steps measured so far (None before any): its
+        best path ``min(b, heads_depth)`` deep, each guess accepted with the measured rate (siblings ignored), the
+        heads' measured seconds and the verification of b + 1 rows."""
+        verify = self.verify.at(b + 1)
+        if self._heads_steps == 0 or verify is None:
+            return None
+        a = min((self._heads_accepted + 1) / (self._heads_accepted + self._heads_rejected + 2), 0.99)
+        tokens = (1 - a ** (min(b, self.heads_depth) + 1)) / (1 - a)
+        return tokens / (self._heads_s / self._heads_steps + verify)
+
     def choose(self) -> int:
         self._step += 1
         rated = {a: self.rate(a) for a in self.arms}
@@ -434,8 +475,8 @@ class AdaptiveBudget:
             if due:  # the one tried longest ago
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
-            untried = [a for a in near if rated[a] is None]
-            if untried:
+            untried = sorted((a for a in near if rated[a] is None), key=lambda a: TRY_ORDER.index(arm_kind(a)))
+            if untried:  # the cheapest kind to try first: a draft pass's cost then bounds what the others can give
                 choice = untried[0]
         self._stats[choice].last = self._step
         self._exploring = choice != best
@@ -444,22 +485,44 @@ class AdaptiveBudget:
         return choice
 
     def _near(self, best: int) -> list[int]:
-        """The arms explored next to ``best``: its neighbours by size, and the first arm of each kind (no draft,
-        the shortest chain, the smallest tree), so that chains and trees each get tried whichever leads. Trees
-        (dearer to verify than a chain of their depth) are left out while chains are rated and none beats plain
-        decoding: the draft is not predicting this text."""
-        i = self.arms.index(best)
-        out = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
-        chains, trees = [a for a in self.arms if a < 0], [a for a in self.arms if a > 0]
+        """The arms explored next to ``best``: its neighbours by size among its kind, and the first arm of each
+        kind (no draft, the shortest chain, the smallest tree, the smallest head tree), so that each kind gets
+        tried whichever leads. Draft trees (dearer to verify than a chain of their depth) are left out while chains
+        are rated and none beats plain decoding: the draft is not predicting this text."""
+        kind = arm_kind(best)
+        same = [a for a in self.arms if arm_kind(a) == kind or {kind, arm_kind(a)} == {"plain", "tree"}]
+        i = same.index(best)
+        out = [same[j] for j in (i - 1, i + 1) if 0 <= j < len(same)]
+        chains = [a for a in self.arms if arm_kind(a) == "chain"]
+        trees = [a for a in self.arms if arm_kind(a) == "tree"]
+        heads = [a for a in self.arms if arm_kind(a) == "heads"]
         entries = [0] if 0 in self.arms else []
         entries += [max(chains)] if chains else []
         entries += [min(trees)] if trees else []
+        entries += [min(heads)] if heads else []
         out += [a for a in entries if a != best and a not in out]
         plain = self.rate(0) if 0 in self.arms else None
         rated = [r for a in chains if (r := self.rate(a)) is not None]
-        if plain is not None and rated and max(rated) < plain and best <= 0:
-            out = [a for a in out if a <= 0]
+        if plain is not None and rated and max(rated) < plain and arm_kind(best) != "tree":
+            out = [a for a in out if arm_kind(a) != "tree"]
+        if plain is not None:  # arms that could not win even if the target took every drafted token
+            out = [a for a in out if (c := self._ceiling(a)) is None or c >= (1 + TIE_MARGIN) * plain]
         return out
+
+    def _ceiling(self, arm: int) -> float | None:
+        """The most tokens/s a draft tree or chain could give, every drafted token accepted: g + 1 tokens for g
+        draft passes and the verification of its rows (a tree of b grown d deep: d + 1 tokens for d passes and
+        b + 1 rows). None before a draft pass and the verification costs are measured, and for other arms."""
+        kind, pass_s = arm_kind(arm), self.costs.pass_s
+        if kind not in ("chain", "tree") or pass_s is None or not self.verify.known():
+            return None
+        if kind == "chain":
+            verify = self.verify.at(-arm + 1)
+            return None if verify is None else (-arm + 1) / (-arm * pass_s + verify)
+        verify = self.verify.at(arm + 1)
+        if verify is None:
+            return None
+        return max((d + 1) / (d * pass_s + verify) for d in range(1, min(arm, self.max_depth) + 1))
 
     def grow_cost(self, budget: int) -> GrowCost | ChainStop | None:
         """A tree's early-stop costs; for a chain arm (budget -g), its per-token stop (once a draft pass and the
@@ -468,6 +531,8 @@ class AdaptiveBudget:
             if self.costs.pass_s is None or not self.verify.known():
                 return None
             return ChainStop(self.costs.pass_s, self.verify.curve(-budget + 2), self.costs.acc_scale)
+        if budget >= HEADS_ARM:  # heads grow no draft tree
+            return None
         return self.costs.grow_cost(budget)
 
     def trim_rule(self) -> Trim | None:
@@ -479,6 +544,14 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
     def update(self, step: StepInfo) -> None:
+        if arm_kind(step.budget) == "heads":  # the same for the heads' guesses along their best path
+            depth = min(step.budget - HEADS_ARM, self.heads_depth)
+            accepted = min(step.emitted - 1, depth)
+            d = CHAIN_DECAY
+            self._heads_accepted = d * self._heads_accepted + accepted
+            self._heads_rejected = d * self._heads_rejected + (accepted < depth)
+            self._heads_steps = d * self._heads_steps + 1
+            self._heads_s = d * self._heads_s + step.draft_s
         if step.budget < 0 and step.passes > 0:  # decayed counts: the model follows the text as it changes
             accepted = min(step.emitted - 1, step.passes)
             d = CHAIN_DECAY
@@ -512,7 +585,7 @@ class AdaptiveBudget:
             others = [r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None]
             lost = bool(others) and s.tokens / max(s.seconds, 1e-9) < max(others)
             s.wait = min(max(s.wait, self.explore_every) * 2, MAX_WAIT) if lost else 0
-        if step.budget != 0 and step.passes > 0:  # trees and chains: the draft's pass cost and confidence
+        if step.budget != 0 and step.passes > 0:  # draft trees and chains: the draft's pass cost and confidence
             predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
             self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
 

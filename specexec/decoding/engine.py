@@ -24,6 +24,7 @@ import torch
 
 from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingConfig, TreeConfig, check_method
 from specexec.decoding.budget import (
+    HEADS_ARM,
     AdaptiveBudget,
     AutoBudget,
     BudgetPolicy,
@@ -73,6 +74,7 @@ CPU_ARMS = (4, 8)
 # the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
 CPU_CHAINS = (2, 3, 4, 6, 10)
 HEAD_ARMS = (0, 1, 2, 4, 8, 16)  # head trees the measured-rate policy chooses among (0: plain decoding)
+CPU_HEAD_ARMS = (1, 2, 4, 8)  # head trees beside the draft's arms (a tree of b head guesses verifies b + 1 rows)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 
 
@@ -513,9 +515,10 @@ class Engine:
             return NoDraft(dev), FixedBudget(0)
         if method == "heads":
             assert self.heads is not None
-            heads = HeadsDraft(self.heads, self.target.globals.lm_head, dev)
+            g = self.target.globals
+            heads = HeadsDraft(self.heads, g.lm_head, g.embed, dev)
             if tree.auto:  # measured choice between plain AR (0) and head trees of a few sizes
-                arms = tuple(b for b in HEAD_ARMS if b <= tree.max_budget)
+                arms = tuple(HEADS_ARM + b if b else 0 for b in HEAD_ARMS if b <= tree.max_budget)
                 stats.budget_auto = True
                 return heads, self._adaptive_policy(learnt, arms, tree, stats)
             return heads, FixedBudget(tree.budget)
@@ -541,7 +544,12 @@ class Engine:
             # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
             lookup = NGramDraft(dev, ngram) if ngram is not None else None  # (--ngram-nodes 0: none)
             chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
-            proposer = TreeDraft(self.draft_model, tree, lookup, chains)
+            beside: HeadsDraft | None = None
+            if self.heads is not None:  # the target's heads: arms of their own, no draft pass
+                g = self.target.globals
+                beside = HeadsDraft(self.heads, g.lm_head, g.embed, dev)
+                arms += tuple(HEADS_ARM + b for b in CPU_HEAD_ARMS if b <= tree.max_budget)
+            proposer = TreeDraft(self.draft_model, tree, lookup, chains, beside)
             return proposer, self._adaptive_policy(learnt, arms, tree, stats)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
@@ -568,7 +576,13 @@ class Engine:
                 self._verify = VerifyCosts(self._verify_prior())
                 if stats is not None:
                     stats.costs_s = time.perf_counter() - tc
-            self._adaptive[key] = AdaptiveBudget(arms, costs=self._costs, max_depth=tree.max_depth, verify=self._verify)
+            self._adaptive[key] = AdaptiveBudget(
+                arms,
+                costs=self._costs,
+                max_depth=tree.max_depth,
+                verify=self._verify,
+                heads_depth=self.heads.k if self.heads is not None else 0,
+            )
         return self._adaptive[key]
 
     def _verify_prior(self) -> dict[int, float]:

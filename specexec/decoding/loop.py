@@ -26,7 +26,7 @@ from torch import Tensor
 from specexec.config import SamplingConfig
 from specexec.decoding import sampling
 from specexec.decoding.accept import accept
-from specexec.decoding.budget import BudgetPolicy
+from specexec.decoding.budget import BudgetPolicy, arm_json, arm_label
 from specexec.decoding.constraint import GrammarState, TokenLogprob, mask_rows
 from specexec.decoding.tree import Tree
 from specexec.decoding.verify import commit_target, score_tree
@@ -51,7 +51,8 @@ class Stats:
     prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
     costs_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
     budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
-    budgets: dict[int, int] = field(default_factory=dict)  # specexec: budget -> steps (-g: a chain of g tokens)
+    # specexec: budget -> steps (-g: a chain of g tokens; HEADS_ARM + b: b nodes from the heads, "heads:b" in JSON)
+    budgets: dict[int, int] = field(default_factory=dict)
     budget_auto: bool = False
     gamma: int | None = None
     mean_tree_size: float = 0.0
@@ -86,7 +87,8 @@ class Stats:
     def to_json(self, shapes: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
-        d["budgets"] = {str(k): v for k, v in sorted(self.budgets.items())}
+        d["budgets"] = {arm_label(k): v for k, v in sorted(self.budgets.items())}
+        d["budget"] = arm_json(self.budget)
         if not shapes:
             d.pop("tree_shapes")
         return d

@@ -1,20 +1,25 @@
-"""Medusa-style heads: proposals from the target's own last hidden state, no draft model.
+"""Heads: proposals from the target's own last hidden state and the tokens of the path, no draft model.
 
-Head k (k = 1..K) maps the target's final (normed) hidden state h at a position to a guess of the token k + 1
-places ahead: ``x_k = h + silu(h A_k B_k + c_k)`` (a low-rank residual block, Cai et al. 2024, "Medusa"), scored by
-the target's own output layer restricted to a frequency-ranked token subset (``ids``; its rows are the target's,
-shared, never trained). The verify pass already computes h for every node; the decode loop hands the proposer the
-row of the last accepted node, whose own logits chose the pending token, so head 1 guesses the token after it.
+Head k (k = 1..K) is a small residual stage that carries a state one token ahead: from the state before it and
+the embedding of the token it reads (the target's own input embedding), ``s_k = s_{k-1} + silu(n(s_{k-1}) A_k +
+n(e) G_k + c_k) B_k`` (low rank, ``n`` an RMS normalisation), and guesses the next token from ``s_k`` through the
+target's own output layer restricted to a frequency-ranked token subset (``ids``; its rows are the target's,
+shared, never trained). ``s_0`` is the target's final (normed) hidden state at the last accepted node, whose own
+logits chose the pending token, so head 1 reads the pending token and guesses the one after it; head 2 reads one
+of head 1's guesses, and so on. This is Medusa's idea (Cai et al. 2024) with each head conditioned on the tokens
+before it, as the MLP speculator of Wertheimer et al. 2024 and Hydra (Ankner et al. 2024) do: a Medusa head
+guessing two tokens ahead does not know the token between, and that costs most of its acceptance.
 
-A proposal is the tree of the ``budget`` most probable head paths (top tokens per head, a path's score the sum of
-its heads' log-probs: Medusa's candidate tree, grown best-first), rooted at the pending token. The exact tree walk
-verifies it, never Medusa's lossy "typical acceptance": greedy output is the target's greedy decoding, sampling
-its distribution. A head proposal costs K small products and K output-layer slices, far below a draft model's pass.
+A proposal is the tree of the ``budget`` most probable head paths (top tokens per node, a path's score the sum of
+its heads' log-probs), grown level by level from the pending token: a level's heads run only on the nodes that
+are among the ``budget`` best so far (one batched product a level). The exact tree walk verifies it, never
+Medusa's lossy "typical acceptance": greedy output is the target's greedy decoding, sampling its distribution. A
+proposal costs K small products and K output-layer slices, far below a draft model's pass.
 
 Heads are trained by self-distillation (:func:`train`): over local text the frozen target computes h and its own
-greedy prediction at every position; head k learns the target's prediction k places ahead. Trained heads are kept
-under ``<cache home>/heads/`` keyed by the target's weights (:func:`target_key`); the demo target's heads ship in
-the package (``specexec/configs/heads``).
+greedy prediction at every position; head k, reading the text's next k tokens, learns the target's prediction
+after them. Trained heads are kept under ``<cache home>/heads/`` keyed by the target's weights
+(:func:`target_key`); the demo target's heads ship in the package (``specexec/configs/heads``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specexec.decoding.budget import HEADS_ARM
 from specexec.decoding.tree import Tree
 from specexec.errors import SpecexecError
 from specexec.formats.dense import linear
@@ -42,19 +48,26 @@ from specexec.propose.base import Proposal, StepContext
 log = logging.getLogger(__name__)
 
 HEADS = 3  # heads: guesses 2, 3 and 4 tokens ahead (the target's own logits give the next one)
-RANK = 256  # the residual block's rank
+RANK = 256  # a stage's rank
 VOCAB = 16384  # the frequency-ranked token ids the heads score
-TOP = 8  # candidates per head a proposal draws from
-STEPS_PER_PASS = 8  # optimizer steps after each target pass over a chunk
+TOP = 8  # candidates per node a proposal draws from
+STEPS_PER_PASS = 2  # optimizer steps after each target pass over a chunk
 FEATURE_BYTES = 512 << 20  # the most hidden states (bf16) a training run keeps to draw its batches from
+FORM = "chained"  # the heads' form in saved files (files of another form are trained again)
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "heads"
+
+
+def _rms(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 @dataclass
 class Heads:
-    """K heads' weights: ``a`` (K, D, r), ``b`` (K, r, D), ``c`` (K, D) and the token ids they score (V',)."""
+    """K heads' weights: ``a`` and ``g`` (K, D, r), ``b`` (K, r, D), ``c`` (K, r) and the token ids they score
+    (V',)."""
 
     a: Tensor
+    g: Tensor
     b: Tensor
     c: Tensor
     ids: Tensor
@@ -62,25 +75,35 @@ class Heads:
 
     @classmethod
     def new(cls, hidden: int, ids: Tensor, heads: int = HEADS, rank: int = RANK, seed: int = 0) -> Heads:
-        """Untrained heads: each block starts at the identity (``b`` zero), i.e. every head guesses what the
-        target's own output layer would say at the position (Medusa's initialisation)."""
+        """Untrained heads: every stage starts as the identity (``b`` zero), i.e. every head guesses what the
+        target's own output layer says at the last position (Medusa's initialisation)."""
         gen = torch.Generator().manual_seed(seed)
         a = torch.randn(heads, hidden, rank, generator=gen) / math.sqrt(hidden)
-        return cls(a, torch.zeros(heads, rank, hidden), torch.zeros(heads, hidden), ids.long())
+        g = torch.randn(heads, hidden, rank, generator=gen) / math.sqrt(hidden)
+        return cls(a, g, torch.zeros(heads, rank, hidden), torch.zeros(heads, rank), ids.long())
 
     @property
     def k(self) -> int:
         return self.a.shape[0]
 
-    def blocks(self, h: Tensor) -> Tensor:
-        """h (n, D) -> every head's residual output (n, K, D)."""
-        x = h.float()
-        z = torch.einsum("nd,kdr->nkr", x, self.a.float())
-        z = torch.einsum("nkr,krd->nkd", z, self.b.float()) + self.c.float()
-        return x[:, None, :] + F.silu(z)
+    def stage(self, k: int, s: Tensor, e: Tensor) -> Tensor:
+        """Head ``k`` (0-based): states (n, D) and the embeddings of the tokens they read (n, D) -> the states
+        one token further (n, D), in fp32."""
+        s = s.float()
+        z = _rms(s) @ self.a[k].float() + _rms(e.float()) @ self.g[k].float() + self.c[k].float()
+        return s + F.silu(z) @ self.b[k].float()
+
+    def states(self, h: Tensor, e: Tensor) -> Tensor:
+        """Teacher-forced: hidden states (n, D) and the embeddings of the K tokens after each (n, K, D) -> every
+        head's state (n, K, D)."""
+        s, out = h, []
+        for k in range(self.k):
+            s = self.stage(k, s, e[:, k])
+            out.append(s)
+        return torch.stack(out, 1)
 
     def parameters(self) -> list[Tensor]:
-        return [self.a, self.b, self.c]
+        return [self.a, self.g, self.b, self.c]
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -89,11 +112,12 @@ class Heads:
         tmp = path.with_suffix(".tmp")
         tensors = {
             "a": self.a.detach().to(torch.bfloat16).contiguous(),
+            "g": self.g.detach().to(torch.bfloat16).contiguous(),
             "b": self.b.detach().to(torch.bfloat16).contiguous(),
             "c": self.c.detach().float().contiguous(),
             "ids": self.ids.to(torch.int32).contiguous(),
         }
-        save_file(tensors, str(tmp), metadata={"specexec_heads": json.dumps(self.meta)})
+        save_file(tensors, str(tmp), metadata={"specexec_heads": json.dumps({**self.meta, "form": FORM})})
         tmp.replace(path)
 
     @classmethod
@@ -103,10 +127,14 @@ class Heads:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = json.loads((f.metadata() or {}).get("specexec_heads", "{}"))
-                t = {k: f.get_tensor(k) for k in ("a", "b", "c", "ids")}
+                if meta.get("form") != FORM:
+                    raise SpecexecError(f"the heads in {path} are of an older form: train them again")
+                t = {k: f.get_tensor(k) for k in ("a", "g", "b", "c", "ids")}
+        except SpecexecError:
+            raise
         except Exception as e:  # noqa: BLE001  (safetensors raises several types for a damaged file)
             raise SpecexecError(f"cannot read heads from {path}: {e}") from None
-        return cls(t["a"].float(), t["b"].float(), t["c"].float(), t["ids"].long(), meta)
+        return cls(t["a"].float(), t["g"].float(), t["b"].float(), t["c"].float(), t["ids"].long(), meta)
 
 
 # ---------------------------------------------------------------------------------------------- where heads live
@@ -155,14 +183,15 @@ class HeadsDraft:
     name = "heads"
     wants_hidden = True  # the decode loop hands :meth:`commit` the accepted node's final hidden state
 
-    def __init__(self, heads: Heads, lm_head: Any, device: torch.device) -> None:
-        self.heads = Heads(heads.a.to(device), heads.b.to(device), heads.c.to(device), heads.ids.to(device), heads.meta)
+    def __init__(self, heads: Heads, lm_head: Any, embed: Any, device: torch.device) -> None:
+        a, g, b, c, ids = (t.to(device) for t in (heads.a, heads.g, heads.b, heads.c, heads.ids))
+        self.heads = Heads(a, g, b, c, ids, heads.meta)
         self.device = device
-        ids = self.heads.ids
         self._ids = ids
+        self._embed = embed
         if isinstance(lm_head, Tensor):
             self._rows: Any = lm_head[ids]
-        elif hasattr(lm_head, "subset"):  # int8: the same rows, the same kernel
+        elif hasattr(lm_head, "subset"):  # int8 and 4-bit targets: the same rows, the same kernel
             self._rows = lm_head.subset(ids)
         else:  # NF4: its rows dequantized once (V' x D)
             self._rows = lm_head.dequantize()[ids]
@@ -171,82 +200,108 @@ class HeadsDraft:
     def begin(self, seq: list[int]) -> None:
         self._hidden = None  # the first step verifies the root alone; its pass gives the hidden state
 
-    def guesses(self, hidden: Tensor, top: int) -> tuple[Tensor, Tensor]:
-        """Each head's ``top`` most probable tokens (K, top) and their log-probs (K, top)."""
-        x = self.heads.blocks(hidden[None])[0]  # (K, D)
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The target's input embeddings of ``tokens`` (n, D)."""
+        e = self._embed
+        return e[tokens] if isinstance(e, Tensor) else e.rows(tokens)
+
+    def guess(self, k: int, states: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Head ``k`` (0-based) on n nodes: the states their tokens were guessed from (n, D) and those tokens
+        (n,) -> the nodes' own states (n, D), each node's ``top`` most probable next tokens (n, top) and their
+        log-probs (n, top)."""
+        s = self.heads.stage(k, states, self.embed(tokens))
         rows = self._rows
+        x = s
         if isinstance(rows, Tensor):
-            x = x.to(rows.dtype)
+            x = s.to(rows.dtype)
         elif getattr(rows, "kernel", "") == "int8pack":  # a CPU target's int8 weights: bf16 activations
-            x = x.to(torch.bfloat16)
-        logits = linear(x, rows)
-        logp = torch.log_softmax(logits.float(), dim=-1)
+            x = s.to(torch.bfloat16)
+        logp = torch.log_softmax(linear(x, rows).float(), dim=-1)
         lp, idx = logp.topk(min(top, logp.shape[-1]), dim=-1)
-        return self._ids[idx], lp
+        return s, self._ids[idx], lp
+
+    def grow(self, seq: list[int], budget: int, room: int = 0) -> Tree:
+        """The tree of the ``budget`` most probable head paths below the pending token ``seq[-1]`` (the root alone
+        before the first verify pass has given a hidden state), with ``room`` more nodes' capacity."""
+        tree = Tree(seq[-1], budget + 1 + room, self.device)
+        if budget > 0 and self._hidden is not None:
+            parents, toks, depths, scores = self.paths(self._hidden, seq[-1], budget)
+            if parents:
+                tree.append(parents, toks, depths, scores)
+        return tree
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        budget = max(ctx.budget, 0)
-        tree = Tree(seq[-1], budget + 1, self.device)
-        if budget == 0 or self._hidden is None:
-            return Proposal(tree, budget=ctx.budget, source=self.name)
-        tokens, lp = self.guesses(self._hidden, min(TOP, budget))
-        tok, logp = tokens.tolist(), lp.tolist()
-        parents, toks, depths, scores = _best_paths(tok, logp, budget)
-        if parents:
-            tree.append(parents, toks, depths, scores)
-        prop = Proposal(tree, budget=ctx.budget, source=self.name)
+        b = ctx.budget - HEADS_ARM if ctx.budget >= HEADS_ARM else max(ctx.budget, 0)  # a policy's arm, or a size
+        prop = Proposal(self.grow(seq, b), budget=ctx.budget, source=self.name)
         prop.trim(ctx.trim)
         return prop
 
+    @torch.inference_mode()
+    def paths(self, hidden: Tensor, root: int, budget: int) -> tuple[list, list, list, list]:
+        """The ``budget`` most probable head paths from the pending token ``root`` as tree nodes below it (node
+        0), best first: (parents, tokens, depths, cumulative log-probs). Grown a level at a time: head k runs on
+        the depth-k nodes among the ``budget`` best found so far (deeper nodes only score less, so no node outside
+        them can have a child among the final best)."""
+        top = min(TOP, budget)
+        # a node: (score, depth, tie order, parent node, token); its state row for expanding it is kept apart
+        nodes: list[tuple[float, int, int, int, int]] = []
+        frontier = [-1]  # -1: the root
+        states = hidden.float()[None]
+        tokens = [root]
+        for k in range(min(self.heads.k, budget)):
+            s, tok, lp = self.guess(k, states, torch.tensor(tokens, device=self.device), top)
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            first = len(nodes)
+            for i, parent in enumerate(frontier):
+                base = 0.0 if parent < 0 else nodes[parent][0]
+                for j in range(len(tok_l[i])):
+                    nodes.append((base + lp_l[i][j], k + 1, len(nodes), parent, tok_l[i][j]))
+            best = set(heapq.nlargest(budget, range(len(nodes)), key=lambda n: (nodes[n][0], -nodes[n][1])))
+            grow = [n for n in range(first, len(nodes)) if n in best]
+            if not grow or k + 1 == self.heads.k:
+                break
+            rows = torch.tensor([nodes[n][3] for n in grow], device=self.device)  # their parents' rows in s
+            parent_row = {p: i for i, p in enumerate(frontier)}
+            states = s[torch.tensor([parent_row[int(p)] for p in rows.tolist()], device=self.device)]
+            tokens = [nodes[n][4] for n in grow]
+            frontier = grow
+        chosen = sorted(
+            heapq.nlargest(budget, range(len(nodes)), key=lambda n: (nodes[n][0], -nodes[n][1])),
+            key=lambda n: (-nodes[n][0], nodes[n][1], n),
+        )
+        number = {n: i + 1 for i, n in enumerate(chosen)}  # tree node ids: the root is 0
+        parents = [0 if nodes[n][3] < 0 else number[nodes[n][3]] for n in chosen]
+        return parents, [nodes[n][4] for n in chosen], [nodes[n][1] for n in chosen], [nodes[n][0] for n in chosen]
+
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._hidden = getattr(proposal, "hidden", None)
-
-
-def _best_paths(tok: list[list[int]], logp: list[list[float]], budget: int) -> tuple[list, list, list, list]:
-    """The ``budget`` most probable paths through the heads' guesses, best first, as tree nodes below the root
-    (node 0): (parents, tokens, depths, cumulative log-probs). A path's children score no more than it, so the
-    set is closed under prefixes."""
-    K = len(tok)
-    heap: list[tuple[float, int, int, int]] = [
-        (-logp[0][j], 0, 0, j) for j in range(len(tok[0]))
-    ]  # (-s, parent, depth, j)
-    heapq.heapify(heap)
-    parents: list[int] = []
-    toks: list[int] = []
-    depths: list[int] = []
-    scores: list[float] = []
-    while heap and len(toks) < budget:
-        neg, parent, d, j = heapq.heappop(heap)
-        node = len(toks) + 1
-        parents.append(parent)
-        toks.append(tok[d][j])
-        depths.append(d + 1)
-        scores.append(-neg)
-        if d + 1 < K:
-            for jj in range(len(tok[d + 1])):
-                heapq.heappush(heap, (neg - logp[d + 1][jj], node, d + 1, jj))
-    return parents, toks, depths, scores
 
 
 # ---------------------------------------------------------------------------------------------- training
 
 
 def stdlib_texts() -> Iterable[str]:
-    """Local text that needs no download: the Python standard library's sources, then pydoc's topic texts."""
+    """Local text that needs no download: the Python standard library's sources (its packages' too, tests
+    left out), each followed by one of pydoc's topic texts while they last (code and English prose mixed, so a
+    short run learns both)."""
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    for p in sorted(root.glob("*.py")):
-        try:
-            yield p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
+    files = sorted(p for p in root.rglob("*.py") if not {"test", "tests", "site-packages", "idle_test"} & set(p.parts))
     try:
         from pydoc_data.topics import topics
 
-        yield from (topics[k] for k in sorted(topics))
+        prose = [topics[k] for k in sorted(topics)]
     except ImportError:
-        return
+        prose = []
+    for i, p in enumerate(files):
+        try:
+            yield p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            pass
+        if i < len(prose):
+            yield prose[i]
+    yield from prose[len(files) :]
 
 
 def path_texts(path: Path) -> Iterable[str]:
@@ -301,39 +356,48 @@ def train(
             pass
     rows = model.globals.lm_head
     lm = (rows.subset(ids).dequantize() if hasattr(rows, "subset") else rows[ids]).float()  # (V', D), frozen
+    emb = model.globals.embed
+    fast = model.dtype == torch.bfloat16  # a bf16 target's machine multiplies the output layer in bf16 too
     pos_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
     pos_of[ids] = torch.arange(len(ids))
     feats: list[Tensor] = []
+    inputs: list[Tensor] = []
     labels: list[Tensor] = []
     K = heads.k
     t_start, last_save = time.perf_counter(), time.perf_counter()
     budget_s = max_minutes * 60
     texts = list(texts)
-    read_now = 0
     gen = torch.Generator().manual_seed(state.steps)
     for tokens in _passes(texts, tokenize, chunk, state):
         if state.seconds + time.perf_counter() - t_start >= budget_s:
             break
         if max_steps is not None and state.steps >= max_steps:
             break
-        read_now += 1
         h, pred = _features(model, tokens)
-        # head k at position i learns the target's prediction at i + k: the token k + 1 places after i
+        # head k (1-based) at position i reads the text's token i + k and learns the target's prediction after it
         T = len(tokens)
+        x = torch.tensor(tokens)
+        inp = torch.zeros((T, K), dtype=torch.long)
         lab = torch.full((T, K), -100, dtype=torch.long)
         for k in range(1, K + 1):
+            inp[: T - k, k - 1] = x[k:]
             lab[: T - k, k - 1] = pos_of[pred[k:]]
         feats.append(h.to(torch.bfloat16))
+        inputs.append(inp)
         labels.append(lab)
         state.chunks += 1
         while len(feats) > 1 and sum(f.numel() for f in feats) * 2 > FEATURE_BYTES:  # the oldest chunks go first
             feats.pop(0)
+            inputs.pop(0)
             labels.pop(0)
-        H, Y = torch.cat(feats), torch.cat(labels)
+        H, X, Y = torch.cat(feats), torch.cat(inputs), torch.cat(labels)
         for _ in range(STEPS_PER_PASS):  # a target pass costs far more than a step: reuse what was collected
             pick = torch.randint(0, H.shape[0], (min(batch, H.shape[0]),), generator=gen)
-            x = heads.blocks(H[pick].float())  # (n, K, D)
-            logits = x @ lm.T  # (n, K, V')
+            xi = X[pick]
+            with torch.no_grad():
+                e = (emb[xi] if isinstance(emb, Tensor) else emb.rows(xi.reshape(-1)).reshape(*xi.shape, -1)).float()
+            with torch.autocast(lm.device.type, dtype=torch.bfloat16, enabled=fast):
+                logits = (heads.states(H[pick].float(), e) @ lm.T).float()  # (n, K, V')
             y = Y[pick]
             losses = [F.cross_entropy(logits[:, k], y[:, k], ignore_index=-100) for k in range(K)]
             loss = torch.stack(losses).sum()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
+from specexec.decoding.budget import arm_json
 from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.decoding.text import render_chat
 from specexec.errors import SpecexecError
@@ -436,7 +437,7 @@ def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
     tokens a constraint forced."""
     return {
         "method": stats.method,
-        "budget": stats.budget,
+        "budget": arm_json(stats.budget),
         "budget_auto": bool(stats.budget_auto),
         "gamma": stats.gamma,
         "steps": int(stats.steps),

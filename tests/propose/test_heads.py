@@ -54,9 +54,9 @@ def test_training_saves_heads_that_learn_the_targets_predictions(trained):
         pos = torch.arange(len(ids))
         logits = model.forward(ids, pos, pos, pos[None, :] <= pos[:, None], model.new_cache(len(ids)), hidden=hidden)
         pred = logits.argmax(-1)
-        x = hd.blocks(hidden[0])  # (T, K, D)
-        guess = hd.ids[linear(x[:, 0], model.globals.lm_head[hd.ids]).argmax(-1)]
-        return (guess[:-1] == pred[1:]).float().mean().item()  # head 1 at i: the target's prediction at i + 1
+        s = hd.stage(0, hidden[0][:-1], model.globals.embed[ids[1:]])  # head 1 at i reads the token at i + 1
+        guess = hd.ids[linear(s, model.globals.lm_head[hd.ids]).argmax(-1)]
+        return (guess == pred[1:]).float().mean().item()  # ... and guesses the target's prediction after it
 
     assert agreement(loaded) > agreement(before) + 0.1
 
@@ -131,14 +131,16 @@ def test_heads_propose_from_the_hidden_state_the_loop_hands_over(engines, monkey
         self._at = len(seq)
         return orig(self, seq, ctx)
 
-    def guesses(self, hidden, top):
-        assert hidden is not None and hidden.shape == (e.target.cfg.hidden_size,)
+    def guess(self, k, states, tokens, top):
+        assert states.shape[-1] == e.target.cfg.hidden_size and len(tokens) == len(states)
+        if k == 0:  # head 1 reads the pending token, the last one of the sequence
+            assert tokens.tolist() == [full[self._at - 1]]
         seen.append(self._at)
-        nxt = [full[self._at + j] if self._at + j < len(full) else 0 for j in range(self.heads.k)]
-        return torch.tensor(nxt)[:, None], torch.zeros(self.heads.k, 1)
+        nxt = full[self._at + k] if self._at + k < len(full) else 0
+        return states, torch.full((len(states), 1), nxt), torch.zeros(len(states), 1)
 
     monkeypatch.setattr(h.HeadsDraft, "propose", propose)
-    monkeypatch.setattr(h.HeadsDraft, "guesses", guesses)
+    monkeypatch.setattr(h.HeadsDraft, "guess", guess)
     e.reset()
     r = e.generate(PROMPTS[0], 40, method="heads", tree=TreeConfig.fixed(h.HEADS))
     assert r.tokens == ref and seen
@@ -185,3 +187,75 @@ def test_cli_heads_train_then_generate(tmp_path):
     for bad, msg in ((["--max-minutes", "0"], "max-minutes"), (["--data", str(tmp_path / "nope")], "no such")):
         r = runner.invoke(app, ["heads", "train", "--target", str(target), "-q", *bad])
         assert r.exit_code == 2 and msg in r.stderr, r.output
+
+
+def test_paths_are_the_most_probable_head_paths(trained):
+    """The level-by-level growth returns exactly the ``budget`` most probable paths through the heads' guesses
+    (every path enumerated and scored by brute force), parents before children."""
+    target, _, model, _, _, heads, _ = trained
+    g = model.globals
+    draft = h.HeadsDraft(heads, g.lm_head, g.embed, CPU)
+    hidden = torch.randn(model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    root = 11
+    for budget in (1, 2, 5, 8, 20):
+        top = min(h.TOP, budget)
+        every: list[tuple[float, tuple[int, ...]]] = []
+
+        def walk(k, state, token, score, path):
+            if k == heads.k:
+                return
+            s, tok, lp = draft.guess(k, state[None], torch.tensor([token]), top)
+            for t, p in zip(tok[0].tolist(), lp[0].tolist()):
+                every.append((score + p, (*path, t)))
+                walk(k + 1, s[0], t, score + p, (*path, t))
+
+        walk(0, hidden.float(), root, 0.0, ())
+        want = sorted(every, key=lambda x: (-x[0], len(x[1])))[:budget]
+        parents, toks, depths, scores = draft.paths(hidden, root, budget)
+        assert len(toks) == budget and all(p < i + 1 for i, p in enumerate(parents))  # parents come first
+        got = []
+        for i in range(budget):  # each node's path from the root
+            path, j = [], i + 1
+            while j:
+                path.append(toks[j - 1])
+                j = parents[j - 1]
+            got.append((scores[i], tuple(reversed(path))))
+            assert depths[i] == len(path)
+        assert [p for _, p in got] == [p for _, p in want], budget
+        assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def paired(trained, tmp_path_factory):
+    """The trained target with a draft model: the CPU's default engine, the heads found beside the draft."""
+    target, home, *_ = trained
+    draft = make_tiny(tmp_path_factory.mktemp("draft") / "draft", "llama", seed=9, layers=1)
+    return api.load(str(target), str(draft), device="cpu", progress=False, context=256, cache_dir=home, dtype="fp32")
+
+
+def test_heads_are_arms_beside_the_draft(paired):
+    """With a draft and trained heads, the measured-rate policy's arms include head trees; a step of either
+    kind is exact (greedy equals AR, seeded sampling equals seeded AR) and the stats name the arms taken."""
+    from specexec.decoding.budget import HEADS_ARM, FixedBudget, arm_label
+
+    e = paired
+    assert e.heads is not None and e.draft is not None
+    taken: set[str] = set()
+    for p in PROMPTS:
+        e.reset()
+        ref = e.generate(p, 40, method="ar").tokens
+        e.reset()
+        r = e.generate(p, 40)
+        assert r.tokens == ref and r.stats.method == "specexec"
+        taken |= set(r.stats.to_json()["budgets"])
+        for arm in (HEADS_ARM + 1, HEADS_ARM + 4, -2, 0):
+            e.reset()
+            r = e.generate(p, 40, policy=FixedBudget(arm))
+            assert r.tokens == ref, arm
+            assert r.stats.to_json()["budgets"] == {arm_label(arm): r.stats.steps}
+        cfg = SamplingConfig(temperature=0.9, seed=3)
+        e.reset()
+        ref = e.generate(p, 24, method="ar", sampling_cfg=cfg).tokens
+        e.reset()
+        assert e.generate(p, 24, policy=FixedBudget(HEADS_ARM + 4), sampling_cfg=cfg).tokens == ref
+    assert any(k.startswith("heads:") for k in taken) and any(k.startswith("-") for k in taken), taken
