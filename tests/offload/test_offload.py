@@ -45,15 +45,17 @@ def tiny3(tmp_path_factory) -> Path:
 
 
 def _passes(model: Transformer, seed: int = 0) -> torch.Tensor:
-    """Prefill 12 tokens, one decode step, then a 6-node tree under a tree mask; all logits concatenated."""
+    """Prefill 12 tokens, one decode step, then a 6-node tree under a tree mask; all logits concatenated (on the
+    model's device)."""
+    dev = model.device
     cache = model.new_cache(40)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.cfg.vocab_size, (19,), generator=g)
+    ids = torch.randint(3, model.cfg.vocab_size, (19,), generator=g).to(dev)
     out = []
-    t = torch.arange(12)
+    t = torch.arange(12, device=dev)
     out.append(model.forward(ids[:12], t, t, t[None, :] <= t[:, None], cache))
-    t = torch.tensor([12])
-    out.append(model.forward(ids[12:13], t, t, torch.ones(1, 13, dtype=torch.bool), cache))
+    t = torch.tensor([12], device=dev)
+    out.append(model.forward(ids[12:13], t, t, torch.ones(1, 13, dtype=torch.bool, device=dev), cache))
     parents = [-1, 0, 0, 1, 1, 2]  # a small tree below slot 12
     slots = torch.arange(13, 19)
     mask = torch.zeros(6, 19, dtype=torch.bool)
@@ -64,7 +66,8 @@ def _passes(model: Transformer, seed: int = 0) -> torch.Tensor:
         if p >= 0:
             mask[j] |= mask[p]
         depth.append(0 if p < 0 else depth[p] + 1)
-    out.append(model.forward(ids[13:19], 13 + torch.tensor(depth), slots, mask, cache))
+    pos = 13 + torch.tensor(depth, device=dev)
+    out.append(model.forward(ids[13:19], pos, slots.to(dev), mask.to(dev), cache))
     return torch.cat(out)
 
 

@@ -259,3 +259,18 @@ def test_heads_are_arms_beside_the_draft(paired):
         e.reset()
         assert e.generate(p, 24, policy=FixedBudget(HEADS_ARM + 4), sampling_cfg=cfg).tokens == ref
     assert any(k.startswith("heads:") for k in taken) and any(k.startswith("-") for k in taken), taken
+
+
+@pytest.mark.cuda
+def test_heads_on_cuda_greedy_equals_ar(trained):
+    """The heads on a GPU target (its hidden states, embedding and output layer there): greedy equals AR."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    target, home, *_ = trained
+    e = api.load(str(target), "heads", device="cuda", progress=False, context=256, cache_dir=home)
+    for p in PROMPTS:
+        e.reset()
+        ref = e.generate(p, 32, method="ar").tokens
+        for kw in (dict(), dict(method="heads", tree=TreeConfig.fixed(8))):
+            e.reset()
+            assert e.generate(p, 32, **kw).tokens == ref, kw
