@@ -622,7 +622,7 @@ class Runner:
         rec["mean_tree_size"] = round(s.mean_tree_size, 2)
         rec["trimmed"] = s.trimmed
         if s.budgets:
-            rec["budgets"] = {str(k): v for k, v in sorted(s.budgets.items())}
+            rec["budgets"] = s.to_json()["budgets"]  # arms by name: -3, 0, 8, heads:4
         if s.costs_s:
             rec["costs_s"] = s.costs_s
         return rec

@@ -351,7 +351,10 @@ SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as
 # CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
 # bigger verification), while a tie kept at plain decoding costs nothing
 TIE_MARGIN = 0.1
-TRY_ORDER = ("plain", "heads", "chain", "tree")  # untried arms are tried cheapest kind first
+# untried arms are tried in this order: a chain first (its draft pass's cost then bounds what every chain and tree
+# could give), heads last (the draft's cache catches up over the tokens a step without it emitted, and that catch-up
+# is paid by the next draft step: tried after long head runs, chains measure slower than they are)
+TRY_ORDER = ("plain", "chain", "tree", "heads")
 
 
 @dataclass
@@ -476,7 +479,7 @@ class AdaptiveBudget:
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
             untried = sorted((a for a in near if rated[a] is None), key=lambda a: TRY_ORDER.index(arm_kind(a)))
-            if untried:  # the cheapest kind to try first: a draft pass's cost then bounds what the others can give
+            if untried:
                 choice = untried[0]
         self._stats[choice].last = self._step
         self._exploring = choice != best
