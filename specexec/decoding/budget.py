@@ -110,7 +110,8 @@ class FixedBudget:
 
     def update(self, step: StepInfo) -> None:
         predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0) if step.tree_logp else 0.0
-        self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
+        draft_s = step.draft_s - step.catch_up_s
+        self.costs.update(step.budget, draft_s, step.passes, step.target_s, predicted, step.emitted)
 
 
 @dataclass
@@ -204,7 +205,7 @@ class AutoBudget:
     def update(self, step: StepInfo) -> None:
         """Feed back one step: the tree's cumulative draft log-probs (non-root), tokens emitted, times."""
         budget, tree_logp, emitted = step.budget, step.tree_logp, step.emitted
-        draft_s, target_s, passes = step.draft_s, step.target_s, step.passes
+        draft_s, target_s, passes = step.draft_s - step.catch_up_s, step.target_s, step.passes
         probs = sorted((math.exp(x) for x in tree_logp), reverse=True)
         curve, acc = [], 1.0
         for p in probs:
@@ -540,13 +541,15 @@ class AdaptiveBudget:
 
     def trim_rule(self) -> Trim | None:
         """Trim proposals by value (:class:`~specexec.decoding.costs.Trim`): a second of verification is worth the
-        measured tokens/s, at the measured cost by size. None without a cost curve, and on exploration steps (they
-        also keep the cost curve measured at the sizes trimming would avoid)."""
-        if self._rate is None or not self.verify.known() or self._exploring:
+        measured tokens/s, at the measured cost by size. None without a cost curve. Exploration steps are trimmed
+        too: an arm is measured as it would run (untrimmed merged n-gram nodes made a chain's exploration verify
+        several times the rows, and the arm then lost to plain decoding for good where rows are dear)."""
+        if self._rate is None or not self.verify.known():
             return None
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
     def update(self, step: StepInfo) -> None:
+        draft_s = step.draft_s - step.catch_up_s  # a lagging draft's catch-up is a cost of the steps before
         if arm_kind(step.budget) == "heads":  # the same for the heads' guesses along their best path
             depth = min(step.budget - HEADS_ARM, self.heads_depth)
             accepted = min(step.emitted - 1, depth)
@@ -554,16 +557,16 @@ class AdaptiveBudget:
             self._heads_accepted = d * self._heads_accepted + accepted
             self._heads_rejected = d * self._heads_rejected + (accepted < depth)
             self._heads_steps = d * self._heads_steps + 1
-            self._heads_s = d * self._heads_s + step.draft_s
+            self._heads_s = d * self._heads_s + draft_s
         if step.budget < 0 and step.passes > 0:  # decayed counts: the model follows the text as it changes
             accepted = min(step.emitted - 1, step.passes)
             d = CHAIN_DECAY
             self._chain_accepted = d * self._chain_accepted + accepted
             self._chain_rejected = d * self._chain_rejected + (accepted < step.passes)
             self._chain_passes = d * self._chain_passes + step.passes
-            self._chain_draft_s = d * self._chain_draft_s + step.draft_s
+            self._chain_draft_s = d * self._chain_draft_s + draft_s
         explored = self._exploring and step.budget == self._current
-        sec_all = step.draft_s + step.target_s
+        sec_all = draft_s + step.target_s
         self._seconds += sec_all
         if explored:
             best = max((r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None), default=None)
@@ -577,7 +580,7 @@ class AdaptiveBudget:
         s = self._stats.get(step.budget)
         if s is None:
             return
-        sec = step.draft_s + step.target_s
+        sec = draft_s + step.target_s
         if s.n == 0:
             s.seconds, s.tokens = sec, float(step.emitted)
         else:
@@ -590,7 +593,7 @@ class AdaptiveBudget:
             s.wait = min(max(s.wait, self.explore_every) * 2, MAX_WAIT) if lost else 0
         if step.budget != 0 and step.passes > 0:  # draft trees and chains: the draft's pass cost and confidence
             predicted = min(1.0 + sum(math.exp(x) for x in step.tree_logp), self.max_depth + 1.0)
-            self.costs.update(step.budget, step.draft_s, step.passes, step.target_s, predicted, step.emitted)
+            self.costs.update(step.budget, draft_s, step.passes, step.target_s, predicted, step.emitted)
 
     def summary(self) -> dict[int, dict[str, float]]:
         """Per arm: steps, measured tokens/step and seconds/step (EMAs)."""

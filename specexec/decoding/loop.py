@@ -106,6 +106,7 @@ class StepInfo:
     draft_s: float
     target_s: float
     passes: int  # draft passes
+    catch_up_s: float = 0.0  # of draft_s, a lagging draft's catch-up over tokens committed without it
     size: int = 0  # tokens the target verified (the tree's nodes, root included; 0: unknown)
     index: int = 0  # 0-based step number (prefill excluded)
     tokens: tuple[int, ...] = ()  # tokens committed this step (cut at EOS / the token limit)
@@ -311,6 +312,7 @@ def decode(
                 draft_s=tt - td,
                 target_s=te - tt,
                 passes=prop.passes,
+                catch_up_s=prop.catch_up_s,
                 size=verified.tree.size,
                 index=stats.steps,
                 tokens=tuple(out),

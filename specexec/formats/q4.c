@@ -20,8 +20,22 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE 1 /* super-blocks of 4 or 8 sub-blocks run 64 bytes of nibbles at a time (wide_rows) */
+#endif
 
 #define QK 32
+#define PF 2048 /* bytes of a weight row prefetched ahead: one row's stream alone does not keep DRAM busy */
+
+/* Where sub-block j of a super-block sits in a quantized activation row: in the wide layout every 4 sub-blocks
+   are stored 0, 2, 1, 3, the order in which 64 bytes of nibbles hold their low and high halves. */
+static inline int slot(int j, int ns) {
+#ifdef WIDE
+    if (ns % 4 == 0) return (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1);
+#endif
+    (void)ns;
+    return j;
+}
 
 static inline float h2f(uint16_t h) {
 #ifdef __F16C__
@@ -52,7 +66,7 @@ static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, flo
             int sum = 0;
             for (int i = 0; i < QK; i++) {
                 int q = (int)nearbyintf(v[j * QK + i] * id);
-                qa[r * k + s * sb + j * QK + i] = (int8_t)q;
+                qa[r * k + s * sb + slot(j, ns) * QK + i] = (int8_t)q;
                 sum += q;
             }
             bs[r * (k / QK) + s * ns + j] = (int16_t)sum;
@@ -62,6 +76,7 @@ static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, flo
 }
 
 #define RT 4 /* activation rows sharing one unpacked weight super-block */
+#define WRT 8 /* the same for wide_rows */
 
 #ifdef __AVX2__
 /* Rows r0 .. r0 + R - 1 against one weight row; R is a constant once inlined, so the accumulators live in
@@ -78,6 +93,9 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
     const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = wr + s * sbb;
+        _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF + 128), _MM_HINT_T0);
         uint16_t hd, hm;
         memcpy(&hd, blk, 2);
         memcpy(&hm, blk + 2, 2);
@@ -129,6 +147,74 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
 }
 #endif
 
+#ifdef WIDE
+/* dot_rows for super-blocks of 4 or 8 sub-blocks with AVX-512: 64 bytes of nibbles are the low and high halves of
+   4 sub-blocks; u8 x s8 pairs summed to int16 (maddubs), then times the sub-scale and summed into int32 lanes
+   (dpwssd). The activations are in the wide layout (slot). */
+static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, int ns, int64_t nsb, int64_t k,
+                                                            const int8_t *qa, const float *dx, const int16_t *bs,
+                                                            const int R, float *res, int64_t stride) {
+    const int64_t sb = (int64_t)QK * ns, nbs = k / QK, sbb = sb_bytes(ns);
+    __m512 acc[WRT];
+    __m128 macc[WRT];
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm_setzero_ps(); }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+    /* int16 lanes 0-15 take sub-scale 4g + h, lanes 16-31 sub-scale 4g + h + 2 (h: 0 low, 1 high) */
+    const __m512i pick_lo = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002LL, 0x0002000200020002LL,
+                                              0x0002000200020002LL, 0x0002000200020002LL);
+    const __m512i one16 = _mm512_set1_epi16(1), four16 = _mm512_set1_epi16(4);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *blk = wr + s * sbb;
+        _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF + 128), _MM_HINT_T0);
+        uint16_t hd, hm;
+        memcpy(&hd, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        const float d = h2f(hd), dm = h2f(hm);
+        const uint8_t *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+        int64_t sc8;
+        memcpy(&sc8, sc, 8); /* ns = 4: the other 4 bytes are minimums, never picked */
+        const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc8)));
+        __m512i isum[WRT];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+        __m512i pick = pick_lo;
+        for (int g = 0; g < ns / 4; g++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * g));
+            const __m512i w0 = _mm512_and_si512(raw, low), w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            const __m512i s0 = _mm512_permutexvar_epi16(pick, scw);
+            const __m512i s1 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, one16), scw);
+            pick = _mm512_add_epi16(pick, four16);
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = qa + r * k + s * sb + 128 * g;
+                const __m512i p0 = _mm512_maddubs_epi16(w0, _mm512_loadu_si512((const void *)a));
+                const __m512i p1 = _mm512_maddubs_epi16(w1, _mm512_loadu_si512((const void *)(a + 64)));
+                isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], p0, s0), p1, s1);
+            }
+        }
+        int64_t mn8;
+        memcpy(&mn8, blk + 4 + ns, 8);
+        const __m128i mn = _mm_and_si128(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(mn8)), keep);
+        for (int r = 0; r < R; r++) {
+            const float xd = dx[r * nsb + s];
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns));
+            macc[r] = _mm_fmadd_ps(_mm_set1_ps(dm * xd), _mm_cvtepi32_ps(_mm_madd_epi16(mn, b)), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        __m128 m4 = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
+        m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
+        res[r * stride] = _mm_cvtss_f32(s4) + _mm_cvtss_f32(m4);
+    }
+}
+#endif
+
 /* out (rows, n) = x (rows, k) fp32 times dequant(w) (n, k) transposed: x's rows quantized (q8_row), then every
    output element one thread's fixed sequence of operations, whatever rows, n or the thread count. One parallel
    region for both (a one-token step runs some hundred of these: each fork and join costs). Returns 0, or -1 when
@@ -148,11 +234,30 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
             const uint8_t *wr = w + o * nsb * sbb;
             for (int64_t r0 = 0; r0 < rows; r0 += RT) {
                 int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
+#ifdef WIDE
+                if (ns % 4 == 0) rt = rows - r0 < WRT ? (int)(rows - r0) : WRT;
+#endif
 #ifdef __AVX2__
                 const int8_t *q = qa + r0 * k;
                 const float *d = dx + r0 * nsb;
                 const int16_t *b = bs + r0 * nbs;
                 float *res = out + r0 * n + o;
+#ifdef WIDE
+                if (ns % 4 == 0) {
+                    switch (rt) {
+                        case 1: wide_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
+                        case 2: wide_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
+                        case 3: wide_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
+                        case 4: wide_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
+                        case 5: wide_rows(wr, ns, nsb, k, q, d, b, 5, res, n); break;
+                        case 6: wide_rows(wr, ns, nsb, k, q, d, b, 6, res, n); break;
+                        case 7: wide_rows(wr, ns, nsb, k, q, d, b, 7, res, n); break;
+                        default: wide_rows(wr, ns, nsb, k, q, d, b, 8, res, n); break;
+                    }
+                    r0 += WRT - RT;
+                    continue;
+                }
+#endif
                 switch (rt) {
                     case 1: dot_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
                     case 2: dot_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;

@@ -50,7 +50,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BnbKernelsHint())
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANTIZED = ("int8", "nf4")  # draft weight formats besides "dense"
-DRAFT_DTYPES = ("auto", *DTYPES, *QUANTIZED)  # what a draft accepts
+DRAFT_DTYPES = ("auto", *DTYPES, *QUANTIZED, "q4")  # what a draft accepts
 SELF_DRAFT = "self"  # draft="self": the target's own checkpoint loaded in low bit as its draft (SubSpec-style)
 DEFAULT_DRAFT_VOCAB = 32768  # reduced draft vocabulary size when one is asked for without a size
 
@@ -112,11 +112,13 @@ def check_self_draft_dtype(name: str | None) -> None:
 def draft_format(
     name: str | None, dtype: str, device: torch.device, cfg: ModelConfig, self_draft: bool = False
 ) -> tuple[torch.dtype, str]:
-    """(compute dtype, weight format: dense | int8 | nf4) of a draft.
+    """(compute dtype, weight format: dense | int8 | nf4 | q4) of a draft.
 
     ``name`` is the draft dtype (``--draft-dtype``; None: the target's ``dtype``, or ``auto`` for a self-derived
-    draft). Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU
-    (int8: fbgemm's int8 GEMM; nf4: dequantized per pass, correct but slow), the target's 16-bit ``dtype`` on
+    draft; ``auto`` on a CPU: dense, int8 or q4, whichever this machine runs clearly fastest, measured once).
+    Low-bit formats keep activations, norms and the KV cache in the compute dtype: fp32 on a CPU (int8: fbgemm's
+    int8 GEMM; q4: the package's 4-bit kernel, :mod:`specexec.formats.q4`; nf4: dequantized per pass, correct
+    but slow), the target's 16-bit ``dtype`` on
     CUDA (bitsandbytes: ``matmul_4bit`` for nf4, LLM.int8's GEMM for int8). A self-derived draft (``self_draft``)
     is always low-bit: ``auto`` picks int8 on a CPU, nf4 on CUDA; a dense name is refused (it would be the target
     itself, at the target's cost).
@@ -129,11 +131,19 @@ def draft_format(
     if name == "auto" and device.type == "cpu" and not self_draft:
         from specexec.loading import cpu_probe
 
-        dt, int8 = cpu_probe.choose_draft(cfg)  # int8 weights where this CPU runs them clearly faster (measured)
-        if int8:
-            return dt, "int8"
-        cpu_probe.orientation(cfg, dt)
-        return dt, "dense"
+        dt, fmt = cpu_probe.choose_draft(cfg)  # low-bit weights where this CPU runs them clearly faster (measured)
+        if fmt == "dense":
+            cpu_probe.orientation(cfg, dt)
+        return dt, fmt
+    if name == "q4":
+        if device.type != "cpu":
+            raise ConfigError("draft_dtype", name, "is a CPU format; on a GPU use nf4 or int8")
+        from specexec.formats import q4
+
+        why = q4.available()
+        if why is not None:
+            raise ConfigError("draft_dtype", name, f"cannot run here: {why}")
+        return torch.float32, "q4"
     if name in QUANTIZED:
         if device.type == "cuda":
             return parse_dtype(dtype if dtype in ("bf16", "fp16") else "auto", device), name

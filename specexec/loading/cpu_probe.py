@@ -47,6 +47,9 @@ ORIENT_REPEATS = 4
 MIN_LAYER_PARAMS = 1 << 20  # smaller layers (test models): no probe, fp32
 REPEATS = 5
 CACHE_FILE = "cpu_probe.json"
+LLC_DEFAULT = 32 << 20  # the last-level cache assumed where sysfs does not say
+FLUSH_MAX = 2 << 30  # the most bytes read to push a layer out of the cache
+PROBE_VERSION = 2  # of the format probes: results of older kernels or rules are measured again
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def _read_cache() -> dict[str, Any]:
         return {}
 
 
-def _write_cache(result: ProbeResult | OrientResult | DraftProbe | TargetProbe) -> None:
+def _write_cache(result: ProbeResult | OrientResult | FormatProbe) -> None:
     path = cache_path()
     data = _read_cache()
     data[result.key] = asdict(result)
@@ -130,20 +133,52 @@ def _cached(key: str, cls: Any, use_cache: bool = True) -> Any:
         return None
 
 
-def _best_ms_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+def _best_ms_pair(
+    a: Callable[[], Any], b: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None
+) -> tuple[float, float]:
     """Best-of-``repeats`` ms of two alternatives timed alternately (A, B, A, B, ...), so a busy spell on the
-    machine slows both rather than biasing the comparison; the minimum discards the interrupted repeats."""
+    machine slows both rather than biasing the comparison; the minimum discards the interrupted repeats.
+    ``before``: run (untimed) before every timed call (:func:`cold`)."""
     a()
     b()
     best_a = best_b = float("inf")
     for _ in range(repeats):
+        if before is not None:
+            before()
         t = time.perf_counter()
         a()
         best_a = min(best_a, time.perf_counter() - t)
+        if before is not None:
+            before()
         t = time.perf_counter()
         b()
         best_b = min(best_b, time.perf_counter() - t)
     return best_a * 1e3, best_b * 1e3
+
+
+def llc_bytes() -> int:
+    """The CPU's last-level cache in bytes (Linux sysfs), else :data:`LLC_DEFAULT`."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or LLC_DEFAULT
+
+
+def cold(model_bytes: int) -> Callable[[], Any] | None:
+    """A model whose weights exceed the last-level cache streams them from memory in every pass, but one layer
+    timed over and over sits in the cache (a 480 MB L3 holds a 1.5B model's bf16 layer): then each timed call
+    is preceded by reading a buffer twice the cache's size, so the layer comes from memory as in the real pass.
+    None (no flush) for a model that fits."""
+    llc = llc_bytes()
+    if model_bytes <= llc:
+        return None
+    buf = torch.ones(min(2 * llc, FLUSH_MAX) // 4)
+    return lambda: float(buf.sum())
 
 
 def _best_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -297,95 +332,92 @@ def orientation(cfg: ModelConfig, dtype: torch.dtype, use_cache: bool = True) ->
     return result
 
 
-INT8_GAIN = 0.75  # an int8 draft is chosen when its layer costs at most this fraction of the dense one ...
-INT8_ROWS = (1, 8)  # ... at each of these row counts (one-row chain steps, a few-beam tree level)
+LOW_BIT_GAIN = 0.75  # a low-bit format's one-row pass must cost at most this fraction of the dense one
+INT8_ROWS = (1, 8)  # the row counts timed: one-row passes (plain decoding, chain steps), a few-row verification
+
+# low-bit CPU formats -> their compute dtype: a target's int8 is the weight-only ``int8pack`` kernel on bf16; a
+# draft's int8 (fbgemm's dynamic kernel) and both q4 compute in fp32
+TARGET_FORMATS = {"int8": torch.bfloat16, "q4": torch.float32}
+DRAFT_FORMATS = {"int8": torch.float32, "q4": torch.float32}
 
 
-@dataclass(frozen=True)
-class DraftProbe:
-    """Per-layer ms of the draft's linears, dense (its compute dtype) vs int8 weights, and the choice."""
+def pick_format(ms: dict[str, dict[str, float]], formats: Any) -> str:
+    """The format whose layer costs least summed over the measured row counts, among the dense one and the low-bit
+    ones (of ``formats``) that are clearly cheaper at one row (:data:`LOW_BIT_GAIN`: a token costs reading the
+    weights) and no dearer than dense at any other row count (a verification or a tree level must not get
+    dearer)."""
+    dense = ms["dense"]
+    one = min(dense, key=int)
 
-    key: str
-    dense: str  # "fp32" / "bf16"
-    ms: dict[str, dict[str, float]]  # "dense" / "int8" -> rows -> ms
-    int8: bool
-    kernel: str
-    seconds: float = 0.0
+    def ok(f: str) -> bool:
+        return ms[f][one] <= LOW_BIT_GAIN * dense[one] and all(ms[f][r] <= dense[r] for r in dense if r != one)
 
-    def summary(self) -> str:
-        d, q = self.ms.get("dense", {}), self.ms.get("int8", {})
-        parts = [f"{r} rows {self.dense} {d[r]:.1f} / int8 {q[r]:.1f} ms" for r in d if r in q]
-        return f"{'int8' if self.int8 else self.dense} weights ({'; '.join(parts)} per layer, {self.kernel} kernel)"
+    return min((f for f in formats if f in ms and ok(f)), key=lambda f: sum(ms[f][r] for r in dense), default="dense")
 
 
-def measure_int8(
-    shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
-) -> dict[str, dict[str, float]]:
-    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of :class:`Int8Linear` copies."""
+def _low_bit(fmt: str, w: torch.Tensor, target: bool) -> Any:
     from specexec.formats.int8 import Int8Linear
+    from specexec.formats.q4 import Q4Linear
 
+    if fmt == "q4":
+        return Q4Linear(w)
+    return Int8Linear(w, kernel="int8pack") if target else Int8Linear(w)
+
+
+def measure_formats(
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    formats: dict[str, torch.dtype],
+    rows: tuple[int, ...] = INT8_ROWS,
+    repeats: int = REPEATS,
+    before: Callable[[], Any] | None = None,
+    target: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of each low-bit format in
+    ``formats`` (fed activations in its compute dtype), timed alternately with the dense ones; ``before``: run
+    before every timed call (:func:`cold`). ``target``: a target's int8 kernel, else a draft's."""
     gen = torch.Generator().manual_seed(0)
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
     dense = [w.to(dtype) for w in w32]
-    q = [Int8Linear(w) for w in w32]
-    out: dict[str, dict[str, float]] = {"dense": {}, "int8": {}}
+    low: dict[str, list[Any]] = {f: [_low_bit(f, w, target) for w in w32] for f in formats}
+    out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
         xd = [x.to(dtype) for x in xs]
-        out["dense"][str(r)], out["int8"][str(r)] = _best_ms_pair(
-            lambda: [linear(x, w) for x, w in zip(xd, dense)], lambda: [w.linear(x) for x, w in zip(xs, q)], repeats
-        )
+        for f, ws in low.items():
+            xq = [x.to(formats[f]) for x in xs]
+            dense_ms, out[f][str(r)] = _best_ms_pair(
+                lambda: [linear(x, w) for x, w in zip(xd, dense)],
+                lambda ws=ws, xq=xq: [w.linear(x, invariant=True) for x, w in zip(xq, ws)],  # type: ignore[misc]
+                repeats,
+                before,
+            )
+            out["dense"][str(r)] = min(dense_ms, out["dense"].get(str(r), dense_ms))
     return out
 
 
-def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, bool]:
-    """A CPU draft's (compute dtype, int8 weights), measured once per machine and cached: int8 weights when this
-    CPU runs them clearly faster (:data:`INT8_GAIN`) than the dense dtype :func:`choose_dtype` picks, at one row
-    and at a few rows. The draft only proposes, so its format moves speed and acceptance, never the output."""
-    from specexec.formats.int8 import _int8_kernel
-
-    dense = choose_dtype(cfg)
-    shapes = layer_shapes(cfg)
-    kernel = _int8_kernel()
-    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or kernel == "dequant":
-        return dense, False
-    name = "fp32" if dense == torch.float32 else "bf16"
-    key = f"draft int8 vs {name}|{kernel}|{probe_key(shapes)}"
-    result = _cached(key, DraftProbe)
-    if result is None:
-        log.info("measuring int8 vs %s draft weights on this CPU (once; cached in %s)", name, cache_path())
-        t0 = time.perf_counter()
-        ms = measure_int8(shapes, dense)
-        ok = all(ms["int8"][r] <= INT8_GAIN * ms["dense"][r] for r in ms["dense"])
-        result = DraftProbe(key, name, ms, ok, kernel, round(time.perf_counter() - t0, 2))
-        log.info("CPU draft probe: %s", result.summary())
-        _write_cache(result)
-    return (torch.float32, True) if result.int8 else (dense, False)
-
-
-TARGET_FORMATS = {"int8": torch.bfloat16, "q4": torch.float32}  # low-bit CPU target formats -> compute dtype
-
-
 @dataclass(frozen=True)
-class TargetProbe:
-    """Per-layer ms of the target's linears, dense (its compute dtype) vs each low-bit CPU format in its compute
-    dtype (int8: the weight-only ``int8pack`` kernel on bf16; q4: our 4-bit kernel on fp32), and the choice."""
+class FormatProbe:
+    """Per-layer ms of a model's linears, dense (its compute dtype) vs each low-bit CPU format that runs here, timed
+    from memory where the model outgrows the last-level cache (``cold``), and the chosen format."""
 
     key: str
     dense: str  # "fp32" / "bf16"
     ms: dict[str, dict[str, float]]  # "dense" / "int8" / "q4" -> rows -> ms
     fmt: str  # the chosen format: "dense", "int8" or "q4"
+    cold: bool = False
     seconds: float = 0.0
 
-    def summary(self) -> str:
+    def summary(self, what: str = "target") -> str:
         d = self.ms.get("dense", {})
         parts = [
             f"{r} rows {self.dense} {d[r]:.1f}"
-            + "".join(f" / {f} {self.ms[f][r]:.1f}" for f in TARGET_FORMATS if r in self.ms.get(f, {}))
+            + "".join(f" / {f} {self.ms[f][r]:.1f}" for f in ("int8", "q4") if r in self.ms.get(f, {}))
             for r in d
         ]
         name = self.dense if self.fmt == "dense" else self.fmt
-        return f"target {name} weights ({'; '.join(parts)} ms per layer)"
+        where = ", from memory" if self.cold else ""
+        return f"{what} {name} weights ({'; '.join(parts)} ms per layer{where})"
 
 
 def target_formats() -> tuple[str, ...]:
@@ -396,64 +428,74 @@ def target_formats() -> tuple[str, ...]:
     return tuple(f for f, ok in (("int8", hasattr(torch, "_weight_int8pack_mm")), ("q4", q4.available() is None)) if ok)
 
 
+def draft_formats() -> tuple[str, ...]:
+    """The low-bit CPU draft formats that run here: int8 where its kernel is not a dequantizing fallback, q4 where
+    the package's C kernels build."""
+    from specexec.formats import q4
+    from specexec.formats.int8 import _int8_kernel
+
+    return tuple(f for f, ok in (("int8", _int8_kernel() != "dequant"), ("q4", q4.available() is None)) if ok)
+
+
 def measure_target(
-    shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...] = INT8_ROWS, repeats: int = REPEATS
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    rows: tuple[int, ...] = INT8_ROWS,
+    repeats: int = REPEATS,
+    before: Callable[[], Any] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Per-layer ms (min of ``repeats``) of the dense linears in ``dtype`` and of each low-bit CPU target format
-    that runs here (:func:`target_formats`), fed activations in its compute dtype, timed alternately with the
-    dense ones."""
-    from specexec.formats.int8 import Int8Linear
-    from specexec.formats.q4 import Q4Linear
-
-    gen = torch.Generator().manual_seed(0)
-    w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
-    dense = [w.to(dtype) for w in w32]
-    make = {"int8": lambda w: Int8Linear(w, kernel="int8pack"), "q4": Q4Linear}
-    low: dict[str, list[Any]] = {f: [make[f](w) for w in w32] for f in target_formats()}
-    out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
-    for r in rows:
-        xs = [torch.randn(r, s[1], generator=gen) for s in shapes]
-        xd = [x.to(dtype) for x in xs]
-        for f, ws in low.items():
-            xq = [x.to(TARGET_FORMATS[f]) for x in xs]
-            dense_ms, out[f][str(r)] = _best_ms_pair(
-                lambda: [linear(x, w) for x, w in zip(xd, dense)],
-                lambda ws=ws, xq=xq: [w.linear(x, invariant=True) for x, w in zip(xq, ws)],  # type: ignore[misc]
-                repeats,
-            )
-            out["dense"][str(r)] = min(dense_ms, out["dense"].get(str(r), dense_ms))
-    return out
+    """:func:`measure_formats` for a target: every low-bit target format that runs here."""
+    formats = {f: TARGET_FORMATS[f] for f in target_formats()}
+    return measure_formats(shapes, dtype, formats, rows, repeats, before)
 
 
-def pick_target(ms: dict[str, dict[str, float]]) -> str:
-    """The format whose layer costs least summed over the measured row counts, among the dense one and the low-bit
-    ones that cost at most :data:`INT8_GAIN` of dense at every row count (a clear gain, not noise)."""
-    dense = ms["dense"]
-    ok = [f for f in TARGET_FORMATS if f in ms and all(ms[f][r] <= INT8_GAIN * dense[r] for r in dense)]
-    return min(ok, key=lambda f: sum(ms[f][r] for r in dense), default="dense")
+def _choose(cfg: ModelConfig, what: str, formats: tuple[str, ...]) -> FormatProbe | None:
+    """The cached or freshly measured :class:`FormatProbe` of ``cfg`` as a ``what`` ("target" / "draft"); None for
+    models too small to probe."""
+    dense = choose_dtype(cfg)
+    shapes = layer_shapes(cfg)
+    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS or not formats:
+        return None
+    name = "fp32" if dense == torch.float32 else "bf16"
+    key = f"{what} formats {PROBE_VERSION} {'+'.join(formats)} vs {name}|{probe_key(shapes)}"
+    result = _cached(key, FormatProbe)
+    if result is None:
+        log.info("measuring low-bit vs %s %s weights on this CPU (once; cached in %s)", name, what, cache_path())
+        t0 = time.perf_counter()
+        flush = cold(sum(o * i for o, i in shapes) * cfg.num_layers * dense.itemsize)
+        if what == "target":
+            ms = measure_target(shapes, dense, before=flush)
+            table = TARGET_FORMATS
+        else:
+            table = DRAFT_FORMATS
+            ms = measure_formats(shapes, dense, {f: table[f] for f in formats}, before=flush, target=False)
+        fmt = pick_format(ms, table)
+        result = FormatProbe(key, name, ms, fmt, flush is not None, round(time.perf_counter() - t0, 2))
+        log.info("CPU %s probe: %s", what, result.summary(what))
+        _write_cache(result)
+    return result
 
 
 def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
     """A CPU target's (weight format, compute dtype) for ``--target-dtype auto``, measured once per machine and
     cached: a low-bit format (:func:`measure_target`'s) when it runs the layer's linears clearly faster than
-    the dense dtype :func:`choose_dtype` picks, at one row (plain decoding) and at a few rows (verification)
-    (:func:`pick_target`); else ``("dense", that dtype)``. A token costs reading the weights: int8 weights are a
-    quarter of fp32's bytes, 4-bit ones a sixth."""
-    dense = choose_dtype(cfg)
-    shapes = layer_shapes(cfg)
-    if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
-        return "dense", dense
-    name = "fp32" if dense == torch.float32 else "bf16"
-    key = f"target formats {'+'.join(target_formats())} vs {name}|{probe_key(shapes)}"
-    result = _cached(key, TargetProbe)
-    if result is None:
-        log.info("measuring low-bit vs %s target weights on this CPU (once; cached in %s)", name, cache_path())
-        t0 = time.perf_counter()
-        ms = measure_target(shapes, dense)
-        result = TargetProbe(key, name, ms, pick_target(ms), round(time.perf_counter() - t0, 2))
-        log.info("CPU target probe: %s", result.summary())
-        _write_cache(result)
-    return (result.fmt, TARGET_FORMATS[result.fmt]) if result.fmt != "dense" else ("dense", dense)
+    the dense dtype :func:`choose_dtype` picks at one row (plain decoding) and no slower at a few rows
+    (verification) (:func:`pick_format`); else ``("dense", that dtype)``. A token costs reading the weights: int8
+    weights are a quarter of fp32's bytes, 4-bit ones a sixth."""
+    result = _choose(cfg, "target", target_formats())
+    if result is None or result.fmt == "dense":
+        return "dense", choose_dtype(cfg)
+    return result.fmt, TARGET_FORMATS[result.fmt]
+
+
+def choose_draft(cfg: ModelConfig) -> tuple[torch.dtype, str]:
+    """A CPU draft's (compute dtype, weight format: dense | int8 | q4), measured once per machine and cached, by
+    the rule of :func:`choose_target`. The draft only proposes, so its format moves speed and acceptance, never
+    the output."""
+    result = _choose(cfg, "draft", draft_formats())
+    if result is None or result.fmt == "dense":
+        return choose_dtype(cfg), "dense"
+    return DRAFT_FORMATS[result.fmt], result.fmt
 
 
 def choose_dtype(cfg: ModelConfig) -> torch.dtype:

@@ -427,14 +427,26 @@ class Transformer:
         if t is None:
             x = self._embed(tokens)  # (T, D)
             glob, local = self._ropes(positions)
-            bias = sdpa_bias(mask, self.dtype)
-            wbias = None
-            if c.sliding_window is not None:
-                wbias = sdpa_bias(window_mask(mask, positions, c.sliding_window), self.dtype)
+            attend: Callable[[int, Tensor, Tensor, Tensor], Tensor]
+            if native_ready(x.device, self.dtype):  # a CPU: the C kernel reads grouped heads in place
+                rows = row_keys(mask, positions, tokens.shape[0])
+                wrows = None
+                if c.sliding_window is not None:
+                    wrows = row_keys(mask, positions, tokens.shape[0], window=c.sliding_window)
 
-            def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-                b = wbias if wbias is not None and c.window(i) else bias
-                return sdpa(q, keys, values, b, c.attn_scale, c.attn_softcap)
+                def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                    r = wrows if wrows is not None and c.window(i) else rows
+                    return native(q, keys, values, r, c.attn_scale, c.attn_softcap)
+
+            else:
+                bias = sdpa_bias(mask, self.dtype)
+                wbias = None
+                if c.sliding_window is not None:
+                    wbias = sdpa_bias(window_mask(mask, positions, c.sliding_window), self.dtype)
+
+                def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                    b = wbias if wbias is not None and c.window(i) else bias
+                    return sdpa(q, keys, values, b, c.attn_scale, c.attn_softcap)
 
             x = self._layers(x, glob, local, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
             if logits_rows is not None:

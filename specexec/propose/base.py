@@ -57,6 +57,7 @@ class Proposal:
     source: str = ""  # which proposer made it (its commit tells its own proposals from delegated ones)
     merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
     trimmed: int = 0  # nodes :meth:`trim` dropped as not worth their verification time
+    catch_up_s: float = 0.0  # of the proposing seconds, a lagging draft's separate catch-up pass (DraftModel.catch_up)
     # after verification, for a proposer that reads it (heads): the last accepted node's final hidden state (D,)
     hidden: Tensor | None = None
 

@@ -140,6 +140,7 @@ class TreeDraft:
             budget=ctx.budget,
             source=self.name,
             merged_at=merged_at,
+            catch_up_s=self.draft.caught_up_s,
         )
         prop.trim(ctx.trim)
         return prop

@@ -123,6 +123,7 @@ class ChainDraft:
             source=self.name,
             stopped_early=chosen < gamma,
             merged_at=merged_at,
+            catch_up_s=d.caught_up_s,
         )
         prop.trim(ctx.trim)
         return prop

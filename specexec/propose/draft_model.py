@@ -19,6 +19,7 @@ sampling distribution q renormalises over the rest). See :mod:`specexec.loading.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -30,6 +31,8 @@ from specexec.model.graphs import StaticPasses
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
 from specexec.propose.captured import LevelSpace
+
+CATCH_UP_ROWS = 4  # a draft this many committed tokens behind catches up in a pass of its own, timed apart
 
 
 @dataclass
@@ -115,6 +118,7 @@ class DraftModel:
         # captured growth levels (specexec.propose.captured), kept here so they and their graphs outlive a
         # generation (each has its own proposer)
         self.level_space: LevelSpace | None = None
+        self.caught_up_s = 0.0  # seconds the last :meth:`catch_up` spent on a separate catch-up pass
 
     def share_prefix(self, source: TargetPrefix | None) -> None:
         """Take the committed prefix's keys/values from the target's cache (None: compute them, the default).
@@ -216,6 +220,15 @@ class DraftModel:
         """
         self.keep_prefix(seq)
         self._adopt(seq)
+        self.caught_up_s = 0.0
+        if len(seq) - 1 - self.length >= CATCH_UP_ROWS:
+            # tokens committed while no draft pass ran (plain or head steps): their pass is the cost of having
+            # skipped the draft, not of this proposal; timed apart so a budget policy can tell the two
+            t0 = time.perf_counter()
+            self.prefill(seq)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.caught_up_s = time.perf_counter() - t0
         m, n = self.length, len(seq) - 1
         dev = self.device
         toks = torch.tensor(seq[m:], dtype=torch.long, device=dev)

@@ -508,13 +508,13 @@ def test_bad_dtype_names_refused_before_loading(option, value, message):
 @pytest.mark.parametrize(
     "args, pattern",
     [
-        (("--draft-dtype", "q4"), "--draft-dtype must be one of auto, fp32, bf16, fp16, int8, nf4, got 'q4'"),
+        (("--draft-dtype", "q3"), "--draft-dtype must be one of auto, fp32, bf16, fp16, int8, nf4, q4, got 'q3'"),
         (("--draft-dtype", "q2", "--draft", "self"), "--draft-dtype must be one of auto, fp32, bf16, fp16, int8, nf4"),
         (("--draft", "self", "--draft-layers", "0.5"), "no such option: --draft-layers"),
     ],
 )
 def test_removed_draft_formats_and_partial_drafts_are_refused(no_load, command, args, pattern):
-    """Group-wise q4/q3/q2 draft formats and partial self drafts (--draft-layers) are not options: one error line,
+    """Group-wise q3/q2 draft formats and partial self drafts (--draft-layers) are not options: one error line,
     exit 2, before any model is looked at."""
     result = _run(command, *args)
     _one_error_line(result, pattern)

@@ -138,7 +138,7 @@ def test_auto_target_format_follows_the_measured_costs(tmp_path, monkeypatch, lo
     monkeypatch.setattr(cpu_probe, "choose_dtype", lambda cfg: torch.float32)
     calls = []
 
-    def fake(shapes, dtype, rows=cpu_probe.INT8_ROWS, repeats=cpu_probe.REPEATS):
+    def fake(shapes, dtype, rows=cpu_probe.INT8_ROWS, repeats=cpu_probe.REPEATS, before=None):
         calls.append(dtype)
         return {"dense": {"1": 4.0, "8": 8.0}, **low_ms}
 

@@ -19,6 +19,7 @@ from specexec.decoding.engine import Engine
 from specexec.decoding.sampling import logprobs as sample_logprobs
 from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
+from specexec.model import transformer
 from specexec.propose import DraftModel, NGramConfig, TreeDraft
 from tests.conftest import FAMILIES
 from tests.decoding.test_specexec import _engine
@@ -140,10 +141,12 @@ def _count_device_reads():
             setattr(owner, name, f)
 
 
-def test_fixed_levels_read_the_device_once_per_level(drafts):
+def test_fixed_levels_read_the_device_once_per_level(drafts, monkeypatch):
     """A budget no growth can fill, so every level runs: the extra levels of a deeper tree cost exactly one device
     read each in both fixed-width modes, and several in the dynamic growth (which the counter must see, or it would
-    prove nothing)."""
+    prove nothing). The passes run SDPA, as on a GPU (a CPU's native attention lists each row's keys on the host,
+    where that is no device read)."""
+    monkeypatch.setattr(transformer, "native_ready", lambda device, dtype: False)
     model = drafts["llama"]
     seq = PROMPTS[0]
     per_level = {}

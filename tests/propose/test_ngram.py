@@ -378,7 +378,8 @@ def test_verify_costs_learn_and_never_decrease_with_size():
     assert rule is not None and rule.rate == pytest.approx(2.0) and 5 in v.seconds
 
 
-def test_no_trim_on_exploration_steps():
+def test_exploration_steps_are_trimmed_as_the_best_arm_is():
+    """An arm is measured as it would run: exploring it verifies no more than choosing it would."""
     from specexec.decoding.budget import VerifyCosts
 
     p = AdaptiveBudget((0, 4, 16), explore_every=2, verify=VerifyCosts({1: 1.0, 2: 3.0}))
@@ -389,8 +390,8 @@ def test_no_trim_on_exploration_steps():
     for _ in range(6):
         arm = p.choose()
         trimmed.append((arm, _trimmed(p, logps).trimmed))
-    assert any(a != 0 and t == 0 for a, t in trimmed), "an exploration step verifies its whole proposal"
-    assert all(t == 3 for a, t in trimmed if a == 0), "best-arm steps trim what costs more than it returns"
+    assert any(a != 0 for a, _ in trimmed), "the policy explored"
+    assert all(t == 3 for _, t in trimmed), "every step trims what costs more than it returns"
 
 
 def test_trimmed_proposals_stay_exact(engine):
