@@ -161,8 +161,8 @@ class Shared:
         help="Draft dtype: auto, fp32, bf16, fp16, or the low-bit weights int8 (CPU and GPU), q4 (CPU) and nf4 "
         "(GPU; bitsandbytes). Default: --dtype; with --draft self auto, and only auto, int8 or nf4. auto: q4 or "
         "int8 on a CPU where this machine runs it clearly faster (measured), else --dtype's choice; on a GPU "
-        "beside a streamed target 16-bit, int8 or nf4, whichever is expected to decode fastest; for --draft self int8 on a CPU, nf4 on "
-        "a GPU.",
+        "beside a streamed target 16-bit, int8 or nf4, whichever is expected to decode fastest; for --draft self "
+        "int8 on a CPU, nf4 on a GPU.",
     )
     cache_dir: Path | None = _option(
         None,
