@@ -7,11 +7,12 @@
    Activations: each row quantized by super-blocks to int8 with one fp32 scale (absmax / 127), plus the int16 sum
    of every sub-block of 32.
 
-   A super-block's products stay in integers (sub-scales times the 4 x 8-bit dot products, sub-minimums times the
-   activation sums); one float multiply-add per super-block and row turns them into the result, the scheme of
-   llama.cpp's Q4_K x Q8_K dot product. Every output element is computed by one thread in one fixed sequence of
-   operations, whatever the number of rows, outputs or threads: a row's result never depends on the pass it is
-   in. Built by the package at first use with the system C compiler for this CPU (-march=native), without
+   A super-block's products stay in integers, the scheme of llama.cpp's Q4_K x Q8_K dot product: isum, the sum of
+   the sub-scales times the 4 x 8-bit dot products, and imin, the sub-minimums times the activation sums, both
+   exact whatever the order they are summed in. An output element is then defined by those integers alone:
+   acc += (d * xd) * isum and macc += (dmin * xd) * imin over the super-blocks in order, separate fp32 multiplies
+   and adds, result acc + macc. Every path (scalar, AVX2, AVX-512) computes exactly that, so a row's result never
+   depends on the pass it is in, the path its row count takes, or the threads. Built by the package at first use with the system C compiler for this CPU (-march=native), without
    -ffast-math and with -ffp-contract=off. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,9 +54,9 @@ static inline float h2f(uint16_t h) {
 
 static inline int64_t sb_bytes(int ns) { return 4 + 18 * (int64_t)ns; }
 
-/* Row r of x (rows, k) fp32 -> its int8 values in qa (rows, k), its super-blocks' scales in dx (rows, k / SB) and
-   its sub-blocks' sums in bs (rows, k / 32). */
-static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, float *dx, int16_t *bs) {
+/* Row r of x (rows, k) fp32 -> its int8 values in qa (rows, k), its super-blocks' scales in dx (k / SB, rp: row r
+   of super-block s at s * rp + r) and its sub-blocks' sums in bs (rows, k / 32). */
+static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, float *dx, int64_t rp, int16_t *bs) {
     const int64_t sb = (int64_t)QK * ns, nsb = k / sb;
     for (int64_t s = 0; s < nsb; s++) {
         const float *v = x + r * k + s * sb;
@@ -71,23 +72,41 @@ static void q8_row(const float *x, int64_t r, int64_t k, int ns, int8_t *qa, flo
             }
             bs[r * (k / QK) + s * ns + j] = (int16_t)sum;
         }
-        dx[r * nsb + s] = d;
+        dx[s * rp + r] = d;
     }
 }
 
 #define RT 4 /* activation rows sharing one unpacked weight super-block */
+
+#ifdef __AVX2__
+static inline int32_t hsum128(__m128i v) { /* integer sums: exact in any order */
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
+    return _mm_cvtsi128_si32(v);
+}
+
+/* lane r: the sum of the 4 lanes of m[r] */
+static inline __m128i totals4(const __m128i *m) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
+}
+
+/* lane r: the sum of the 8 lanes of v[r] (r < 4) */
+static inline __m128i totals4x8(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+#endif
 #define WRT 8 /* the same for wide_rows */
 
 #ifdef __AVX2__
 /* Rows r0 .. r0 + R - 1 against one weight row; R is a constant once inlined, so the accumulators live in
    registers. */
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, int ns, int64_t nsb, int64_t k,
-                                                           const int8_t *qa, const float *dx, const int16_t *bs,
-                                                           const int R, float *res, int64_t stride) {
+                                                           const int8_t *qa, const float *dx, int64_t rp,
+                                                           const int16_t *bs, const int R, float *res, int64_t stride) {
     const int64_t sb = (int64_t)QK * ns, nbs = k / QK, sbb = sb_bytes(ns);
-    __m256 acc[RT];
-    __m128 macc[RT];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm_setzero_ps(); }
+    float acc1 = 0.f, macc1 = 0.f;
+    __m128 acc = _mm_setzero_ps(), macc = _mm_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
     /* the sub-minimums beyond NS (bytes of the nibbles that follow) are masked off */
     const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
@@ -129,21 +148,27 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
         int64_t mn8;
         memcpy(&mn8, blk + 4 + ns, 8);
         const __m128i mn = _mm_and_si128(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(mn8)), keep);
-        for (int r = 0; r < R; r++) {
-            const float xd = dx[r * nsb + s];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns));
-            macc[r] = _mm_fmadd_ps(_mm_set1_ps(dm * xd), _mm_cvtepi32_ps(_mm_madd_epi16(mn, b)), macc[r]);
+        if (R == 1) {
+            const float xd = dx[s * rp];
+            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + s * ns));
+            acc1 += d * xd * (float)hsum128(_mm_add_epi32(_mm256_castsi256_si128(isum[0]),
+                                                          _mm256_extracti128_si256(isum[0], 1)));
+            macc1 += dm * xd * (float)hsum128(_mm_madd_epi16(mn, b));
+        } else { /* the rows' integers, then the float step for all of them at once (lane r: row r) */
+            __m128i m[RT];
+            for (int r = 0; r < RT; r++) {
+                if (r >= R) { isum[r] = _mm256_setzero_si256(); m[r] = _mm_setzero_si128(); continue; }
+                m[r] = _mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns)));
+            }
+            const __m128 xd = _mm_loadu_ps(dx + s * rp);
+            acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), xd), _mm_cvtepi32_ps(totals4x8(isum))));
+            macc = _mm_add_ps(macc, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(dm), xd), _mm_cvtepi32_ps(totals4(m))));
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        __m128 m4 = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
-        res[r * stride] = _mm_cvtss_f32(s4) + _mm_cvtss_f32(m4);
-    }
+    if (R == 1) { res[0] = acc1 + macc1; return; }
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(acc, macc));
+    for (int r = 0; r < R; r++) res[r * stride] = out[r];
 }
 #endif
 
@@ -152,12 +177,12 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
    4 sub-blocks; u8 x s8 pairs summed to int16 (maddubs), then times the sub-scale and summed into int32 lanes
    (dpwssd). The activations are in the wide layout (slot). */
 static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, int ns, int64_t nsb, int64_t k,
-                                                            const int8_t *qa, const float *dx, const int16_t *bs,
-                                                            const int R, float *res, int64_t stride) {
+                                                            const int8_t *qa, const float *dx, int64_t rp,
+                                                            const int16_t *bs, const int R, float *res,
+                                                            int64_t stride) {
     const int64_t sb = (int64_t)QK * ns, nbs = k / QK, sbb = sb_bytes(ns);
-    __m512 acc[WRT];
-    __m128 macc[WRT];
-    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm_setzero_ps(); }
+    float acc1 = 0.f, macc1 = 0.f;
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
     /* int16 lanes 0-15 take sub-scale 4g + h, lanes 16-31 sub-scale 4g + h + 2 (h: 0 low, 1 high) */
@@ -196,22 +221,30 @@ static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, i
         int64_t mn8;
         memcpy(&mn8, blk + 4 + ns, 8);
         const __m128i mn = _mm_and_si128(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(mn8)), keep);
-        for (int r = 0; r < R; r++) {
-            const float xd = dx[r * nsb + s];
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * xd), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns));
-            macc[r] = _mm_fmadd_ps(_mm_set1_ps(dm * xd), _mm_cvtepi32_ps(_mm_madd_epi16(mn, b)), macc[r]);
+        if (R == 1) {
+            const float xd = dx[s * rp];
+            const __m128i b = _mm_loadu_si128((const __m128i *)(bs + s * ns));
+            acc1 += d * xd * (float)_mm512_reduce_add_epi32(isum[0]);
+            macc1 += dm * xd * (float)hsum128(_mm_madd_epi16(mn, b));
+        } else { /* the rows' integers, then the float step for all of them at once (lane r: row r) */
+            __m256i y[WRT];
+            __m128i m[WRT];
+            for (int r = 0; r < WRT; r++) {
+                if (r >= R) { y[r] = _mm256_setzero_si256(); m[r] = _mm_setzero_si128(); continue; }
+                y[r] = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
+                m[r] = _mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)(bs + r * nbs + s * ns)));
+            }
+            const __m256i it = _mm256_set_m128i(totals4x8(y + 4), totals4x8(y));
+            const __m256i mt = _mm256_set_m128i(totals4(m + 4), totals4(m));
+            const __m256 xd = _mm256_loadu_ps(dx + s * rp);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), xd), _mm256_cvtepi32_ps(it)));
+            macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dm), xd), _mm256_cvtepi32_ps(mt)));
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        __m128 m4 = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        m4 = _mm_add_ss(m4, _mm_movehdup_ps(m4));
-        res[r * stride] = _mm_cvtss_f32(s4) + _mm_cvtss_f32(m4);
-    }
+    if (R == 1) { res[0] = acc1 + macc1; return; }
+    float out[WRT];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, macc));
+    for (int r = 0; r < R; r++) res[r * stride] = out[r];
 }
 #endif
 
@@ -222,13 +255,14 @@ static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, i
 int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out) {
     const int64_t sb = (int64_t)QK * ns, nsb = k / sb, nbs = k / QK, sbb = sb_bytes(ns);
     int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nsb));
+    const int64_t rp = (rows + 7) / 8 * 8 + 8; /* dx's rows: whole vectors of 8 from any row group */
+    float *dx = (float *)calloc((size_t)(rp * nsb), sizeof(float));
     int16_t *bs = (int16_t *)calloc((size_t)(rows * nbs + 8), sizeof(int16_t)); /* read 8 sums at a time */
     if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, bs);
+        for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, rp, bs);
         #pragma omp for schedule(static)
         for (int64_t o = 0; o < n; o++) {
             const uint8_t *wr = w + o * nsb * sbb;
@@ -239,30 +273,30 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
 #endif
 #ifdef __AVX2__
                 const int8_t *q = qa + r0 * k;
-                const float *d = dx + r0 * nsb;
+                const float *d = dx + r0;
                 const int16_t *b = bs + r0 * nbs;
                 float *res = out + r0 * n + o;
 #ifdef WIDE
                 if (ns % 4 == 0) {
                     switch (rt) {
-                        case 1: wide_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
-                        case 2: wide_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
-                        case 3: wide_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
-                        case 4: wide_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
-                        case 5: wide_rows(wr, ns, nsb, k, q, d, b, 5, res, n); break;
-                        case 6: wide_rows(wr, ns, nsb, k, q, d, b, 6, res, n); break;
-                        case 7: wide_rows(wr, ns, nsb, k, q, d, b, 7, res, n); break;
-                        default: wide_rows(wr, ns, nsb, k, q, d, b, 8, res, n); break;
+                        case 1: wide_rows(wr, ns, nsb, k, q, d, rp, b, 1, res, n); break;
+                        case 2: wide_rows(wr, ns, nsb, k, q, d, rp, b, 2, res, n); break;
+                        case 3: wide_rows(wr, ns, nsb, k, q, d, rp, b, 3, res, n); break;
+                        case 4: wide_rows(wr, ns, nsb, k, q, d, rp, b, 4, res, n); break;
+                        case 5: wide_rows(wr, ns, nsb, k, q, d, rp, b, 5, res, n); break;
+                        case 6: wide_rows(wr, ns, nsb, k, q, d, rp, b, 6, res, n); break;
+                        case 7: wide_rows(wr, ns, nsb, k, q, d, rp, b, 7, res, n); break;
+                        default: wide_rows(wr, ns, nsb, k, q, d, rp, b, 8, res, n); break;
                     }
                     r0 += WRT - RT;
                     continue;
                 }
 #endif
                 switch (rt) {
-                    case 1: dot_rows(wr, ns, nsb, k, q, d, b, 1, res, n); break;
-                    case 2: dot_rows(wr, ns, nsb, k, q, d, b, 2, res, n); break;
-                    case 3: dot_rows(wr, ns, nsb, k, q, d, b, 3, res, n); break;
-                    default: dot_rows(wr, ns, nsb, k, q, d, b, 4, res, n); break;
+                    case 1: dot_rows(wr, ns, nsb, k, q, d, rp, b, 1, res, n); break;
+                    case 2: dot_rows(wr, ns, nsb, k, q, d, rp, b, 2, res, n); break;
+                    case 3: dot_rows(wr, ns, nsb, k, q, d, rp, b, 3, res, n); break;
+                    default: dot_rows(wr, ns, nsb, k, q, d, rp, b, 4, res, n); break;
                 }
 #else
                 for (int r = 0; r < rt; r++) {
@@ -286,7 +320,7 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
                             isum += sc[j] * dot;
                             imin += mn[j] * bs[row * nbs + s * ns + j];
                         }
-                        const float xd = dx[row * nsb + s];
+                        const float xd = dx[s * rp + row];
                         acc += h2f(hd) * xd * (float)isum;
                         macc += h2f(hm) * xd * (float)imin;
                     }

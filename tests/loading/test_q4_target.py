@@ -89,6 +89,50 @@ def test_a_row_gets_the_same_bits_in_any_pass_and_on_any_thread_count():
         torch.set_num_threads(old)
 
 
+def _reference(q: q4.Q4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's definition in torch: x's rows quantized to int8 per super-block, each super-block's exact
+    integer sums (sub-scales times the dot products; sub-minimums times the activation sums), then per output
+    acc += (d * xd) * isum, macc += (dmin * xd) * imin over the super-blocks in order, in fp32, result acc + macc."""
+    (n, k), ns = q.shape, q.ns
+    nsb = k // (32 * ns)
+    b = q.packed.reshape(n, nsb, 4 + 18 * ns)
+    dm = b[..., :4].contiguous().view(torch.float16).float()  # (n, nsb, 2)
+    sc = b[..., 4 : 4 + ns].long()
+    mn = b[..., 4 + ns : 4 + 2 * ns].contiguous().view(torch.int8).long()
+    nib = b[..., 4 + 2 * ns :]
+    if ns == 1:
+        qv = torch.cat((nib & 15, nib >> 4), -1).reshape(n, nsb, 1, 32)
+    else:
+        pairs = nib.reshape(n, nsb, ns // 2, 1, 32)
+        qv = torch.cat((pairs & 15, pairs >> 4), -2).reshape(n, nsb, ns, 32)
+    xr = x.float().reshape(-1, nsb, ns, 32)
+    dx = xr.abs().amax((-1, -2)) / 127  # (rows, nsb)
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    qa = torch.round(xr * inv[..., None, None]).long()  # (rows, nsb, ns, 32)
+    dots = torch.einsum("osji,rsji->rosj", qv.long(), qa)  # exact: int64
+    isum = (dots * sc[None]).sum(-1)  # (rows, n, nsb)
+    imin = (qa.sum(-1)[:, None] * mn[None]).sum(-1)
+    acc = torch.zeros(x.shape[0], n)
+    macc = torch.zeros(x.shape[0], n)
+    for s in range(nsb):
+        xd = dx[:, s, None]
+        acc = acc + (dm[None, :, s, 0] * xd) * isum[..., s].float()
+        macc = macc + (dm[None, :, s, 1] * xd) * imin[..., s].float()
+    return acc + macc
+
+
+@pytest.mark.parametrize("k", [96, 64, 128, 256, 896])  # every kind of super-block and so every kernel path
+def test_the_kernel_computes_its_integer_definition_bit_for_bit(k):
+    """Whatever path a row count takes (one row, a group of rows, the vector or scalar code), every output is the
+    same function of exact integers: the reference in torch gets the same bits."""
+    q = q4.Q4Linear(_weight(40, k, seed=k))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[4] = 0  # a zero row: scale 0
+    want = _reference(q, x)
+    for a, b in ((0, 19), (0, 1), (7, 8), (3, 5), (11, 19)):
+        assert torch.equal(q.linear(x[a:b]), want[a:b]), (k, a, b)
+
+
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         q4.Q4Linear(torch.zeros(4, 48))
