@@ -21,6 +21,12 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__linux__)
+#define TILES 1 /* groups of 16 rows take AMX int8 tiles (tiles_block) */
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1 /* super-blocks of 4 or 8 sub-blocks run 64 bytes of nibbles at a time (wide_rows) */
 #endif
@@ -248,6 +254,111 @@ static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, i
 }
 #endif
 
+#ifdef TILES
+#define TILE_ROWS 16 /* passes of at least this many rows run on the tiles */
+
+/* The kernel lets this process use the tile registers (Linux asks for it once); 0 when it refuses. */
+static int tiles_allowed(void) {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tile 0: C (16 weight rows x 16 activation rows, int32); 1: A (16 weight rows x 32 u8 values of one sub-block);
+   2: B (the 16 activation rows' 32 s8 values of that sub-block, in groups of 4: 8 x 64 bytes) */
+static void tiles_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16; c.colsb[0] = 64;
+    c.rows[1] = 16; c.colsb[1] = 32;
+    c.rows[2] = 8; c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Outputs o0 .. o0 + 15 for every row, from the same integers as wide_rows / dot_rows: per sub-block one tile
+   product C[m][r] = sum of the weight's nibbles times the row's int8 values (exact), isum = sum of sub-scale x C
+   (exact), imin = sum of sub-minimum x activation sum (exact), then the float step with 16 rows in the lanes.
+   ab: 16 x k bytes of scratch; bt: the rows' values as B tiles (rb, sub-block); bp: the sub-block sums in pairs
+   (rb, super-block, pair, 16 rows x 2). */
+static void tiles_block(const uint8_t *w, int64_t o0, int64_t n, int64_t k, int ns, int64_t rows, const int8_t *bt,
+                        const int16_t *bp, const float *dx, int64_t rp, uint8_t *ab, float *out) {
+    const int64_t nsb = k / ((int64_t)QK * ns), sbb = sb_bytes(ns), G = k / QK, np = (ns + 1) / 2;
+    /* the 16 weight rows' nibbles as u8 values, sub-block by sub-block (16 rows x 32 bytes each) */
+    for (int m = 0; m < 16; m++) {
+        const uint8_t *wr = w + (o0 + m) * nsb * sbb;
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *qs = wr + s * sbb + 4 + 2 * ns;
+            if (ns == 1) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)qs), lo4 = _mm_set1_epi8(0x0f);
+                _mm_storeu_si128((__m128i *)(ab + (s * 512) + m * 32), _mm_and_si128(raw, lo4));
+                _mm_storeu_si128((__m128i *)(ab + (s * 512) + m * 32 + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), lo4));
+            } else {
+                for (int p = 0; p < ns / 2; p++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p)), lo4 = _mm256_set1_epi8(0x0f);
+                    const int64_t g = s * ns + 2 * p;
+                    _mm256_storeu_si256((__m256i *)(ab + g * 512 + m * 32), _mm256_and_si256(raw, lo4));
+                    _mm256_storeu_si256((__m256i *)(ab + (g + 1) * 512 + m * 32),
+                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4));
+                }
+            }
+        }
+    }
+    int32_t cbuf[16 * 16];
+    for (int64_t rb = 0; rb * 16 < rows; rb++) {
+        __m512 acc[16], macc[16];
+        for (int m = 0; m < 16; m++) acc[m] = macc[m] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < nsb; s++) {
+            __m512i isum[16];
+            for (int m = 0; m < 16; m++) isum[m] = _mm512_setzero_si512();
+            for (int j = 0; j < ns; j++) {
+                const int64_t g = s * ns + j;
+                _tile_zero(0);
+                _tile_loadd(1, ab + g * 512, 32);
+                _tile_loadd(2, bt + (rb * G + g) * 512, 64);
+                _tile_dpbusd(0, 1, 2);
+                _tile_stored(0, cbuf, 64);
+                for (int m = 0; m < 16; m++) {
+                    const uint8_t sc = w[(o0 + m) * nsb * sbb + s * sbb + 4 + j];
+                    isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_loadu_si512(cbuf + 16 * m),
+                                                                           _mm512_set1_epi32(sc)));
+                }
+            }
+            const __m512 xd = _mm512_loadu_ps(dx + s * rp + rb * 16);
+            for (int m = 0; m < 16; m++) {
+                const uint8_t *blk = w + (o0 + m) * nsb * sbb + s * sbb;
+                uint16_t hd, hm;
+                memcpy(&hd, blk, 2);
+                memcpy(&hm, blk + 2, 2);
+                const int8_t *mn = (const int8_t *)(blk + 4 + ns);
+                __m512i imin = _mm512_setzero_si512();
+                for (int p = 0; p < np; p++) {
+                    const uint32_t lo = (uint16_t)(int16_t)mn[2 * p];
+                    const uint32_t hi = 2 * p + 1 < ns ? (uint16_t)(int16_t)mn[2 * p + 1] : 0u;
+                    imin = _mm512_dpwssd_epi32(imin, _mm512_loadu_si512(bp + ((rb * nsb + s) * np + p) * 32),
+                                               _mm512_set1_epi32((int)(lo | hi << 16)));
+                }
+                acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(hd)), xd),
+                                                             _mm512_cvtepi32_ps(isum[m])));
+                macc[m] = _mm512_add_ps(macc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(hm)), xd),
+                                                               _mm512_cvtepi32_ps(imin)));
+            }
+        }
+        for (int m = 0; m < 16; m++) {
+            float res[16];
+            _mm512_storeu_ps(res, _mm512_add_ps(acc[m], macc[m]));
+            for (int64_t r = 0; r < 16 && rb * 16 + r < rows; r++) out[(rb * 16 + r) * n + o0 + m] = res[r];
+        }
+    }
+}
+#endif
+
 /* out (rows, n) = x (rows, k) fp32 times dequant(w) (n, k) transposed: x's rows quantized (q8_row), then every
    output element one thread's fixed sequence of operations, whatever rows, n or the thread count. One parallel
    region for both (a one-token step runs some hundred of these: each fork and join costs). Returns 0, or -1 when
@@ -259,12 +370,54 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     float *dx = (float *)calloc((size_t)(rp * nsb), sizeof(float));
     int16_t *bs = (int16_t *)calloc((size_t)(rows * nbs + 8), sizeof(int16_t)); /* read 8 sums at a time */
     if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
+    int64_t tiled = 0; /* outputs [0, tiled) run on the tiles, in blocks of 16 */
+#ifdef TILES
+    const int64_t nrb = (rows + 15) / 16, G = k / QK, np = (ns + 1) / 2;
+    int8_t *bt = NULL;
+    int16_t *bp = NULL;
+    if (rows >= TILE_ROWS && n >= 16 && tiles_allowed()) {
+        bt = (int8_t *)calloc((size_t)(nrb * G * 512), 1);
+        bp = (int16_t *)calloc((size_t)(nrb * nsb * np * 32), sizeof(int16_t));
+        if (bt && bp) tiled = n / 16 * 16;
+    }
+#endif
+    int failed = 0;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, rp, bs);
+#ifdef TILES
+        if (tiled) {
+            /* B tiles: for each 16 rows and sub-block, its values in groups of 4 (byte kk of group kq of row r at
+               kq * 64 + r * 4 + kk); the sub-block sums in pairs (row r's sums 2p and 2p + 1 at r * 2) */
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t rb = r / 16, rr = r % 16;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t s = g / ns, j = g % ns;
+                    const int8_t *src = qa + r * k + s * ns * QK + slot((int)j, ns) * QK;
+                    int8_t *dst = bt + (rb * G + g) * 512 + rr * 4;
+                    for (int kq = 0; kq < 8; kq++) memcpy(dst + kq * 64, src + kq * 4, 4);
+                }
+                for (int64_t s = 0; s < nsb; s++)
+                    for (int64_t j = 0; j < ns; j++)
+                        bp[((rb * nsb + s) * np + j / 2) * 32 + rr * 2 + j % 2] = bs[r * nbs + s * ns + j];
+            }
+            uint8_t *ab = (uint8_t *)malloc((size_t)(16 * k));
+            if (!ab) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            tiles_configure();
+            #pragma omp for schedule(static)
+            for (int64_t ob = 0; ob < tiled / 16; ob++)
+                if (ab) tiles_block(w, ob * 16, n, k, ns, rows, bt, bp, dx, rp, ab, out);
+            _tile_release();
+            free(ab);
+        }
+#endif
         #pragma omp for schedule(static)
-        for (int64_t o = 0; o < n; o++) {
+        for (int64_t o = tiled; o < n; o++) {
             const uint8_t *wr = w + o * nsb * sbb;
             for (int64_t r0 = 0; r0 < rows; r0 += RT) {
                 int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
@@ -330,8 +483,12 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
             }
         }
     }
+#ifdef TILES
+    free(bt);
+    free(bp);
+#endif
     free(qa);
     free(dx);
     free(bs);
-    return 0;
+    return failed ? -1 : 0;
 }
