@@ -270,83 +270,96 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tile 0: C (16 weight rows x 16 activation rows, int32); 1: A (16 weight rows x 32 u8 values of one sub-block);
-   2: B (the 16 activation rows' 32 s8 values of that sub-block, in groups of 4: 8 x 64 bytes) */
+/* tiles 0, 1: C (16 weight rows x 16 activation rows, int32) for the high and the low half of the sub-scales;
+   2, 3: A (16 weight rows x 64 u8 values: the nibbles times those halves); 4: B (the 16 activation rows' 64 s8
+   values in groups of 4: 16 x 64 bytes) */
 static void tiles_configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = 16; c.colsb[0] = 64;
-    c.rows[1] = 16; c.colsb[1] = 32;
-    c.rows[2] = 8; c.colsb[2] = 64;
+    for (int t = 0; t < 5; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
     _tile_loadconfig(&c);
 }
 
-/* Outputs o0 .. o0 + 15 for every row, from the same integers as wide_rows / dot_rows: per sub-block one tile
-   product C[m][r] = sum of the weight's nibbles times the row's int8 values (exact), isum = sum of sub-scale x C
-   (exact), imin = sum of sub-minimum x activation sum (exact), then the float step with 16 rows in the lanes.
-   ab: 16 x k bytes of scratch; bt: the rows' values as B tiles (rb, sub-block); bp: the sub-block sums in pairs
-   (rb, super-block, pair, 16 rows x 2). */
+/* Outputs o0 .. o0 + 15 for every row, from the same integers as wide_rows / dot_rows. A sub-scale sc = 16 sh + sl
+   with sh, sl < 16, so a nibble times either half fits a byte: ah = q sh and al = q sl are u8 tiles, and over a
+   super-block isum = 16 (ah . a) + (al . a) exactly, two tile products per 64 values whatever the sub-blocks.
+   imin (sub-minimums x activation sums) and the float step follow with 16 rows in the lanes.
+   ab: 2 x 16 x k bytes of scratch; bt: the rows' values as B tiles (row block, 64 values); bp: the sub-block sums
+   in pairs (row block, super-block, pair, 16 rows x 2). */
 static void tiles_block(const uint8_t *w, int64_t o0, int64_t n, int64_t k, int ns, int64_t rows, const int8_t *bt,
                         const int16_t *bp, const float *dx, int64_t rp, uint8_t *ab, float *out) {
-    const int64_t nsb = k / ((int64_t)QK * ns), sbb = sb_bytes(ns), G = k / QK, np = (ns + 1) / 2;
-    /* the 16 weight rows' nibbles as u8 values, sub-block by sub-block (16 rows x 32 bytes each) */
+    const int64_t nsb = k / ((int64_t)QK * ns), sbb = sb_bytes(ns), Q = k / 64, np = (ns + 1) / 2, qs_ = ns / 2;
+    uint8_t *ah = ab, *al = ab + 16 * k; /* quarter t of both: 16 rows x 64 bytes at t * 1024 */
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    const __m256i iota = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float *dw = (float *)(ab + 32 * k), *dmw = dw + nsb * 16; /* per super-block and weight row: d, dmin */
+    int32_t *mnw = (int32_t *)(dmw + nsb * 16);                /* and its sub-minimums in pairs (int16 x 2) */
     for (int m = 0; m < 16; m++) {
         const uint8_t *wr = w + (o0 + m) * nsb * sbb;
         for (int64_t s = 0; s < nsb; s++) {
-            const uint8_t *qs = wr + s * sbb + 4 + 2 * ns;
-            if (ns == 1) {
-                const __m128i raw = _mm_loadu_si128((const __m128i *)qs), lo4 = _mm_set1_epi8(0x0f);
-                _mm_storeu_si128((__m128i *)(ab + (s * 512) + m * 32), _mm_and_si128(raw, lo4));
-                _mm_storeu_si128((__m128i *)(ab + (s * 512) + m * 32 + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), lo4));
-            } else {
-                for (int p = 0; p < ns / 2; p++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p)), lo4 = _mm256_set1_epi8(0x0f);
-                    const int64_t g = s * ns + 2 * p;
-                    _mm256_storeu_si256((__m256i *)(ab + g * 512 + m * 32), _mm256_and_si256(raw, lo4));
-                    _mm256_storeu_si256((__m256i *)(ab + (g + 1) * 512 + m * 32),
-                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4));
+            const uint8_t *sc = wr + s * sbb + 4, *qs = sc + 2 * ns;
+            uint16_t hd, hm;
+            memcpy(&hd, wr + s * sbb, 2);
+            memcpy(&hm, wr + s * sbb + 2, 2);
+            dw[s * 16 + m] = h2f(hd);
+            dmw[s * 16 + m] = h2f(hm);
+            const int8_t *mn = (const int8_t *)(sc + ns);
+            for (int p = 0; p < np; p++) {
+                const uint32_t lo = (uint16_t)(int16_t)mn[2 * p];
+                const uint32_t hi = 2 * p + 1 < ns ? (uint16_t)(int16_t)mn[2 * p + 1] : 0u;
+                mnw[(s * np + p) * 16 + m] = (int32_t)(lo | hi << 16);
+            }
+            for (int p = 0; p < qs_; p++) { /* sub-blocks 2p, 2p + 1: the low and high nibbles of 32 bytes */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                const __m256i q0 = _mm256_and_si256(raw, lo4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4);
+                const int64_t t = s * qs_ + p;
+                for (int half = 0; half < 2; half++) {
+                    const int s0 = half ? sc[2 * p] & 15 : sc[2 * p] >> 4;
+                    const int s1 = half ? sc[2 * p + 1] & 15 : sc[2 * p + 1] >> 4;
+                    /* q times the half through a 16-entry table (q < 16) in each 128-bit lane */
+                    const __m256i t0 = _mm256_packus_epi16(_mm256_mullo_epi16(iota, _mm256_set1_epi16((short)s0)),
+                                                           _mm256_setzero_si256());
+                    const __m256i t1 = _mm256_packus_epi16(_mm256_mullo_epi16(iota, _mm256_set1_epi16((short)s1)),
+                                                           _mm256_setzero_si256());
+                    /* packus leaves entries 0-7 in lane 0 and 8-15 in lane 1: gather all 16 into both lanes */
+                    const __m256i tab0 = _mm256_permute4x64_epi64(t0, 0x88), tab1 = _mm256_permute4x64_epi64(t1, 0x88);
+                    uint8_t *dst = (half ? al : ah) + t * 1024 + m * 64;
+                    _mm256_storeu_si256((__m256i *)dst, _mm256_shuffle_epi8(tab0, q0));
+                    _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_shuffle_epi8(tab1, q1));
                 }
             }
         }
     }
-    int32_t cbuf[16 * 16];
+    int32_t ch[16 * 16], cl[16 * 16];
     for (int64_t rb = 0; rb * 16 < rows; rb++) {
         __m512 acc[16], macc[16];
         for (int m = 0; m < 16; m++) acc[m] = macc[m] = _mm512_setzero_ps();
         for (int64_t s = 0; s < nsb; s++) {
-            __m512i isum[16];
-            for (int m = 0; m < 16; m++) isum[m] = _mm512_setzero_si512();
-            for (int j = 0; j < ns; j++) {
-                const int64_t g = s * ns + j;
-                _tile_zero(0);
-                _tile_loadd(1, ab + g * 512, 32);
-                _tile_loadd(2, bt + (rb * G + g) * 512, 64);
-                _tile_dpbusd(0, 1, 2);
-                _tile_stored(0, cbuf, 64);
-                for (int m = 0; m < 16; m++) {
-                    const uint8_t sc = w[(o0 + m) * nsb * sbb + s * sbb + 4 + j];
-                    isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_loadu_si512(cbuf + 16 * m),
-                                                                           _mm512_set1_epi32(sc)));
-                }
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int p = 0; p < qs_; p++) {
+                const int64_t t = s * qs_ + p;
+                _tile_loadd(4, bt + (rb * Q + t) * 1024, 64);
+                _tile_loadd(2, ah + t * 1024, 64);
+                _tile_dpbusd(0, 2, 4);
+                _tile_loadd(3, al + t * 1024, 64);
+                _tile_dpbusd(1, 3, 4);
             }
+            _tile_stored(0, ch, 64);
+            _tile_stored(1, cl, 64);
             const __m512 xd = _mm512_loadu_ps(dx + s * rp + rb * 16);
+            __m512i sums[4]; /* the rows' sub-block sums, pair by pair (ns <= 8) */
+            for (int p = 0; p < np; p++) sums[p] = _mm512_loadu_si512(bp + ((rb * nsb + s) * np + p) * 32);
             for (int m = 0; m < 16; m++) {
-                const uint8_t *blk = w + (o0 + m) * nsb * sbb + s * sbb;
-                uint16_t hd, hm;
-                memcpy(&hd, blk, 2);
-                memcpy(&hm, blk + 2, 2);
-                const int8_t *mn = (const int8_t *)(blk + 4 + ns);
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(ch + 16 * m), 4),
+                                                      _mm512_loadu_si512(cl + 16 * m));
                 __m512i imin = _mm512_setzero_si512();
-                for (int p = 0; p < np; p++) {
-                    const uint32_t lo = (uint16_t)(int16_t)mn[2 * p];
-                    const uint32_t hi = 2 * p + 1 < ns ? (uint16_t)(int16_t)mn[2 * p + 1] : 0u;
-                    imin = _mm512_dpwssd_epi32(imin, _mm512_loadu_si512(bp + ((rb * nsb + s) * np + p) * 32),
-                                               _mm512_set1_epi32((int)(lo | hi << 16)));
-                }
-                acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(hd)), xd),
-                                                             _mm512_cvtepi32_ps(isum[m])));
-                macc[m] = _mm512_add_ps(macc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(hm)), xd),
+                for (int p = 0; p < np; p++)
+                    imin = _mm512_dpwssd_epi32(imin, sums[p], _mm512_set1_epi32(mnw[(s * np + p) * 16 + m]));
+                acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dw[s * 16 + m]), xd),
+                                                             _mm512_cvtepi32_ps(isum)));
+                macc[m] = _mm512_add_ps(macc[m], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dmw[s * 16 + m]), xd),
                                                                _mm512_cvtepi32_ps(imin)));
             }
         }
@@ -375,7 +388,7 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     const int64_t nrb = (rows + 15) / 16, G = k / QK, np = (ns + 1) / 2;
     int8_t *bt = NULL;
     int16_t *bp = NULL;
-    if (rows >= TILE_ROWS && n >= 16 && tiles_allowed()) {
+    if (rows >= TILE_ROWS && n >= 16 && ns % 2 == 0 && tiles_allowed()) {
         bt = (int8_t *)calloc((size_t)(nrb * G * 512), 1);
         bp = (int16_t *)calloc((size_t)(nrb * nsb * np * 32), sizeof(int16_t));
         if (bt && bp) tiled = n / 16 * 16;
@@ -388,22 +401,23 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
         for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, rp, bs);
 #ifdef TILES
         if (tiled) {
-            /* B tiles: for each 16 rows and sub-block, its values in groups of 4 (byte kk of group kq of row r at
-               kq * 64 + r * 4 + kk); the sub-block sums in pairs (row r's sums 2p and 2p + 1 at r * 2) */
+            /* B tiles: for each 16 rows and 64 values (2 sub-blocks, in order), the values in groups of 4 (byte kk
+               of group kq of row r at kq * 64 + r * 4 + kk); the sub-block sums in pairs (row r's sums 2p and
+               2p + 1 at r * 2) */
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t rb = r / 16, rr = r % 16;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t s = g / ns, j = g % ns;
                     const int8_t *src = qa + r * k + s * ns * QK + slot((int)j, ns) * QK;
-                    int8_t *dst = bt + (rb * G + g) * 512 + rr * 4;
+                    int8_t *dst = bt + (rb * (k / 64) + g / 2) * 1024 + (g % 2) * 8 * 64 + rr * 4;
                     for (int kq = 0; kq < 8; kq++) memcpy(dst + kq * 64, src + kq * 4, 4);
                 }
                 for (int64_t s = 0; s < nsb; s++)
                     for (int64_t j = 0; j < ns; j++)
                         bp[((rb * nsb + s) * np + j / 2) * 32 + rr * 2 + j % 2] = bs[r * nbs + s * ns + j];
             }
-            uint8_t *ab = (uint8_t *)malloc((size_t)(16 * k));
+            uint8_t *ab = (uint8_t *)malloc((size_t)(36 * k)); /* tiles_block's scratch */
             if (!ab) {
                 #pragma omp atomic write
                 failed = 1;
