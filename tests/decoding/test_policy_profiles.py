@@ -31,6 +31,9 @@ PROFILES = {
     # the same CPU and pair, 4-bit target (our kernel: a single row costs reading the weights, more rows cost
     # compute), int8 draft: a draft pass is some 70% of a plain step
     "epyc-avx2 q4/int8": ((49, 56, 82, 146, 282, 575, 1167), (34, 36, 37, 48, 79, 142, 281)),
+    # a 2-core Intel Xeon with AMX, its host busy (memory reads at 14 GB/s, 24 when quiet): 4-bit target and
+    # draft (AVX-512 VNNI up to 15 rows, AMX tiles from 16), a draft pass a third of a plain step
+    "xeon-amx q4/q4": ((161, 143, 176, 221, 418, 588, 839), (52, 49, 60, 88, 156, 248, 414)),
 }
 JITTER = 0.15  # a shared CPU's step times: each step's seconds times a factor drawn from 1 +- this
 # per-token chance the draft's top guess is the target's; the second-best guess adds SECOND of the rest
