@@ -221,13 +221,12 @@ class DraftModel:
         self.keep_prefix(seq)
         self._adopt(seq)
         self.caught_up_s = 0.0
-        if len(seq) - 1 - self.length >= CATCH_UP_ROWS:
+        if self.device.type == "cpu" and len(seq) - 1 - self.length >= CATCH_UP_ROWS:
             # tokens committed while no draft pass ran (plain or head steps): their pass is the cost of having
-            # skipped the draft, not of this proposal; timed apart so a budget policy can tell the two
+            # skipped the draft, not of this proposal; timed apart so the CPU's measured-rate policy can tell the
+            # two (on a GPU the rows ride in the root's pass nearly free)
             t0 = time.perf_counter()
             self.prefill(seq)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.caught_up_s = time.perf_counter() - t0
         m, n = self.length, len(seq) - 1
         dev = self.device

@@ -164,3 +164,35 @@ def test_tiny_models_are_not_probed_and_stay_dense(tiny_models):
     from specexec.loading.checkpoint import read_config
 
     assert cpu_probe.choose_target(read_config(tiny_models["llama"])) == ("dense", torch.float32)
+
+
+@pytest.mark.parametrize(
+    "low_ms, want",
+    [
+        ({"int8": {"1": 1.0, "8": 4.0}, "q4": {"1": 0.7, "8": 3.0}}, "q4"),
+        ({"int8": {"1": 1.0, "8": 4.0}, "q4": {"1": 0.7, "8": 9.0}}, "int8"),  # 4-bit dearer than dense at 8 rows
+        ({"int8": {"1": 3.5, "8": 4.0}, "q4": {"1": 3.9, "8": 3.0}}, "dense"),  # no clear gain at one row
+    ],
+)
+def test_auto_draft_format_follows_the_measured_costs(tmp_path, monkeypatch, low_ms, want):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "choose_dtype", lambda cfg: torch.float32)
+    monkeypatch.setattr(cpu_probe, "draft_formats", lambda: ("int8", "q4"))
+    calls = []
+
+    def fake(shapes, dtype, formats, rows=cpu_probe.INT8_ROWS, repeats=cpu_probe.REPEATS, before=None, target=True):
+        calls.append(target)
+        return {"dense": {"1": 4.0, "8": 8.0}, **low_ms}
+
+    monkeypatch.setattr(cpu_probe, "measure_formats", fake)
+    assert cpu_probe.choose_draft(_cfg()) == (torch.float32, want)
+    assert cpu_probe.choose_draft(_cfg()) == (torch.float32, want) and calls == [False]  # cached: measured once
+
+
+def test_layers_are_timed_from_memory_only_for_models_that_outgrow_the_cache(monkeypatch):
+    monkeypatch.setattr(cpu_probe, "llc_bytes", lambda: 1 << 20)
+    assert cpu_probe.cold(1 << 20) is None
+    flush = cpu_probe.cold(8 << 20)
+    assert flush is not None
+    flush()  # reads a buffer twice the cache's size
+    assert cpu_probe.llc_bytes() > 0

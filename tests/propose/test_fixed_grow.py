@@ -280,3 +280,23 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
                 trees[mode] = td.grow(seq, c, seed=seed)[0]
             for mode in MODES:
                 _same_tree(trees["dynamic"], trees[mode], (seed, budget, mode))
+
+
+def test_a_lagging_draft_catches_up_in_a_timed_pass_of_its_own(drafts):
+    """Tokens committed while no draft pass ran (plain or head steps) are caught up in a pass of their own, timed
+    apart (the CPU policy does not charge it to the arm that follows); the root's logits are those of a draft that
+    never lagged, and a short lag stays in the root's pass."""
+    model = drafts["llama"]
+    seq = [5, 9, 17, 33, 4, 60, 61, 62, 63, 12, 40, 7]
+    steady = DraftModel(model, 64)
+    steady.prefill(seq)
+    want = steady.catch_up(seq)
+    assert steady.caught_up_s == 0.0
+    d = DraftModel(model, 64)
+    d.prefill(seq[:3])
+    got = d.catch_up(seq)  # 8 tokens behind, plus the root
+    assert d.caught_up_s > 0 and d.length == len(seq) - 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    d.commit([len(seq) - 1], seq + [3])
+    d.catch_up(seq + [3, 8])  # one behind: in the root's pass
+    assert d.caught_up_s == 0.0

@@ -570,3 +570,10 @@ def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_pat
     list(g)
     assert {1, 16} <= set(calls), "the measured beam counts ran through DraftModel.forward"
     assert isinstance(g.policy, AutoBudget) and set(g.policy.draft_pass_s) == {1, 16}
+
+
+def test_a_catch_up_pass_is_not_charged_to_the_arm():
+    """The seconds a lagging draft spent catching up are the steps' before it: the arm is rated on the rest."""
+    p = AdaptiveBudget((0, -2))
+    p.update(StepInfo(budget=-2, tree_logp=(), emitted=3, draft_s=1.5, target_s=0.5, passes=2, catch_up_s=1.0))
+    assert p.summary()[-2]["seconds"] == pytest.approx(1.0)
