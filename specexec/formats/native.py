@@ -1,7 +1,8 @@
 """The package's C kernels for CPUs: compiled on first use, kept under the cache home, loaded with ctypes.
 
-``q4.c`` (4-bit weights, :mod:`specexec.formats.q4`) and ``attn.c`` (a pass's attention row by row,
-:func:`specexec.model.attention.native`). They are built once per source, compiler and CPU with the system C
+``q4.c`` (4-bit weights, :mod:`specexec.formats.q4`), ``attn.c`` (a pass's attention row by row,
+:func:`specexec.model.attention.native`) and ``layers.c`` (a pass's decoder layers with 4-bit weights in one call,
+:mod:`specexec.formats.layers`). They are built once per source, compiler and CPU with the system C
 compiler (``cc``, or ``$CC``) for this CPU (``-O3 -march=native``, no fast-math and no contracted multiply-adds:
 every result is a fixed sequence of operations), kept as ``<cache home>/kernels/cpu-<key>.so``, and share torch's
 OpenMP runtime (its thread count). Without a compiler :func:`available` says why; callers then keep their torch
@@ -21,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4.c", "attn.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4.c", "attn.c", "layers.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 _lib: ctypes.CDLL | None = None
@@ -72,6 +73,8 @@ def _build(home: Path | None = None) -> ctypes.CDLL:
     lib.q4_matmul.restype = N
     lib.attn_rows.argtypes = [P, I, I, I, I, P, P, N, I, P, P, F, F, P]
     lib.attn_rows.restype = None
+    lib.q4_layers.argtypes = [I, I, I, I, I, I, I, P, P, P, P, P, P, P, I, I, P, P, P, F, F]
+    lib.q4_layers.restype = N
     return lib
 
 

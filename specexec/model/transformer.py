@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specexec.formats.dense import Tiling, embed_rows, linear, tiled_linear
+from specexec.formats.layers import NativeLayers
 from specexec.formats.subset import SubsetHead
 from specexec.model.attention import blocked, native, native_ready, plan_keys, row_keys, sdpa, sdpa_bias
 from specexec.model.kv_cache import KVCache
@@ -348,6 +349,9 @@ def window_mask(mask: Tensor, positions: Tensor, window: int) -> Tensor:
     return mask & (rank > positions[:, None] - window)
 
 
+NATIVE_ROWS = 256  # rows a native layer pass takes at once (its scratch grows with them)
+
+
 @dataclass
 class Globals:
     """The weights outside the layer loop."""
@@ -374,6 +378,9 @@ class Transformer:
     tiling: Tiling | None = None
     inv_freq: Tensor = field(init=False)
     local_inv_freq: Tensor | None = field(init=False)
+    # the passes without a tiling run every layer in one C call where the model's layers allow it (a CPU model
+    # with 4-bit weights, :class:`~specexec.formats.layers.NativeLayers`); None: not looked at yet, False: they don't
+    native_layers: Any = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.inv_freq = rope_inv_freq(self.cfg).to(self.device)
@@ -424,6 +431,11 @@ class Transformer:
             head.observe(tokens)
         norm = offset_rms_norm if c.norm_offset else fused_rms_norm if fused_norm else rms_norm
         t = self.tiling
+        if trace is None and self._native_layers() is not None:
+            x = self._native_pass(tokens, positions, cache_slots, mask, cache)
+            if logits_rows is not None:
+                x = x[logits_rows]
+            return self._head(x, norm, hidden)
         if t is None:
             x = self._embed(tokens)  # (T, D)
             glob, local = self._ropes(positions)
@@ -451,10 +463,7 @@ class Transformer:
             x = self._layers(x, glob, local, attend, cache_slots, mask.shape[1], cache, linear, trace, norm)
             if logits_rows is not None:
                 x = x[logits_rows]
-            x = norm(x, self.globals.norm, c.rms_norm_eps)
-            if hidden is not None:
-                hidden.append(x)
-            return self._logits(linear(x, head))
+            return self._head(x, norm, hidden)
         # passes larger than the invariance was checked for run as consecutive passes; rows attend only to slots
         # written by earlier rows or passes (causal prefill, tree ancestry), so the result is the same
         T = tokens.shape[0]
@@ -467,13 +476,42 @@ class Transformer:
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is not None:
             x = x[logits_rows]
+        return self._head(x, norm, hidden)
+
+    def _head(self, x: Tensor, norm: Callable[[Tensor, Tensor, float], Tensor], hidden: list[Tensor] | None) -> Tensor:
+        """The final norm and the output layer over the rows' final hidden states x (T', D) -> fp32 logits; a
+        tiled model's in passes of at most ``max_rows`` rows through its tiling."""
+        t = self.tiling
         out = []
-        for a in range(0, x.shape[0], t.max_rows):
-            h = norm(x[a : a + t.max_rows], self.globals.norm, c.rms_norm_eps)
+        step = max(x.shape[0], 1) if t is None else t.max_rows
+        for a in range(0, max(x.shape[0], 1), step):
+            h = norm(x[a : a + step], self.globals.norm, self.cfg.rms_norm_eps)
             if hidden is not None:
                 hidden.append(h)
-            out.append(tiled_linear(h, head, t))
+            out.append(linear(h, self.globals.lm_head) if t is None else tiled_linear(h, self.globals.lm_head, t))
         return self._logits(out[0] if len(out) == 1 else torch.cat(out))
+
+    def _native_layers(self) -> NativeLayers | None:
+        """The model's layers as one C call (:class:`~specexec.formats.layers.NativeLayers`), where they allow it."""
+        if self.native_layers is None:
+            self.native_layers = NativeLayers.of(self) or False
+        return self.native_layers or None
+
+    def _native_pass(
+        self, tokens: Tensor, positions: Tensor, cache_slots: Tensor, mask: Tensor, cache: KVCache
+    ) -> Tensor:
+        """Every layer by :class:`~specexec.formats.layers.NativeLayers`, in passes of at most ``NATIVE_ROWS`` rows
+        (each row's result is the same in any pass, so this serves shape-invariant models too); returns the rows'
+        final hidden states (T, D)."""
+        nl = self._native_layers()
+        assert nl is not None
+        parts = []
+        for a in range(0, tokens.shape[0], NATIVE_ROWS):
+            sl = slice(a, a + NATIVE_ROWS)
+            glob, _ = self._ropes(positions[sl])
+            rows = row_keys(mask[sl], positions[sl], positions[sl].shape[0])
+            parts.append(nl.run(self._embed(tokens[sl]), *glob, cache, cache_slots[sl], rows))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         x = embed_rows(self.globals.embed, tokens).to(self.dtype)

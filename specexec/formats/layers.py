@@ -1,0 +1,90 @@
+"""A pass's decoder layers in one C call, for a CPU model with 4-bit weights (``layers.c``).
+
+A small model's pass on a CPU spends about as long between its products as in them: a dozen torch operations per
+layer, each a Python call of some microseconds. :class:`NativeLayers` runs every layer of a pass in one call of the
+package's C kernels instead (the same products, ``q4.c``, and attention, ``attn.c``). It serves passes that take
+each shape's fastest kernels (a draft's; a target's shape-invariant passes keep the torch layers their invariance
+was checked with), for the layer shape most checkpoints share: pre-norm RMSNorm, fused q/k/v (with or without a
+bias), rotate-half RoPE, SiLU-gated MLP, fp32 activations and cache, no sliding window or soft-capping
+(:meth:`NativeLayers.of` says None otherwise). Its numerics differ from the torch layers' in rounding only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specexec.formats import native
+from specexec.formats.q4 import Q4Linear
+
+WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")  # layers.c's order (a missing bias: 0)
+
+
+class NativeLayers:
+    """Every layer's weight addresses, laid out once for ``q4_layers`` (the model's weights must stay alive and in
+    place, as a resident model's do)."""
+
+    def __init__(self, model: Any, layers: list[Any]) -> None:
+        c = model.cfg
+        self.cfg = c
+        self.keep = layers  # the weights whose addresses the table holds
+        ptrs, ns = [], []
+        for w in layers:
+            for name in WEIGHTS:
+                t = w.get(name)
+                ptrs.append(0 if t is None else (t.packed if isinstance(t, Q4Linear) else t).data_ptr())
+            ns += [w[n].ns for n in ("wqkv", "wo", "w13", "w2")]
+        self.ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        self.ns = torch.tensor(ns, dtype=torch.int32)
+        self.inter = layers[0]["w2"].shape[1]
+        self.scale = c.attn_scale if c.attn_scale is not None else 1.0 / math.sqrt(c.head_dim)
+
+    @classmethod
+    def of(cls, model: Any) -> NativeLayers | None:
+        """The layer table for ``model`` (a :class:`~specexec.model.transformer.Transformer`), or None where its
+        layers are not the shape ``layers.c`` runs, are not resident, or the C kernels are unavailable here."""
+        from specexec.model.transformer import ResidentLayers
+
+        c = model.cfg
+        if model.device.type != "cpu" or model.dtype != torch.float32 or not isinstance(model.layers, ResidentLayers):
+            return None
+        if c.qk_norm or c.sandwich_norm or c.norm_offset or c.activation != "silu" or c.attn_softcap is not None:
+            return None
+        if c.sliding_window is not None or model.local_inv_freq is not None or c.head_dim > 1024 or c.head_dim % 2:
+            return None
+        layers = [model.layers.layer(i) for i in range(c.num_layers)]
+        for w in layers:
+            if not all(isinstance(w.get(n), Q4Linear) for n in ("wqkv", "wo", "w13", "w2")):
+                return None
+            if set(w) - set(WEIGHTS):
+                return None
+            dense = [w[n] for n in ("attn_norm", "mlp_norm", "bqkv") if n in w]
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in dense):
+                return None
+        if native.available() is not None:
+            return None
+        return cls(model, layers)
+
+    def run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Any, slots: Tensor, rows: Any) -> Tensor:
+        """x (T, D) fp32 through every layer (a new tensor); ``cos``/``sin`` (T, 1, hd) from ``rope_tables``;
+        the pass's keys and values go to ``cache`` at ``slots`` (T,); ``rows``: each row's visible slots
+        (:class:`~specexec.model.attention.RowKeys`)."""
+        c = self.cfg
+        T = x.shape[0]
+        out = x.float().contiguous().clone()
+        cs, sn = cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()
+        k, v = cache.k, cache.v
+        assert k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        failed = native.kernel().q4_layers(
+            c.num_layers, T, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.inter, out.data_ptr(),
+            self.ptrs.data_ptr(), self.ns.data_ptr(), cs.data_ptr(), sn.data_ptr(), k.data_ptr(), v.data_ptr(),
+            k.stride(0), k.stride(1), slots.data_ptr(), rows.idx.data_ptr(), rows.start.data_ptr(), self.scale,
+            c.rms_norm_eps,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("the CPU layer kernel could not allocate its scratch memory")
+        return out
