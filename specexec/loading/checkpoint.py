@@ -530,6 +530,11 @@ def load_model(
             release_freed_memory()  # per layer: the temporaries' pages must not pile up into the load's peak
         layers = ResidentLayers(loaded)
     model = Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
+    if fmt == "q4" and isinstance(layers, ResidentLayers):
+        from specexec.formats.q4 import Q4Linear, gather
+
+        found = [w for i in range(cfg.num_layers) for w in layers.layer(i).values() if isinstance(w, Q4Linear)]
+        gather(found + [w for w in (glob.lm_head, glob.embed) if isinstance(w, Q4Linear)])
     release_freed_memory()
     return model
 

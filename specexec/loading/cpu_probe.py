@@ -49,7 +49,7 @@ REPEATS = 5
 CACHE_FILE = "cpu_probe.json"
 LLC_DEFAULT = 32 << 20  # the last-level cache assumed where sysfs does not say
 FLUSH_MAX = 2 << 30  # the most bytes read to push a layer out of the cache
-PROBE_VERSION = 2  # of the format probes: results of older kernels or rules are measured again
+PROBE_VERSION = 3  # of the format probes: results of older kernels or rules are measured again
 
 
 @dataclass(frozen=True)
@@ -380,6 +380,10 @@ def measure_formats(
     w32 = [torch.rand(s, generator=gen).sub_(0.5).mul_(0.04) for s in shapes]
     dense = [w.to(dtype) for w in w32]
     low: dict[str, list[Any]] = {f: [_low_bit(f, w, target) for w in w32] for f in formats}
+    if "q4" in low:  # as a loaded model holds them (specexec.formats.q4.gather)
+        from specexec.formats.q4 import gather
+
+        gather(low["q4"])
     out: dict[str, dict[str, float]] = {"dense": {}, **{f: {} for f in low}}
     for r in rows:
         xs = [torch.randn(r, s[1], generator=gen) for s in shapes]

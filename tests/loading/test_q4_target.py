@@ -133,6 +133,23 @@ def test_the_kernel_computes_its_integer_definition_bit_for_bit(k):
         assert torch.equal(q.linear(x[a:b]), want[a:b]), (k, a, b)
 
 
+def test_gathered_weights_share_one_huge_page_aligned_block_and_compute_the_same():
+    ws = [q4.Q4Linear(_weight(n, 1024, seed=i)) for i, n in enumerate((2000, 1500, 3000))]
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5))
+    before = [w.linear(x) for w in ws]
+    q4.gather(ws + ws[:1])  # a weight named twice moves once
+    ptrs = [w.packed.data_ptr() for w in ws]
+    assert ptrs[0] % q4.HUGE_PAGE == 0 and all(p % 64 == 0 for p in ptrs)
+    assert len({w.packed.untyped_storage().data_ptr() for w in ws}) == 1
+    assert all(torch.equal(w.linear(x), b) for w, b in zip(ws, before))
+
+
+def test_a_loaded_q4_model_keeps_its_weights_in_one_block(tiny_models):
+    model = load_model(tiny_models["qwen2"], CPU, torch.float32, fmt="q4")
+    storages = {w.packed.untyped_storage().data_ptr() for w in _weights(model) if isinstance(w, q4.Q4Linear)}
+    assert len(storages) == 1
+
+
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         q4.Q4Linear(torch.zeros(4, 48))
