@@ -27,9 +27,8 @@ class NativeLayers:
     """Every layer's weight addresses, laid out once for ``q4_layers`` (the model's weights must stay alive and in
     place, as a resident model's do)."""
 
-    def __init__(self, model: Any, layers: list[Any]) -> None:
-        c = model.cfg
-        self.cfg = c
+    def __init__(self, cfg: Any, layers: list[Any]) -> None:
+        self.cfg = cfg
         self.keep = layers  # the weights whose addresses the table holds
         ptrs, ns = [], []
         for w in layers:
@@ -40,22 +39,21 @@ class NativeLayers:
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64)
         self.ns = torch.tensor(ns, dtype=torch.int32)
         self.inter = layers[0]["w2"].shape[1]
-        self.scale = c.attn_scale if c.attn_scale is not None else 1.0 / math.sqrt(c.head_dim)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
 
     @classmethod
-    def of(cls, model: Any) -> NativeLayers | None:
-        """The layer table for ``model`` (a :class:`~specexec.model.transformer.Transformer`), or None where its
-        layers are not the shape ``layers.c`` runs, are not resident, or the C kernels are unavailable here."""
-        from specexec.model.transformer import ResidentLayers
-
-        c = model.cfg
-        if model.device.type != "cpu" or model.dtype != torch.float32 or not isinstance(model.layers, ResidentLayers):
+    def of(cls, cfg: Any, layers: list[Any] | None, device: torch.device, dtype: torch.dtype,
+           local_rope: bool = False) -> NativeLayers | None:  # fmt: skip
+        """The layer table for a model (its :class:`~specexec.model.transformer.ModelConfig`, its resident layers'
+        weights, None when they are streamed; ``local_rope``: its sliding layers have a RoPE base of their own), or
+        None where its layers are not the shape ``layers.c`` runs or the C kernels are unavailable here."""
+        c = cfg
+        if layers is None or device.type != "cpu" or dtype != torch.float32:
             return None
         if c.qk_norm or c.sandwich_norm or c.norm_offset or c.activation != "silu" or c.attn_softcap is not None:
             return None
-        if c.sliding_window is not None or model.local_inv_freq is not None or c.head_dim > 1024 or c.head_dim % 2:
+        if c.sliding_window is not None or local_rope or c.head_dim > 1024 or c.head_dim % 2:
             return None
-        layers = [model.layers.layer(i) for i in range(c.num_layers)]
         for w in layers:
             if not all(isinstance(w.get(n), Q4Linear) for n in ("wqkv", "wo", "w13", "w2")):
                 return None
@@ -66,7 +64,7 @@ class NativeLayers:
                 return None
         if native.available() is not None:
             return None
-        return cls(model, layers)
+        return cls(c, layers)
 
     def run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Any, slots: Tensor, rows: Any) -> Tensor:
         """x (T, D) fp32 through every layer (a new tensor); ``cos``/``sin`` (T, 1, hd) from ``rope_tables``;

@@ -494,7 +494,10 @@ class Transformer:
     def _native_layers(self) -> NativeLayers | None:
         """The model's layers as one C call (:class:`~specexec.formats.layers.NativeLayers`), where they allow it."""
         if self.native_layers is None:
-            self.native_layers = NativeLayers.of(self) or False
+            resident = isinstance(self.layers, ResidentLayers)
+            layers = [self.layers.layer(i) for i in range(self.cfg.num_layers)] if resident else None
+            found = NativeLayers.of(self.cfg, layers, self.device, self.dtype, self.local_inv_freq is not None)
+            self.native_layers = found or False
         return self.native_layers or None
 
     def _native_pass(

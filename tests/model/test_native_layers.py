@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from specexec.formats import native, q4
-from specexec.formats.layers import NativeLayers
 from specexec.loading.checkpoint import load_model
 
 CPU = torch.device("cpu")
@@ -24,8 +23,12 @@ def _prefill(model, ids):
 @pytest.mark.parametrize("family", PLAIN + OTHERS)
 def test_the_plain_layer_shape_runs_natively_and_the_others_keep_torch(tiny_models, family):
     model = load_model(tiny_models[family], CPU, torch.float32, fmt="q4")
-    assert (NativeLayers.of(model) is not None) == (family in PLAIN)
-    assert NativeLayers.of(load_model(tiny_models[family], CPU, torch.float32)) is None  # dense weights: torch
+    ids = torch.randint(3, model.cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(0))
+    _prefill(model, ids)
+    assert bool(model.native_layers) == (family in PLAIN)
+    dense = load_model(tiny_models[family], CPU, torch.float32)
+    _prefill(dense, ids)
+    assert not dense.native_layers  # dense weights: the torch layers
 
 
 @pytest.mark.parametrize("family", PLAIN)
