@@ -2,11 +2,11 @@
 
 A small model's pass on a CPU spends about as long between its products as in them: a dozen torch operations per
 layer, each a Python call of some microseconds. :class:`NativeLayers` runs every layer of a pass in one call of the
-package's C kernels instead (the same products, ``q4.c``, and attention, ``attn.c``). It serves passes that take
-each shape's fastest kernels (a draft's; a target's shape-invariant passes keep the torch layers their invariance
-was checked with), for the layer shape most checkpoints share: pre-norm RMSNorm, fused q/k/v (with or without a
-bias), rotate-half RoPE, SiLU-gated MLP, fp32 activations and cache, no sliding window or soft-capping
-(:meth:`NativeLayers.of` says None otherwise). Its numerics differ from the torch layers' in rounding only.
+package's C kernels instead (the same products, ``q4.c``, and attention, ``attn.c``), for the layer shape most
+checkpoints share: pre-norm RMSNorm, fused q/k/v (with or without a bias), rotate-half RoPE, SiLU-gated MLP, fp32
+activations and cache, no sliding window or soft-capping (:meth:`NativeLayers.of` says None otherwise). Every
+row's arithmetic depends on that row alone, so a 4-bit target's shape-invariant passes run it too (a position gets
+the same bits in any pass). Its numerics differ from the torch layers' in rounding only.
 """
 
 from __future__ import annotations

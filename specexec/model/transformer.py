@@ -378,8 +378,8 @@ class Transformer:
     tiling: Tiling | None = None
     inv_freq: Tensor = field(init=False)
     local_inv_freq: Tensor | None = field(init=False)
-    # the passes without a tiling run every layer in one C call where the model's layers allow it (a CPU model
-    # with 4-bit weights, :class:`~specexec.formats.layers.NativeLayers`); None: not looked at yet, False: they don't
+    # every pass runs all layers in one C call where the model's layers allow it (a CPU model with 4-bit weights,
+    # :class:`~specexec.formats.layers.NativeLayers`); None: not looked at yet, False: they don't
     native_layers: Any = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
