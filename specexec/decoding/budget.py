@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from specexec.decoding.costs import ChainStop, GrowCost, Trim
+from specexec.decoding.costs import ChainStop, GrowCost, Trim, catch_up_s
 
 if TYPE_CHECKING:
     from specexec.decoding.loop import StepInfo
@@ -74,8 +74,10 @@ def interp(points: dict[int, float], x: float) -> float:
 
 
 class BudgetPolicy(Protocol):
-    def choose(self) -> int:
-        """The next step's proposal size (0: no draft; b > 0: a tree of b tokens; -g: a chain of g tokens)."""
+    def choose(self, left: int | None = None, lag: int = 0) -> int:
+        """The next step's proposal size (0: no draft; b > 0: a tree of b tokens; -g: a chain of g tokens).
+        ``left``: tokens the generation may still emit (None: unknown); ``lag``: committed tokens the draft has
+        yet to read (what a draft step would first spend catching up on)."""
         ...
 
     def grow_cost(self, budget: int) -> GrowCost | ChainStop | None:
@@ -99,7 +101,7 @@ class FixedBudget:
     costs: StepCosts = field(default_factory=lambda: StepCosts())
     max_depth: int = 32
 
-    def choose(self) -> int:
+    def choose(self, left: int | None = None, lag: int = 0) -> int:
         return self.budget
 
     def grow_cost(self, budget: int) -> GrowCost | None:
@@ -185,7 +187,7 @@ class AutoBudget:
         return None  # a streamed verifier costs the same for any tree up to the budget
 
     # -- decisions ------------------------------------------------------------------------------------------
-    def choose(self) -> int:
+    def choose(self, left: int | None = None, lag: int = 0) -> int:
         """The best grid budget, moving up at most one doubling from the current budget; every
         ``explore_every`` steps the one above it instead, while no step has measured that one."""
         cap = self.budget * 2
@@ -352,10 +354,16 @@ SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as
 # CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
 # bigger verification), while a tie kept at plain decoding costs nothing
 TIE_MARGIN = 0.1
+# a draft that has yet to read the prompt (or the tokens of steps it sat out) pays for that before its first
+# proposal: a draft arm is first tried only when that catch-up and what the policy's tries lost so far stay within
+# this share of the answer's expected time at plain decoding's rate -- the most the policy may lose to plain
+# decoding on an answer (>= 0.95x)
+FIRST_TRY_SHARE = 0.05
 # untried arms are tried in this order: a chain first (its draft pass's cost then bounds what every chain and tree
-# could give), heads last (the draft's cache catches up over the tokens a step without it emitted, and that catch-up
-# is paid by the next draft step: tried after long head runs, chains measure slower than they are)
+# could give), heads last (the draft's first try catches up on every token of the steps it sat out, so it comes
+# before head runs; and where the draft is cheap its trees beat head trees: simulated, heads first lost there)
 TRY_ORDER = ("plain", "chain", "tree", "heads")
+DRAFT_KINDS = ("chain", "tree")  # the arms that run the draft model
 
 
 @dataclass
@@ -383,7 +391,14 @@ class AdaptiveBudget:
     - an exploration that loses doubles the wait before that arm is explored again (up to :data:`MAX_WAIT`), so a
       losing neighbour costs a vanishing share of the steps, while one that wins is explored at the base rate;
     - the time explorations lost (their seconds beyond what the best arm would have taken for their tokens) is
-      kept under :data:`EXPLORE_SHARE` of all the time decoded; only each arm's first try is exempt.
+      kept under :data:`EXPLORE_SHARE` of all the time decoded when a draft arm is explored again (explorations of
+      arms without a draft pass cost some of one step each, bounded by their doubling waits);
+    - a draft that lags (the prompt it has not read: its prefill waits for its first proposal; the tokens of steps
+      without it) catches up before its proposal, at the cost its pass seconds by rows give (``draft``: measured
+      once at start, corrected by every catch-up): a draft arm that leads is chosen only if it still leads with that
+      cost spread over the rest of the answer; a draft arm is first tried only while the catch-up and what tries
+      lost so far fit :data:`FIRST_TRY_SHARE` of the answer's time at plain decoding's rate, and explored again
+      only within :data:`EXPLORE_SHARE`.
     """
 
     arms: tuple[int, ...]
@@ -393,6 +408,8 @@ class AdaptiveBudget:
     costs: StepCosts = field(default_factory=StepCosts)  # for the tree's early stop
     max_depth: int = 32
     verify: VerifyCosts = field(default_factory=VerifyCosts)  # for trimming proposals by value
+    draft: VerifyCosts | None = None  # the draft's pass seconds by rows: what its catch-ups cost (None: unknown)
+    _lag: int = 0  # the draft's lag when the current step was chosen
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _exploring: bool = False  # this step tries an arm other than the best measured one
     _stats: dict[int, _Arm] = field(default_factory=dict)
@@ -460,9 +477,22 @@ class AdaptiveBudget:
         tokens = (1 - a ** (min(b, self.heads_depth) + 1)) / (1 - a)
         return tokens / (self._heads_s / self._heads_steps + verify)
 
-    def choose(self) -> int:
+    def catch_up(self, lag: int) -> float:
+        """Seconds a draft step would first spend reading ``lag`` committed tokens (0 when the cost is unknown)."""
+        if lag <= 0 or self.draft is None or not self.draft.known():
+            return 0.0
+        draft = self.draft
+        return catch_up_s(lag, lambda rows: draft.at(rows) or 0.0)
+
+    def choose(self, left: int | None = None, lag: int = 0) -> int:
         self._step += 1
+        self._lag = lag
+        switch = self.catch_up(lag)
         rated = {a: self.rate(a) for a in self.arms}
+        if switch > 0 and left:  # a draft arm pays the catch-up once, then runs for the rest of the answer
+            for a, r in rated.items():
+                if r is not None and arm_kind(a) in DRAFT_KINDS:
+                    rated[a] = left / (left / r + switch)
         known = {a: r for a, r in rated.items() if r is not None}
         if not known:
             best = 0 if 0 in self.arms else self.arms[0]
@@ -471,15 +501,25 @@ class AdaptiveBudget:
             if best != 0 and 0 in known and known[best] < (1 + TIE_MARGIN) * known[0]:
                 best = 0
         choice = best
-        near = self._near(best)
+        near = self._near(best, left, switch)
         if self._stats[best].n == 0:  # rated by the model alone: measure it
             pass
-        elif self._step > 1 and self._step % self.explore_every == 0 and self._lost_s <= EXPLORE_SHARE * self._seconds:
-            due = [a for a in near if self._step - self._stats[a].last >= (self._stats[a].wait or 0)]
+        elif self._step > 1 and self._step % self.explore_every == 0:
+            due = [
+                a
+                for a in near
+                if self._step - self._stats[a].last >= (self._stats[a].wait or 0)
+                and self._affords(a, switch, EXPLORE_SHARE * self._seconds)
+            ]
             if due:  # the one tried longest ago
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
-            untried = sorted((a for a in near if rated[a] is None), key=lambda a: TRY_ORDER.index(arm_kind(a)))
+            plain = rated.get(0)
+            horizon = self._seconds + (left / plain if left and plain else 0.0)
+            untried = sorted(
+                (a for a in near if rated[a] is None and self._affords(a, switch, FIRST_TRY_SHARE * horizon)),
+                key=lambda a: TRY_ORDER.index(arm_kind(a)),
+            )
             if untried:
                 choice = untried[0]
         self._stats[choice].last = self._step
@@ -488,10 +528,17 @@ class AdaptiveBudget:
         self.history.append(choice)
         return choice
 
-    def _near(self, best: int) -> list[int]:
-        """The arms explored next to ``best``: its neighbours by size among its kind, and the first arm of each
-        kind (no draft, the shortest chain, the smallest tree, the smallest head tree), so that each kind gets
-        tried whichever leads. Draft trees (dearer to verify than a chain of their depth) are left out while chains
+    def _affords(self, arm: int, switch: float, allowed: float) -> bool:
+        """Whether trying a draft arm keeps what tries lost, its draft's catch-up included, within ``allowed``
+        seconds. Arms without a draft pass (plain decoding, heads) cost at most some of one step's time to try:
+        their explorations are bounded by their doubling waits alone."""
+        return arm_kind(arm) not in DRAFT_KINDS or self._lost_s + switch <= allowed
+
+    def _near(self, best: int, left: int | None = None, switch: float = 0.0) -> list[int]:
+        """The arms explored next to ``best``: its neighbours by size among its kind, and each kind's best-rated arm
+        (before any is rated: no draft, the shortest chain, the smallest tree, the smallest head tree), so that each
+        kind gets tried whichever leads, and a kind that lost the lead to a run of bad steps is tried where it was
+        best. Draft trees (dearer to verify than a chain of their depth) are left out while chains
         are rated and none beats plain decoding: the draft is not predicting this text."""
         kind = arm_kind(best)
         same = [a for a in self.arms if arm_kind(a) == kind or {kind, arm_kind(a)} == {"plain", "tree"}]
@@ -501,16 +548,19 @@ class AdaptiveBudget:
         trees = [a for a in self.arms if arm_kind(a) == "tree"]
         heads = [a for a in self.arms if arm_kind(a) == "heads"]
         entries = [0] if 0 in self.arms else []
-        entries += [max(chains)] if chains else []
-        entries += [min(trees)] if trees else []
-        entries += [min(heads)] if heads else []
+        for group, first in ((chains, max), (trees, min), (heads, min)):
+            if group:  # each kind's best-rated arm (its first one before any is rated)
+                by_rate = {a: r for a in group if (r := self.rate(a)) is not None}
+                entries.append(max(by_rate, key=lambda a: by_rate[a]) if by_rate else first(group))
         out += [a for a in entries if a != best and a not in out]
         plain = self.rate(0) if 0 in self.arms else None
         rated = [r for a in chains if (r := self.rate(a)) is not None]
         if plain is not None and rated and max(rated) < plain and arm_kind(best) != "tree":
             out = [a for a in out if arm_kind(a) != "tree"]
         if plain is not None:  # arms that could not win even if the target took every drafted token
-            out = [a for a in out if (c := self._ceiling(a)) is None or c >= (1 + TIE_MARGIN) * plain]
+            spread = switch / left if left else 0.0  # the catch-up, spread over the rest of the answer
+            floor = (1 + TIE_MARGIN) * plain
+            out = [a for a in out if (c := self._ceiling(a)) is None or 1 / (1 / c + spread) >= floor]
         return out
 
     def _ceiling(self, arm: int) -> float | None:
@@ -518,7 +568,9 @@ class AdaptiveBudget:
         draft passes and the verification of its rows (a tree of b grown d deep: d + 1 tokens for d passes and
         b + 1 rows). None before a draft pass and the verification costs are measured, and for other arms."""
         kind, pass_s = arm_kind(arm), self.costs.pass_s
-        if kind not in ("chain", "tree") or pass_s is None or not self.verify.known():
+        if pass_s is None and self.draft is not None and self.draft.known():
+            pass_s = self.draft.at(1)
+        if kind not in DRAFT_KINDS or pass_s is None or not self.verify.known():
             return None
         if kind == "chain":
             verify = self.verify.at(-arm + 1)
@@ -549,7 +601,15 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale)
 
     def update(self, step: StepInfo) -> None:
-        draft_s = step.draft_s - step.catch_up_s  # a lagging draft's catch-up is a cost of the steps before
+        # a lagging draft's catch-up is a cost of the steps before (and of the prompt): not of this arm's step, but
+        # of the decision to run the draft again, which :meth:`choose` weighs; an exploration's counts as lost
+        draft_s = step.draft_s - step.catch_up_s
+        if step.catch_up_s > 0:
+            if self.draft is not None and self._lag > 0:
+                self.draft.update(self._lag, step.catch_up_s)
+            self._seconds += step.catch_up_s
+            if self._exploring and step.budget == self._current:
+                self._lost_s += step.catch_up_s
         if arm_kind(step.budget) == "heads":  # the same for the heads' guesses along their best path
             depth = min(step.budget - HEADS_ARM, self.heads_depth)
             accepted = min(step.emitted - 1, depth)

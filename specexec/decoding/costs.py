@@ -18,6 +18,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# a draft this many committed tokens behind reads them in a pass of its own before its proposal (timed apart, so a
+# CPU's policy can tell a catch-up from the proposal); fewer ride in the root's pass
+CATCH_UP_ROWS = 4
+
+
+def catch_up_s(lag: int, draft_s: Callable[[int], float]) -> float:
+    """Seconds a draft ``lag`` tokens behind spends reading them before its proposal, from its pass seconds by rows
+    (``draft_s``): a pass of its own from :data:`CATCH_UP_ROWS` tokens, else the root pass's extra rows."""
+    if lag <= 0:
+        return 0.0
+    if lag >= CATCH_UP_ROWS:
+        return draft_s(lag)
+    return max(draft_s(lag + 1) - draft_s(1), 0.0)
+
 
 @dataclass
 class GrowCost:

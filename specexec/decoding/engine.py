@@ -290,6 +290,7 @@ class Engine:
         # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
         self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
         self._verify: VerifyCosts | None = None
+        self._draft_costs: VerifyCosts | None = None  # the draft's pass seconds by rows (the CPU policy's catch-ups)
         self._by_mode: dict[bool, tuple[Any, Any, Any, Any]] = {}  # the other mode's measurements (set_invariant)
         self._static = (static_draft, static_rows)
         self._grammar_tokenizer: Any = None
@@ -549,8 +550,9 @@ class Engine:
                 g = self.target.globals
                 beside = HeadsDraft(self.heads, g.lm_head, g.embed, dev)
                 arms += tuple(HEADS_ARM + b for b in CPU_HEAD_ARMS if b <= tree.max_budget)
-            proposer = TreeDraft(self.draft_model, tree, lookup, chains, beside)
-            return proposer, self._adaptive_policy(learnt, arms, tree, stats)
+            # the draft reads the prompt only when the policy first asks for it (the policy weighs that cost)
+            proposer = TreeDraft(self.draft_model, tree, lookup, chains, beside, lazy=True)
+            return proposer, self._adaptive_policy(learnt, arms, tree, stats, draft=True)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
@@ -565,48 +567,58 @@ class Engine:
         return proposer, self._auto
 
     def _adaptive_policy(
-        self, method: str, arms: tuple[int, ...], tree: TreeConfig, stats: Stats | None = None
+        self, method: str, arms: tuple[int, ...], tree: TreeConfig, stats: Stats | None = None, draft: bool = False
     ) -> AdaptiveBudget:
         """The engine's measured-rate policy for these arms (kept across generations). Its verification-cost
-        curve (shared by all such policies of the engine) starts from a short measurement, cached per machine."""
+        curve (shared by all such policies of the engine) starts from a short measurement, cached per machine;
+        with ``draft``, so does its curve of the draft's pass costs (what a lagging draft's catch-up costs)."""
         key = (method, tuple(sorted(set(arms))))
         if key not in self._adaptive:
+            tc = time.perf_counter()
             if self._verify is None:
-                tc = time.perf_counter()
-                self._verify = VerifyCosts(self._verify_prior())
-                if stats is not None:
-                    stats.costs_s = time.perf_counter() - tc
+                self._verify = VerifyCosts(self._pass_prior(draft=False))
+            if draft and self._draft_costs is None:
+                self._draft_costs = VerifyCosts(self._pass_prior(draft=True))
+            if stats is not None:
+                stats.costs_s = time.perf_counter() - tc
             self._adaptive[key] = AdaptiveBudget(
                 arms,
                 costs=self._costs,
                 max_depth=tree.max_depth,
                 verify=self._verify,
+                draft=self._draft_costs if draft else None,
                 heads_depth=self.heads.k if self.heads is not None else 0,
             )
         return self._adaptive[key]
 
-    def _verify_prior(self) -> dict[int, float]:
-        """Target pass seconds at a few small sizes (what trimming a proposal weighs), measured once per machine
-        and model (cached under ``costs_dir``). Uses the target cache as scratch: drops the prefix cache."""
+    def _pass_prior(self, draft: bool) -> dict[int, float]:
+        """The target's pass seconds at a few small sizes (what trimming a proposal weighs), or the draft's (what its
+        catch-ups cost), measured once per machine and model
+        (cached under ``costs_dir``). Uses the caches as scratch: drops the prefix cache."""
         assert self.state is not None
+        dm = self.draft_model
+        model = dm.model if draft and dm is not None else self.target
         path = None
         if self.costs_dir:
             key = costs_key(
-                self.target.device, self.target.cfg, self.target.dtype, weights_tag(self.target), self.target.tiling,
-                "verify", VERIFY_SIZES,
+                model.device, model.cfg, model.dtype, weights_tag(model), model.tiling,
+                "draft" if draft else "verify", VERIFY_SIZES,
             )  # fmt: skip
-            path = self.costs_dir / f"verify-{key}.json"
+            path = self.costs_dir / f"{'draft' if draft else 'verify'}-{key}.json"
             cached = load_costs(path)
             if cached is not None:
                 return cached[0]
-        t_time = pass_timer(self.target, self.state.cache)
-        t_time(1, 1)  # warm-up
-        sizes = [n for n in VERIFY_SIZES if n <= self.state.cache.capacity]
-        points = {n: t_time(n, 2) for n in sizes}
+        if draft and dm is not None:  # the draft's own passes, as its steps run them
+            timer, capacity = pass_timer(dm.model, dm.cache, dm.forward), dm.usable
+        else:
+            timer, capacity = pass_timer(self.target, self.state.cache), self.state.cache.capacity
+        timer(1, 1)  # warm-up
+        points = {n: timer(n, 2) for n in VERIFY_SIZES if n <= capacity}
         self.reset()
         if path is not None:
             save_costs(path, points, {})
-        log.info("verification cost by size: %s", {k: round(v, 4) for k, v in points.items()})
+        rounded = {k: round(v, 4) for k, v in points.items()}
+        log.info("%s pass cost by size: %s", "draft" if draft else "target", rounded)
         return points
 
     def _measured_policy(self) -> bool:

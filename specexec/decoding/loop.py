@@ -248,12 +248,13 @@ def decode(
     sync(dev)
     stats.prefill_s = time.perf_counter() - t0
     logprobs = draft_logprobs or (lambda lg: sampling.logprobs(lg, samp))
+    lag = getattr(proposer, "lag", None)  # a draft model's proposer: tokens its draft has yet to read
     stats.finish_reason = "length"
     try:
         while stats.new_tokens < max_new:
             n = state.n
             td = time.perf_counter()
-            budget = policy.choose()
+            budget = policy.choose(left=max_new - stats.new_tokens, lag=lag(state.seq) if lag is not None else 0)
             ctx = StepContext(
                 samp=samp,
                 gen=gen,

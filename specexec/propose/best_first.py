@@ -75,8 +75,17 @@ class TreeDraft:
         ngram: NGramDraft | None = None,
         chain: ChainDraft | None = None,
         heads: HeadsDraft | None = None,
+        lazy: bool = False,
     ) -> None:
         self.draft, self.cfg, self.ngram, self.chain, self.heads = draft, cfg, ngram, chain, heads
+        # lazy: the draft reads the prompt at its first proposal, not at :meth:`begin` (a policy that may never
+        # ask for a draft pass, e.g. on a CPU where the draft does not pay, then never pays for its prefill)
+        self.lazy = lazy
+
+    def lag(self, seq: list[int]) -> int:
+        """Committed tokens the draft must still read before its next proposal (what a draft step would pay for
+        the steps and the prompt it did not see)."""
+        return self.draft.lag(seq)
 
     @property
     def wants_hidden(self) -> bool:
@@ -84,7 +93,8 @@ class TreeDraft:
         return self.heads is not None
 
     def begin(self, seq: list[int]) -> None:
-        self.draft.prefill(seq)
+        if not self.lazy:
+            self.draft.prefill(seq)
         if self.ngram is not None:
             self.ngram.begin(seq)
         if self.heads is not None:

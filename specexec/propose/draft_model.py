@@ -27,12 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specexec.decoding.costs import CATCH_UP_ROWS
 from specexec.model.graphs import StaticPasses
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
 from specexec.propose.captured import LevelSpace
-
-CATCH_UP_ROWS = 4  # a draft this many committed tokens behind catches up in a pass of its own, timed apart
 
 
 @dataclass
@@ -172,6 +171,16 @@ class DraftModel:
         return torch.where(tokens < V, tokens, torch.zeros_like(tokens))
 
     # -- the committed prefix -------------------------------------------------------------------------------------
+    def lag(self, seq: list[int]) -> int:
+        """Committed tokens of ``seq`` (its pending last token excluded) the next proposal must run through the
+        draft before its root: 0 when the draft takes its prefix from the target (copied, not computed)."""
+        if self.prefix is not None:
+            return 0
+        m = len(self._tokens)
+        if m > len(seq) - 1 or seq[:m] != self._tokens:
+            m = _lcp(self._tokens, seq[:-1])
+        return len(seq) - 1 - m
+
     def reset(self) -> None:
         self._tokens = []
 

@@ -1,12 +1,15 @@
 """The CPU's measured-rate policy against recorded cost profiles of other machines and weight widths.
 
 Each profile is what one CPU measured for one target/draft weight format: ms per target pass and per draft pass at
-1/2/4/8/16/32/64 rows, at a ~300-token context. A simulated decode feeds :class:`AdaptiveBudget` the step times
-those costs give and the tokens an acceptance model of the text gives (code: a draft that agrees often; prose:
-less; a text the draft never predicts). Whatever the costs and the text, the policy must never decode slower
-than plain decoding in the same weights (>= 0.95x) and must come close to the best single arm chosen in
-hindsight (>= 0.75x over a 60-step answer, exploration included), also when every step's time jitters as on a
-shared machine. With the target's heads loaded, head trees are arms too (no draft pass; a few ms of their own).
+1/2/4/8/16/32/64 rows, at a ~300-token context. A simulated decode of a 128-token answer to a 300-token prompt feeds
+:class:`AdaptiveBudget` the step times those costs give and the tokens an acceptance model of the text gives (code:
+a draft that agrees often; prose: less; a text the draft never predicts). The draft reads the prompt only when a
+step first asks for it, and the tokens of steps it sat out before its next one (a pass over the rows it lags, paid
+by that step). Whatever the costs and the text, the policy must never decode slower than plain decoding in the same
+weights (>= 0.95x, the draft's catch-ups included) and must come close to the best single arm chosen in hindsight
+(>= 0.7x over one answer, exploration and the draft's first catch-up on the prompt included), also when every
+step's time jitters as on a shared machine. With the target's heads loaded, head trees are arms too (no draft pass;
+a few ms of their own).
 """
 
 from __future__ import annotations
@@ -15,7 +18,17 @@ import random
 
 import pytest
 
-from specexec.decoding.budget import HEADS_ARM, TIE_MARGIN, AdaptiveBudget, VerifyCosts, interp
+from specexec.decoding.budget import (
+    DRAFT_KINDS,
+    FIRST_TRY_SHARE,
+    HEADS_ARM,
+    TIE_MARGIN,
+    AdaptiveBudget,
+    VerifyCosts,
+    arm_kind,
+    interp,
+)
+from specexec.decoding.costs import CATCH_UP_ROWS, catch_up_s
 from specexec.decoding.engine import CPU_ARMS, CPU_CHAINS, CPU_HEAD_ARMS
 from specexec.decoding.loop import StepInfo
 
@@ -34,7 +47,12 @@ PROFILES = {
     # a 2-core Intel Xeon with AMX, its host busy (memory reads at 14 GB/s, 24 when quiet): 4-bit target and
     # draft (AVX-512 VNNI up to 15 rows, AMX tiles from 16), a draft pass a third of a plain step
     "xeon-amx q4/q4": ((161, 143, 176, 221, 418, 588, 839), (52, 49, 60, 88, 156, 248, 414)),
+    # the same Xeon with every layer of a pass in one native call and the weights on huge pages: a one-row pass of
+    # the target got cheaper than the draft's gained, so a draft pass is some 45% of a plain step
+    "xeon-amx q4/q4 native": ((54, 64, 85, 139, 274, 412, 604), (24.5, 28, 43, 74, 102, 154, 331)),
 }
+PROMPT = 300  # tokens the draft has yet to read when the answer starts
+ANSWER = 128  # tokens the answer runs to
 JITTER = 0.15  # a shared CPU's step times: each step's seconds times a factor drawn from 1 +- this
 # per-token chance the draft's top guess is the target's; the second-best guess adds SECOND of the rest
 TEXTS = {"code": 0.8, "prose": 0.55, "hopeless": 0.0}
@@ -51,11 +69,17 @@ def _curve(ms: tuple[int, ...]) -> dict[int, float]:
 
 
 def _step(
-    arm: int, alpha: float, target: dict[int, float], draft: dict[int, float], rng: random.Random, noise: float = 1.0
+    arm: int,
+    alpha: float,
+    target: dict[int, float],
+    draft: dict[int, float],
+    rng: random.Random,
+    noise: float = 1.0,
+    lag: int = 0,
 ) -> StepInfo:
     """One simulated step of ``arm`` (0: plain decoding; -g: a chain of g; b: a best-first tree of b tokens,
     two children per node along its best path; HEADS_ARM + b: b head guesses, at most 3 deep); ``noise``: its
-    seconds times this (a shared machine's jitter)."""
+    seconds times this (a shared machine's jitter); ``lag``: tokens a draft step first catches up on."""
     if arm == 0:
         return StepInfo(0, (), 1, 0.0, interp(target, 1) * noise, 0, size=1)
     if arm >= HEADS_ARM:
@@ -79,15 +103,53 @@ def _step(
     accepted = 0
     while accepted < g and rng.random() < p:
         accepted += 1
-    draft_s = sum(interp(draft, b) + HOST_MS / 1e3 for b in beams)
+    catch = catch_up_s(lag, lambda r: interp(draft, r)) * noise
+    draft_s = sum(interp(draft, b) + HOST_MS / 1e3 for b in beams) * noise + catch
     logp = [-0.3 * (i + 1) for i in range(rows - 1)]
-    return StepInfo(arm, logp, accepted + 1, draft_s * noise, interp(target, rows) * noise, passes, size=rows)
+    return StepInfo(
+        arm,
+        logp,
+        accepted + 1,
+        draft_s,
+        interp(target, rows) * noise,
+        passes,
+        catch_up_s=catch if lag >= CATCH_UP_ROWS else 0.0,
+        size=rows,
+    )
 
 
 def _expected_rate(arm: int, alpha: float, target: dict[int, float], draft: dict[int, float]) -> float:
+    """``arm``'s tokens/s over one answer, the draft's catch-up on the prompt included."""
     rng = random.Random(1)
     steps = [_step(arm, alpha, target, draft, rng) for _ in range(4000)]
-    return sum(s.emitted for s in steps) / sum(s.draft_s + s.target_s for s in steps)
+    rate = sum(s.emitted for s in steps) / sum(s.draft_s + s.target_s for s in steps)
+    if arm_kind(arm) in DRAFT_KINDS:
+        rate = ANSWER / (ANSWER / rate + catch_up_s(PROMPT, lambda r: interp(draft, r)))
+    return rate
+
+
+def _answer(
+    policy: AdaptiveBudget,
+    alpha: float,
+    target: dict[int, float],
+    draft: dict[int, float],
+    rng: random.Random,
+    noise: list[float],
+    prompt: int = PROMPT,
+    answer: int = ANSWER,
+) -> tuple[int, float]:
+    """Simulate one answer under ``policy``: (tokens, seconds), catch-ups included."""
+    tokens, seconds, lag = 0, 0.0, prompt
+    for i in range(answer):
+        if tokens >= answer:
+            break
+        arm = policy.choose(left=answer - tokens, lag=lag)
+        step = _step(arm, alpha, target, draft, rng, noise[i], lag if arm_kind(arm) in DRAFT_KINDS else 0)
+        policy.update(step)
+        lag = 0 if arm_kind(arm) in DRAFT_KINDS else lag + step.emitted
+        tokens += step.emitted
+        seconds += step.draft_s + step.target_s
+    return tokens, seconds
 
 
 @pytest.mark.parametrize("heads", [False, True], ids=["draft", "draft+heads"])
@@ -98,25 +160,28 @@ def test_the_policy_never_loses_to_plain_decoding_and_finds_the_best_arm(profile
     target, draft = (_curve(c) for c in PROFILES[profile])
     alpha = TEXTS[text]
     arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS, *((HEADS_ARM + b for b in CPU_HEAD_ARMS) if heads else ()))
-    best = max(_expected_rate(a, alpha, target, draft) for a in arms)
+    # the best arm it may try: a draft whose catch-up on the prompt alone could cost more than the answer's share
+    # a try may lose (the policy cannot know the draft's acceptance before trying it) is not a fair benchmark
+    plain_s = ANSWER * target[1]
+    affordable = [
+        a
+        for a in arms
+        if arm_kind(a) not in DRAFT_KINDS or catch_up_s(PROMPT, lambda r: interp(draft, r)) <= FIRST_TRY_SHARE * plain_s
+    ]
+    best = max(_expected_rate(a, alpha, target, draft) for a in affordable)
     rates, ratios = [], []
     for seed in range(5):
         rng = random.Random(seed)
         # the machine's jitter by step: plain decoding, the baseline, runs under the same
-        noise = [1.0 + random.Random(1000 + seed).uniform(-jitter, jitter) if jitter else 1.0 for _ in range(60)]
-        ar_rate = len(noise) / sum(target[1] * n for n in noise)
-        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)))
-        tokens = seconds = 0.0
-        for i in range(60):  # a 64-token answer is some 20-60 steps: judge the first ones too
-            step = _step(policy.choose(), alpha, target, draft, rng, noise[i])
-            policy.update(step)
-            tokens += step.emitted
-            seconds += step.draft_s + step.target_s
+        noise = [1.0 + random.Random(1000 + seed).uniform(-jitter, jitter) if jitter else 1.0 for _ in range(ANSWER)]
+        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+        tokens, seconds = _answer(policy, alpha, target, draft, rng, noise)
+        ar_rate = tokens / sum(target[1] * n for n in noise[:tokens])
         rates.append(tokens / seconds)
         ratios.append(rates[-1] / ar_rate)
     mean = sum(rates) / len(rates)
     assert min(ratios) >= 0.95, (profile, text, [round(r, 2) for r in ratios])
-    assert mean >= 0.75 * best, (profile, text, round(mean / best, 2))
+    assert mean >= 0.7 * best, (profile, text, round(mean / best, 2))
 
 
 def test_draft_arms_that_could_not_win_are_never_tried():
@@ -152,3 +217,15 @@ def test_untried_head_trees_are_rated_from_the_measured_heads():
     for b in (1, 2, 4, 8):
         assert miss.rate(HEADS_ARM + b) is not None and miss.rate(HEADS_ARM + b) < (1 + TIE_MARGIN) * miss.rate(0)
     assert miss.choose() == 0
+
+
+@pytest.mark.parametrize("prompt, answer, tried", [(2000, 32, False), (30, 128, True)])
+def test_a_draft_is_first_tried_only_when_its_catch_up_fits_the_answer(prompt, answer, tried):
+    """The draft reads the prompt at its first step: behind a long prompt a short answer cannot repay that (the
+    policy stays with plain decoding, no slower than it); behind a short one the draft is tried and pays."""
+    target, draft = (_curve(c) for c in PROFILES["epyc-avx512 bf16/int8"])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+    tokens, seconds = _answer(policy, TEXTS["code"], target, draft, random.Random(0), [1.0] * answer, prompt, answer)
+    assert any(arm_kind(a) in DRAFT_KINDS for a in policy.history) == tried, policy.history
+    assert tokens / seconds >= (1.5 if tried else 0.95) / target[1]

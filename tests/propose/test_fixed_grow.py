@@ -20,7 +20,7 @@ from specexec.decoding.sampling import logprobs as sample_logprobs
 from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.model import transformer
-from specexec.propose import DraftModel, NGramConfig, TreeDraft
+from specexec.propose import DraftModel, NGramConfig, StepContext, TreeDraft
 from tests.conftest import FAMILIES
 from tests.decoding.test_specexec import _engine
 
@@ -280,6 +280,26 @@ def test_cuda_fixed_levels_grow_the_same_tree_with_graphs(noisy_pairs):
                 trees[mode] = td.grow(seq, c, seed=seed)[0]
             for mode in MODES:
                 _same_tree(trees["dynamic"], trees[mode], (seed, budget, mode))
+
+
+def test_a_lazy_draft_reads_the_prompt_at_its_first_proposal(drafts):
+    """A lazy tree proposer (the CPU policy's, which may never ask for a draft pass) leaves the prompt unread at
+    ``begin``: it reports the lag a draft step would catch up on, and its first proposal reads the prompt in a pass
+    timed apart, proposing the tree an eagerly prefilled draft proposes."""
+    model = drafts["llama"]
+    seq = [5, 9, 17, 33, 4, 60, 61, 62, 63, 12, 40, 7]
+    cfg = TreeConfig.fixed(8, max_beams=4, max_branch=4, max_depth=4, early_stop=False)
+    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=8)
+    eager, lazy = TreeDraft(DraftModel(model, 64), cfg), TreeDraft(DraftModel(model, 64), cfg, lazy=True)
+    eager.begin(seq)
+    lazy.begin(seq)
+    assert eager.lag(seq) == 0 and lazy.lag(seq) == len(seq) - 1
+    want, got = eager.propose(seq, ctx), lazy.propose(seq, ctx)
+    assert want.catch_up_s == 0.0 and got.catch_up_s > 0.0
+    assert lazy.lag(seq) == 0
+    assert got.tree.n_tokens.tolist() == want.tree.n_tokens.tolist()
+    assert got.tree.n_parents.tolist() == want.tree.n_parents.tolist()
+    assert lazy.lag(seq[:5] + [99, 98]) == 1  # another sequence: the common prefix is kept, 99 is to read
 
 
 def test_a_lagging_draft_catches_up_in_a_timed_pass_of_its_own(drafts):
