@@ -410,6 +410,7 @@ class AdaptiveBudget:
     verify: VerifyCosts = field(default_factory=VerifyCosts)  # for trimming proposals by value
     draft: VerifyCosts | None = None  # the draft's pass seconds by rows: what its catch-ups cost (None: unknown)
     _lag: int = 0  # the draft's lag when the current step was chosen
+    _fresh: bool = False  # the next step is a new text's first (:meth:`new_text`)
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _exploring: bool = False  # this step tries an arm other than the best measured one
     _stats: dict[int, _Arm] = field(default_factory=dict)
@@ -484,9 +485,21 @@ class AdaptiveBudget:
         draft = self.draft
         return catch_up_s(lag, lambda rows: draft.at(rows) or 0.0)
 
+    def new_text(self) -> None:
+        """A new generation (another prompt, the next chat turn) starts: what an arm yields depends on the text, so
+        its first step is plain decoding, the arm that cannot lose, and that step's measurement weighs as much as
+        all of plain decoding's before it (a text that repeats its context gives plain steps many n-gram tokens
+        where the last text gave none). The costs learnt stay."""
+        self._fresh = 0 in self.arms
+
     def choose(self, left: int | None = None, lag: int = 0) -> int:
         self._step += 1
         self._lag = lag
+        if self._fresh:
+            self._stats[0].last = self._step
+            self._exploring, self._current = False, 0
+            self.history.append(0)
+            return 0
         switch = self.catch_up(lag)
         rated = {a: self.rate(a) for a in self.arms}
         if switch > 0 and left:  # a draft arm pays the catch-up once, then runs for the rest of the answer
@@ -644,8 +657,10 @@ class AdaptiveBudget:
         if s.n == 0:
             s.seconds, s.tokens = sec, float(step.emitted)
         else:
-            s.seconds = _ema(s.seconds, sec, self.alpha)
-            s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
+            alpha = 0.5 if self._fresh else self.alpha
+            s.seconds = _ema(s.seconds, sec, alpha)
+            s.tokens = _ema(s.tokens, float(step.emitted), alpha)
+        self._fresh = False
         s.n += 1
         if explored:  # a losing exploration waits twice as long before the next; a winning one resets the wait
             others = [r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None]

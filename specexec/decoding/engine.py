@@ -569,9 +569,10 @@ class Engine:
     def _adaptive_policy(
         self, method: str, arms: tuple[int, ...], tree: TreeConfig, stats: Stats | None = None, draft: bool = False
     ) -> AdaptiveBudget:
-        """The engine's measured-rate policy for these arms (kept across generations). Its verification-cost
-        curve (shared by all such policies of the engine) starts from a short measurement, cached per machine;
-        with ``draft``, so does its curve of the draft's pass costs (what a lagging draft's catch-up costs)."""
+        """The engine's measured-rate policy for these arms (kept across generations; each starts a new text). Its
+        verification-cost curve (shared by all such policies of the engine) starts from a short measurement, cached
+        per machine; with ``draft``, so does its curve of the draft's pass costs (what a lagging draft's catch-up
+        costs)."""
         key = (method, tuple(sorted(set(arms))))
         if key not in self._adaptive:
             tc = time.perf_counter()
@@ -589,7 +590,9 @@ class Engine:
                 draft=self._draft_costs if draft else None,
                 heads_depth=self.heads.k if self.heads is not None else 0,
             )
-        return self._adaptive[key]
+        policy = self._adaptive[key]
+        policy.new_text()
+        return policy
 
     def _pass_prior(self, draft: bool) -> dict[int, float]:
         """The target's pass seconds at a few small sizes (what trimming a proposal weighs), or the draft's (what its

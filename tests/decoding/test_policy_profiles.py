@@ -229,3 +229,18 @@ def test_a_draft_is_first_tried_only_when_its_catch_up_fits_the_answer(prompt, a
     tokens, seconds = _answer(policy, TEXTS["code"], target, draft, random.Random(0), [1.0] * answer, prompt, answer)
     assert any(arm_kind(a) in DRAFT_KINDS for a in policy.history) == tried, policy.history
     assert tokens / seconds >= (1.5 if tried else 0.95) / target[1]
+
+
+def test_a_new_text_starts_at_plain_decoding_and_re_measures_it():
+    """The policy outlives a generation, but what an arm yields depends on the text: after an answer the draft won,
+    the next one starts with a plain step, and where plain steps now emit several tokens (an n-gram-rich text) it
+    takes the lead at once instead of after the draft arms' explorations."""
+    target, draft = (_curve(c) for c in PROFILES["epyc-avx512 bf16/int8"])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+    _answer(policy, TEXTS["code"], target, draft, random.Random(0), [1.0] * ANSWER, 30, ANSWER)
+    assert arm_kind(policy.choose(left=ANSWER)) in DRAFT_KINDS  # the draft leads on that text
+    policy.new_text()
+    assert policy.choose(left=ANSWER) == 0
+    policy.update(StepInfo(0, (-0.1, -0.2), 4, 0.0, interp(target, 3), 0, size=3))  # 4 tokens at 3 rows
+    assert policy.choose(left=ANSWER - 4) == 0
