@@ -301,12 +301,16 @@ class VerifyCosts:
     prior: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     alpha: float = 0.2
+    # the curve, kept until the next update: the policy reads it some hundred times a step (a profile of a CPU step
+    # had 2-3 ms of a 50 ms step in redrawing it)
+    _points: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def update(self, size: int, sec: float) -> None:
         if size < 1 or sec <= 0:
             return
         old = self.seconds.get(size)
         self.seconds[size] = sec if old is None else _ema(old, sec, self.alpha)
+        self._points = None
 
     def scale(self) -> float:
         """Median measured / prior ratio over the sizes measured online (1.0 when none)."""
@@ -321,9 +325,12 @@ class VerifyCosts:
         return bool(self.prior) or len(self.seconds) >= 2
 
     def points(self) -> dict[int, float]:
-        pts = {k: v * self.scale() for k, v in self.prior.items()}
-        pts.update(self.seconds)
-        return _monotone(pts)
+        if self._points is None:
+            scale = self.scale()
+            pts = {k: v * scale for k, v in self.prior.items()}
+            pts.update(self.seconds)
+            self._points = _monotone(pts)
+        return self._points
 
     def at(self, size: int) -> float | None:
         if not self.prior and not self.seconds:
@@ -411,6 +418,8 @@ class AdaptiveBudget:
     draft: VerifyCosts | None = None  # the draft's pass seconds by rows: what its catch-ups cost (None: unknown)
     _lag: int = 0  # the draft's lag when the current step was chosen
     _fresh: bool = False  # the next step is a new text's first (:meth:`new_text`)
+    _answer_s: float = 0.0  # this generation's seconds so far (catch-ups included)
+    _answer_lost_s: float = 0.0  # what this generation's explorations and first tries lost
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _exploring: bool = False  # this step tries an arm other than the best measured one
     _stats: dict[int, _Arm] = field(default_factory=dict)
@@ -491,6 +500,7 @@ class AdaptiveBudget:
         all of plain decoding's before it (a text that repeats its context gives plain steps many n-gram tokens
         where the last text gave none). The costs learnt stay."""
         self._fresh = 0 in self.arms
+        self._answer_s = self._answer_lost_s = 0.0
 
     def choose(self, left: int | None = None, lag: int = 0) -> int:
         self._step += 1
@@ -528,9 +538,9 @@ class AdaptiveBudget:
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
             plain = rated.get(0)
-            horizon = self._seconds + (left / plain if left and plain else 0.0)
+            horizon = self._answer_s + (left / plain if left and plain else 0.0)  # this answer's expected time
             untried = sorted(
-                (a for a in near if rated[a] is None and self._affords(a, switch, FIRST_TRY_SHARE * horizon)),
+                (a for a in near if rated[a] is None and self._affords(a, switch, FIRST_TRY_SHARE * horizon, True)),
                 key=lambda a: TRY_ORDER.index(arm_kind(a)),
             )
             if untried:
@@ -541,11 +551,12 @@ class AdaptiveBudget:
         self.history.append(choice)
         return choice
 
-    def _affords(self, arm: int, switch: float, allowed: float) -> bool:
-        """Whether trying a draft arm keeps what tries lost, its draft's catch-up included, within ``allowed``
-        seconds. Arms without a draft pass (plain decoding, heads) cost at most some of one step's time to try:
-        their explorations are bounded by their doubling waits alone."""
-        return arm_kind(arm) not in DRAFT_KINDS or self._lost_s + switch <= allowed
+    def _affords(self, arm: int, switch: float, allowed: float, answer: bool = False) -> bool:
+        """Whether trying a draft arm keeps what tries lost (in this answer with ``answer``, else in all), its
+        draft's catch-up included, within ``allowed`` seconds. Arms without a draft pass (plain decoding, heads)
+        cost at most some of one step's time to try: their explorations are bounded by their doubling waits alone."""
+        lost = self._answer_lost_s if answer else self._lost_s
+        return arm_kind(arm) not in DRAFT_KINDS or lost + switch <= allowed
 
     def _near(self, best: int, left: int | None = None, switch: float = 0.0) -> list[int]:
         """The arms explored next to ``best``: its neighbours by size among its kind, and each kind's best-rated arm
@@ -621,8 +632,10 @@ class AdaptiveBudget:
             if self.draft is not None and self._lag > 0:
                 self.draft.update(self._lag, step.catch_up_s)
             self._seconds += step.catch_up_s
+            self._answer_s += step.catch_up_s
             if self._exploring and step.budget == self._current:
                 self._lost_s += step.catch_up_s
+                self._answer_lost_s += step.catch_up_s
         if arm_kind(step.budget) == "heads":  # the same for the heads' guesses along their best path
             depth = min(step.budget - HEADS_ARM, self.heads_depth)
             accepted = min(step.emitted - 1, depth)
@@ -641,10 +654,13 @@ class AdaptiveBudget:
         explored = self._exploring and step.budget == self._current
         sec_all = draft_s + step.target_s
         self._seconds += sec_all
+        self._answer_s += sec_all
         if explored:
             best = max((r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None), default=None)
             if best:
-                self._lost_s += max(sec_all - step.emitted / best, 0.0)
+                lost = max(sec_all - step.emitted / best, 0.0)
+                self._lost_s += lost
+                self._answer_lost_s += lost
         if sec_all > 0:
             r = step.emitted / sec_all
             self._rate = r if self._rate is None else _ema(self._rate, r, 0.1)

@@ -244,3 +244,17 @@ def test_a_new_text_starts_at_plain_decoding_and_re_measures_it():
     assert policy.choose(left=ANSWER) == 0
     policy.update(StepInfo(0, (-0.1, -0.2), 4, 0.0, interp(target, 3), 0, size=3))  # 4 tokens at 3 rows
     assert policy.choose(left=ANSWER - 4) == 0
+
+
+def test_a_draft_first_try_is_weighed_against_this_answer_alone():
+    """The policy outlives a generation, but what a first try of the draft may cost is a share of the answer it
+    falls in: the time earlier answers took does not make a catch-up on a new prompt affordable."""
+    target, draft = (_curve(c) for c in PROFILES["epyc-avx512 bf16/int8"])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+    _answer(policy, TEXTS["code"], target, draft, random.Random(0), [1.0] * 128, 5000, 128)
+    assert set(policy.history) == {0}  # far too long a prompt to read for this answer
+    policy.new_text()
+    tokens, seconds = _answer(policy, TEXTS["code"], target, draft, random.Random(1), [1.0] * 32, 600, 32)
+    assert set(policy.history) == {0}, policy.history
+    assert tokens / seconds >= 0.95 / target[1]
