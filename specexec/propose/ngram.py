@@ -10,7 +10,7 @@ The index (n-gram → positions that followed it) is updated incrementally in ``
 proportional to the new tokens, not the sequence length.
 
 Scores: node logp = depth * log(a) + log(share), with ``share`` the fraction of the matches' weight that passes
-through the node and ``a`` the measured per-token acceptance of earlier n-gram proposals (an EMA), so
+through the node and ``a`` the measured per-token acceptance of earlier n-gram proposals (decayed counts), so
 1 + sum(exp(logp)) estimates the tokens a step emits from what was measured (the budget policy uses it).
 """
 
@@ -23,6 +23,10 @@ import torch
 
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
+
+PRIOR_ACC = 0.6  # per-token acceptance of n-gram tokens before a text's own evidence
+PRIOR_TRIALS = 2.0  # what that prior weighs, in tried tokens
+ACC_DECAY = 0.9  # per proposal, the weight older counts keep (the text changes)
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,15 @@ class NGramDraft:
         self.cfg = cfg or NGramConfig()
         self._seq: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
-        self.acc = 0.6  # EMA of P(the target accepts the next n-gram token | it accepted the ones before)
+        # P(the target accepts the next n-gram token | it accepted the ones before): decayed counts of accepted and
+        # tried tokens beside a prior of PRIOR_ACC worth PRIOR_TRIALS tries, so a text whose matches miss (code's
+        # frequent two-token repeats) stops paying for their rows within a few steps, not a few dozen
+        self._hits = 0.0
+        self._trials = 0.0
+
+    @property
+    def acc(self) -> float:
+        return (self._hits + PRIOR_ACC * PRIOR_TRIALS) / (self._trials + PRIOR_TRIALS)
 
     def max_nodes(self) -> int:
         return self.cfg.max_nodes
@@ -175,4 +187,5 @@ class NGramDraft:
         deepest = int(proposal.tree.n_depth.max())
         trials = accepted + (1 if accepted < deepest else 0)
         if trials:
-            self.acc = min(max(0.9 * self.acc + 0.1 * (accepted / trials), 0.05), 0.98)
+            self._hits = ACC_DECAY * self._hits + accepted
+            self._trials = ACC_DECAY * self._trials + trials

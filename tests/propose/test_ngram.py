@@ -71,6 +71,33 @@ def test_continuations_and_trie():
     assert ng.propose([1, 2, 3], StepContext(samp=SamplingConfig(), gen=None, budget=64)).tree.size == 1
 
 
+def test_the_scores_follow_what_the_target_accepts_within_a_few_steps():
+    """A text whose matches keep missing makes its next tries' scores (the chance each node is accepted) fall to
+    under half within three steps, so trimming stops verifying them; accepted matches raise them again."""
+    ng = NGramDraft(CPU, NGramConfig(min_ngram=2, max_ngram=3, max_len=4))
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2]
+    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=64)
+
+    def top(prop):  # the best first node's score as a probability
+        return float(prop.tree.n_logp[1:].exp().max())
+
+    ng.begin(seq)
+    start = top(ng.propose(seq, ctx))
+    for _ in range(3):  # the target takes none of the proposed tokens: its own token follows the root
+        prop = ng.propose(seq, ctx)
+        ng.commit(prop, [0], seq)
+    missed = top(ng.propose(seq, ctx))
+    assert missed < start / 2, (start, missed)
+    for _ in range(3):  # the target takes a whole continuation
+        prop = ng.propose(seq, ctx)
+        depth = prop.tree.n_depth.tolist()
+        path = [0]
+        for d in range(1, max(depth) + 1):  # the deepest line: node by node down its parents
+            path.append(next(i for i in range(prop.tree.size) if depth[i] == d and prop.tree.n_parents[i] == path[-1]))
+        ng.commit(prop, path, seq)
+    assert top(ng.propose(seq, ctx)) > missed
+
+
 def test_index_is_incremental_and_follows_a_new_sequence():
     ng = NGramDraft(CPU, NGramConfig(min_ngram=1, max_ngram=2))
     seq = [4, 5, 6, 4, 5]
