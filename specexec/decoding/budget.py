@@ -353,7 +353,6 @@ class _Arm:
 
 
 MAX_WAIT = 128  # the most steps between two explorations of an arm that keeps losing
-EXPLORE_SHARE = 0.02  # of the decoding time, what repeated explorations may lose against the best arm
 CHAIN_MODEL_WEIGHT = 3.0  # a chain arm's rate: its own measurement weighs n / (n + this) against the chain model
 CHAIN_DECAY = 0.95  # per chain step, the weight the chain model's older counts keep
 SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as if by this many steps of it
@@ -361,11 +360,10 @@ SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as
 # CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
 # bigger verification), while a tie kept at plain decoding costs nothing
 TIE_MARGIN = 0.1
-# a draft that has yet to read the prompt (or the tokens of steps it sat out) pays for that before its first
-# proposal: a draft arm is first tried only when that catch-up and what the policy's tries lost so far stay within
-# this share of the answer's expected time at plain decoding's rate -- the most the policy may lose to plain
-# decoding on an answer (>= 0.95x)
-FIRST_TRY_SHARE = 0.05
+# what the tries and explorations of an answer may lose against the best measured arm (a draft's catch-up on the
+# prompt and the steps it sat out included), as a share of the answer's expected time at plain decoding's rate:
+# the most the policy may lose to plain decoding on an answer (>= 0.95x)
+LOSS_SHARE = 0.05
 # untried arms are tried in this order: a chain first (its draft pass's cost then bounds what every chain and tree
 # could give), heads last (the draft's first try catches up on every token of the steps it sat out, so it comes
 # before head runs; and where the draft is cheap its trees beat head trees: simulated, heads first lost there)
@@ -397,15 +395,14 @@ class AdaptiveBudget:
       rules them all out at once);
     - an exploration that loses doubles the wait before that arm is explored again (up to :data:`MAX_WAIT`), so a
       losing neighbour costs a vanishing share of the steps, while one that wins is explored at the base rate;
-    - the time explorations lost (their seconds beyond what the best arm would have taken for their tokens) is
-      kept under :data:`EXPLORE_SHARE` of all the time decoded when a draft arm is explored again (explorations of
-      arms without a draft pass cost some of one step each, bounded by their doubling waits);
+    - what an answer's tries and explorations lost (their seconds beyond what the best arm would have taken for
+      their tokens, and a draft's catch-up before them) is kept under :data:`LOSS_SHARE` of the answer's expected
+      time at plain decoding's rate;
     - a draft that lags (the prompt it has not read: its prefill waits for its first proposal; the tokens of steps
       without it) catches up before its proposal, at the cost its pass seconds by rows give (``draft``: measured
       once at start, corrected by every catch-up): a draft arm that leads is chosen only if it still leads with that
-      cost spread over the rest of the answer; a draft arm is first tried only while the catch-up and what tries
-      lost so far fit :data:`FIRST_TRY_SHARE` of the answer's time at plain decoding's rate, and explored again
-      only within :data:`EXPLORE_SHARE`.
+      cost spread over the rest of the answer, and is tried or explored only while that catch-up fits the
+      answer's :data:`LOSS_SHARE` beside what tries lost so far.
     """
 
     arms: tuple[int, ...]
@@ -436,8 +433,6 @@ class AdaptiveBudget:
     _heads_rejected: float = 0.0
     _heads_steps: float = 0.0
     _heads_s: float = 0.0
-    _seconds: float = 0.0  # all steps' seconds
-    _lost_s: float = 0.0  # what explorations lost against the best measured arm
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -532,15 +527,13 @@ class AdaptiveBudget:
                 a
                 for a in near
                 if self._step - self._stats[a].last >= (self._stats[a].wait or 0)
-                and self._affords(a, switch, EXPLORE_SHARE * self._seconds)
+                and self._affords(a, switch, left, rated.get(0))
             ]
             if due:  # the one tried longest ago
                 choice = min(due, key=lambda a: self._stats[a].last)
         elif len(known) < len(self.arms) and self._stats[best].n >= 2:
-            plain = rated.get(0)
-            horizon = self._answer_s + (left / plain if left and plain else 0.0)  # this answer's expected time
             untried = sorted(
-                (a for a in near if rated[a] is None and self._affords(a, switch, FIRST_TRY_SHARE * horizon, True)),
+                (a for a in near if rated[a] is None and self._affords(a, switch, left, rated.get(0))),
                 key=lambda a: TRY_ORDER.index(arm_kind(a)),
             )
             if untried:
@@ -551,12 +544,13 @@ class AdaptiveBudget:
         self.history.append(choice)
         return choice
 
-    def _affords(self, arm: int, switch: float, allowed: float, answer: bool = False) -> bool:
-        """Whether trying a draft arm keeps what tries lost (in this answer with ``answer``, else in all), its
-        draft's catch-up included, within ``allowed`` seconds. Arms without a draft pass (plain decoding, heads)
-        cost at most some of one step's time to try: their explorations are bounded by their doubling waits alone."""
-        lost = self._answer_lost_s if answer else self._lost_s
-        return arm_kind(arm) not in DRAFT_KINDS or lost + switch <= allowed
+    def _affords(self, arm: int, switch: float, left: int | None, plain: float | None) -> bool:
+        """Whether trying ``arm`` keeps what this answer's tries lost, a draft arm's catch-up (``switch``)
+        included, within :data:`LOSS_SHARE` of the answer's expected time (its seconds so far and ``left`` tokens
+        at plain decoding's rate ``plain``)."""
+        horizon = self._answer_s + (left / plain if left and plain else 0.0)
+        cost = switch if arm_kind(arm) in DRAFT_KINDS else 0.0
+        return self._answer_lost_s + cost <= LOSS_SHARE * horizon
 
     def _near(self, best: int, left: int | None = None, switch: float = 0.0) -> list[int]:
         """The arms explored next to ``best``: its neighbours by size among its kind, and each kind's best-rated arm
@@ -631,10 +625,8 @@ class AdaptiveBudget:
         if step.catch_up_s > 0:
             if self.draft is not None and self._lag > 0:
                 self.draft.update(self._lag, step.catch_up_s)
-            self._seconds += step.catch_up_s
             self._answer_s += step.catch_up_s
             if self._exploring and step.budget == self._current:
-                self._lost_s += step.catch_up_s
                 self._answer_lost_s += step.catch_up_s
         if arm_kind(step.budget) == "heads":  # the same for the heads' guesses along their best path
             depth = min(step.budget - HEADS_ARM, self.heads_depth)
@@ -653,14 +645,11 @@ class AdaptiveBudget:
             self._chain_draft_s = d * self._chain_draft_s + draft_s
         explored = self._exploring and step.budget == self._current
         sec_all = draft_s + step.target_s
-        self._seconds += sec_all
         self._answer_s += sec_all
         if explored:
             best = max((r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None), default=None)
             if best:
-                lost = max(sec_all - step.emitted / best, 0.0)
-                self._lost_s += lost
-                self._answer_lost_s += lost
+                self._answer_lost_s += max(sec_all - step.emitted / best, 0.0)
         if sec_all > 0:
             r = step.emitted / sec_all
             self._rate = r if self._rate is None else _ema(self._rate, r, 0.1)

@@ -20,8 +20,8 @@ import pytest
 
 from specexec.decoding.budget import (
     DRAFT_KINDS,
-    FIRST_TRY_SHARE,
     HEADS_ARM,
+    LOSS_SHARE,
     TIE_MARGIN,
     AdaptiveBudget,
     VerifyCosts,
@@ -166,7 +166,7 @@ def test_the_policy_never_loses_to_plain_decoding_and_finds_the_best_arm(profile
     affordable = [
         a
         for a in arms
-        if arm_kind(a) not in DRAFT_KINDS or catch_up_s(PROMPT, lambda r: interp(draft, r)) <= FIRST_TRY_SHARE * plain_s
+        if arm_kind(a) not in DRAFT_KINDS or catch_up_s(PROMPT, lambda r: interp(draft, r)) <= LOSS_SHARE * plain_s
     ]
     best = max(_expected_rate(a, alpha, target, draft) for a in affordable)
     rates, ratios = [], []
