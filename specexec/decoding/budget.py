@@ -397,7 +397,8 @@ class AdaptiveBudget:
       losing neighbour costs a vanishing share of the steps, while one that wins is explored at the base rate;
     - what an answer's tries and explorations lost (their seconds beyond what the best arm would have taken for
       their tokens, and a draft's catch-up before them) is kept under :data:`LOSS_SHARE` of the answer's expected
-      time at plain decoding's rate;
+      time at plain decoding's rate, each counted at its worst before it runs;
+    - a new text (:meth:`new_text`) forgets what the arms yielded on the texts before, keeping what they cost;
     - a draft that lags (the prompt it has not read: its prefill waits for its first proposal; the tokens of steps
       without it) catches up before its proposal, at the cost its pass seconds by rows give (``draft``: measured
       once at start, corrected by every catch-up): a draft arm that leads is chosen only if it still leads with that
@@ -414,7 +415,6 @@ class AdaptiveBudget:
     verify: VerifyCosts = field(default_factory=VerifyCosts)  # for trimming proposals by value
     draft: VerifyCosts | None = None  # the draft's pass seconds by rows: what its catch-ups cost (None: unknown)
     _lag: int = 0  # the draft's lag when the current step was chosen
-    _fresh: bool = False  # the next step is a new text's first (:meth:`new_text`)
     _answer_s: float = 0.0  # this generation's seconds so far (catch-ups included)
     _answer_lost_s: float = 0.0  # what this generation's explorations and first tries lost
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
@@ -490,21 +490,21 @@ class AdaptiveBudget:
         return catch_up_s(lag, lambda rows: draft.at(rows) or 0.0)
 
     def new_text(self) -> None:
-        """A new generation (another prompt, the next chat turn) starts: what an arm yields depends on the text, so
-        its first step is plain decoding, the arm that cannot lose, and that step's measurement weighs as much as
-        all of plain decoding's before it (a text that repeats its context gives plain steps many n-gram tokens
-        where the last text gave none). The costs learnt stay."""
-        self._fresh = 0 in self.arms
+        """A new generation (another prompt, the next chat turn) starts. What an arm costs stays (its step seconds,
+        the pass and verification curves); what it yields depends on the text, so every arm's tokens per step and
+        the chains' and heads' acceptance are forgotten: the text starts at plain decoding and each other arm is
+        tried again within this answer's :data:`LOSS_SHARE` (an arm that led on a code answer may never hit on the
+        next prompt, and a text that repeats its context gives plain steps many n-gram tokens where the last text
+        gave none)."""
         self._answer_s = self._answer_lost_s = 0.0
+        for s in self._stats.values():
+            s.tokens, s.n, s.wait = 0.0, 0, 0
+        self._chain_accepted = self._chain_rejected = self._chain_passes = self._chain_draft_s = 0.0
+        self._heads_accepted = self._heads_rejected = self._heads_steps = self._heads_s = 0.0
 
     def choose(self, left: int | None = None, lag: int = 0) -> int:
         self._step += 1
         self._lag = lag
-        if self._fresh:
-            self._stats[0].last = self._step
-            self._exploring, self._current = False, 0
-            self.history.append(0)
-            return 0
         switch = self.catch_up(lag)
         rated = {a: self.rate(a) for a in self.arms}
         if switch > 0 and left:  # a draft arm pays the catch-up once, then runs for the rest of the answer
@@ -518,6 +518,10 @@ class AdaptiveBudget:
             best = max(known, key=lambda a: known[a])
             if best != 0 and 0 in known and known[best] < (1 + TIE_MARGIN) * known[0]:
                 best = 0
+        if self._stats[best].n == 0 and not self._affords(best, switch, left, rated.get(0)):
+            # rated by the model alone, and its worst step would overdraw this answer's share: the best arm measured
+            ran = {a: r for a, r in known.items() if self._stats[a].n}
+            best = max(ran, key=lambda a: ran[a]) if ran else (0 if 0 in self.arms else best)
         choice = best
         near = self._near(best, left, switch)
         if self._stats[best].n == 0:  # rated by the model alone: measure it
@@ -539,17 +543,21 @@ class AdaptiveBudget:
             if untried:
                 choice = untried[0]
         self._stats[choice].last = self._step
-        self._exploring = choice != best
+        self._exploring = choice != best or self._stats[choice].n == 0
         self._current = choice
         self.history.append(choice)
         return choice
 
     def _affords(self, arm: int, switch: float, left: int | None, plain: float | None) -> bool:
-        """Whether trying ``arm`` keeps what this answer's tries lost, a draft arm's catch-up (``switch``)
-        included, within :data:`LOSS_SHARE` of the answer's expected time (its seconds so far and ``left`` tokens
-        at plain decoding's rate ``plain``)."""
+        """Whether a step of ``arm`` at its worst keeps what this answer's tries lost within :data:`LOSS_SHARE` of
+        the answer's expected time (its seconds so far and ``left`` tokens at plain decoding's rate ``plain``). Its
+        worst: a draft arm's catch-up (``switch``), and, once its step seconds are measured, a step that emits one
+        token where plain decoding would have taken that token's seconds."""
         horizon = self._answer_s + (left / plain if left and plain else 0.0)
         cost = switch if arm_kind(arm) in DRAFT_KINDS else 0.0
+        s = self._stats[arm]
+        if arm != 0 and s.seconds and plain:  # measured on this text or an earlier one
+            cost += max(s.seconds - 1 / plain, 0.0)
         return self._answer_lost_s + cost <= LOSS_SHARE * horizon
 
     def _near(self, best: int, left: int | None = None, switch: float = 0.0) -> list[int]:
@@ -659,13 +667,12 @@ class AdaptiveBudget:
         if s is None:
             return
         sec = draft_s + step.target_s
-        if s.n == 0:
-            s.seconds, s.tokens = sec, float(step.emitted)
+        if s.n == 0:  # the first step on this text: its tokens alone, its seconds beside the earlier texts'
+            s.seconds = _ema(s.seconds, sec, 0.5) if s.seconds else sec
+            s.tokens = float(step.emitted)
         else:
-            alpha = 0.5 if self._fresh else self.alpha
-            s.seconds = _ema(s.seconds, sec, alpha)
-            s.tokens = _ema(s.tokens, float(step.emitted), alpha)
-        self._fresh = False
+            s.seconds = _ema(s.seconds, sec, self.alpha)
+            s.tokens = _ema(s.tokens, float(step.emitted), self.alpha)
         s.n += 1
         if explored:  # a losing exploration waits twice as long before the next; a winning one resets the wait
             others = [r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None]

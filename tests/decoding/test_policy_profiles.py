@@ -258,3 +258,20 @@ def test_a_draft_first_try_is_weighed_against_this_answer_alone():
     tokens, seconds = _answer(policy, TEXTS["code"], target, draft, random.Random(1), [1.0] * 32, 600, 32)
     assert set(policy.history) == {0}, policy.history
     assert tokens / seconds >= 0.95 / target[1]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_an_arm_rated_on_an_earlier_text_runs_on_a_new_one_only_within_its_loss_share(profile):
+    """The policy outlives a generation: a draft arm that led on a code answer is rated on that text, and the next
+    answer's text may be one the draft never predicts. Choosing it there is a try like any other: the answer it
+    falls in still decodes no slower than plain decoding (>= 0.95x, its catch-up and its missed steps included)."""
+    target, draft = (_curve(c) for c in PROFILES[profile])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    ratios = []
+    for seed in range(5):
+        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+        _answer(policy, TEXTS["code"], target, draft, random.Random(seed), [1.0] * 256, 20, 256)
+        policy.new_text()
+        tokens, seconds = _answer(policy, TEXTS["hopeless"], target, draft, random.Random(seed), [1.0] * 64, 41, 64)
+        ratios.append(tokens * target[1] / seconds)
+    assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
