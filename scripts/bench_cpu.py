@@ -8,8 +8,7 @@ configuration always runs first):
   ours AR fast         the same with the target's fastest kernel for each pass's shape (engine.set_invariant(False):
                        what invariance costs plain decoding; --no-fast-ar leaves it out)
   ours default         what ``specexec generate`` does with no tuning flags (method default, budget auto)
-  ours <--methods>     e.g. specexec:16, specexec:64, chain:2, ngram, heads (any method name the engine accepts),
-                       noheads (the default without the target's trained heads)
+  ours <--methods>     e.g. specexec:16, specexec:64, chain:2, ngram, heads (any method name the engine accepts)
   HF AR                transformers ``model.generate``
   HF assisted fp32     ``assistant_model=`` the draft in fp32
   HF assisted bf16     ``assistant_model=`` the draft in bf16 (a second copy)
@@ -258,13 +257,11 @@ class Config:
     method: str | None = None
     param: str | None = None  # specexec: budget (int or "auto"); chain: gamma
     invariant: bool = True
-    heads: bool = True  # our engine's trained heads (when it found any) among the default's arms
 
 
 def our_configs(methods: str, fast_ar: bool = True) -> list[Config]:
     """ours-ar, ours-ar-fast (unless ``fast_ar`` is False), ours-default, then each ``--methods`` entry:
-    ``specexec:N``, ``specexec:auto``, ``chain:G``, ``noheads`` (the default without the target's heads) or a
-    method name; ValueError names a malformed entry."""
+    ``specexec:N``, ``specexec:auto``, ``chain:G`` or a method name; ValueError names a malformed entry."""
     out = [Config("ours-ar", "ours", "ar")]
     if fast_ar:
         out.append(Config(FAST_AR, "ours", "ar", invariant=False))
@@ -273,9 +270,6 @@ def our_configs(methods: str, fast_ar: bool = True) -> list[Config]:
         if not item:
             continue
         name, _, param = item.partition(":")
-        if name == "noheads" and not param:
-            out.append(Config("ours-default-noheads", "ours", None, "auto", heads=False))
-            continue
         if name in ("specexec", "chain") and not param:
             raise ValueError(f"--methods {item}: give a budget (specexec:64) or gamma (chain:2)")
         if name not in ("specexec", "chain") and param:
@@ -488,7 +482,7 @@ class Runner:
             progress=False,
             invariant=args.invariant,
         )
-        if any(c.method == "heads" for c in configs):  # the target's trained heads beside the draft
+        if any(c.method == "heads" for c in configs):  # the target's trained heads, for --methods heads
             from specexec.propose.heads import Heads, find_heads
 
             found = find_heads(model_dir(hub.resolve(args.target, progress=False)))
@@ -595,18 +589,12 @@ class Runner:
         elif c.method == "chain" and c.param:
             chain = ChainConfig(gamma=int(c.param))
         self.engine.reset()  # cold cache: every configuration prefills the prompt
-        heads = self.engine.heads
-        if not c.heads and self.engine.draft is not None:
-            self.engine.heads = None
-        try:
-            with _kernels(self.engine, c.invariant):
-                t = time.perf_counter()
-                r = self.engine.generate(
-                    ids, max_new, method=c.method, sampling_cfg=replace(self.samp, seed=seed), tree=tree, chain=chain
-                )
-                dt = time.perf_counter() - t
-        finally:
-            self.engine.heads = heads
+        with _kernels(self.engine, c.invariant):
+            t = time.perf_counter()
+            r = self.engine.generate(
+                ids, max_new, method=c.method, sampling_cfg=replace(self.samp, seed=seed), tree=tree, chain=chain
+            )
+            dt = time.perf_counter() - t
         s = r.stats
         rec = {
             "tokens": len(r.tokens),

@@ -154,27 +154,10 @@ def load(
         engine.target_weights = t_fmt
     if use_heads:
         engine.heads = _load_heads(found.target, target, home)
-    elif d_model is not None and dev.type == "cpu":  # the CPU's measured-rate policy weighs them beside the draft
-        engine.heads = _found_heads(found.target, home)
     return engine
 
 
 HEADS_DRAFT = "heads"  # draft="heads": Medusa-style heads on the target instead of a draft model
-
-
-def _found_heads(model_dir: Path, home: Path | None) -> Any:
-    """The target's trained heads when there are usable ones, else None (they are optional beside a draft)."""
-    from specexec.propose.heads import Heads, find_heads
-
-    path = find_heads(model_dir, home)
-    if path is None:
-        return None
-    try:
-        heads = Heads.load(path)
-    except SpecexecError as err:
-        log.info("heads left out: %s", err)
-        return None
-    return heads if heads.a.shape[1] == read_config(model_dir).hidden_size else None
 
 
 def _load_heads(model_dir: Path, name: str, home: Path | None) -> Any:

@@ -99,36 +99,6 @@ def test_the_fast_kernel_ar_is_a_default_configuration_that_can_be_left_out(benc
     assert names == ["ours-ar", "ours-default", "hf-ar"]
 
 
-def test_the_default_without_heads_runs_beside_it(bench, tiny_pair):
-    """--methods noheads: the default with the engine's trained heads left out for that run (what they add is
-    measured in the same rotation); the engine keeps its heads for the other runs."""
-    import torch
-
-    from specexec.propose.heads import Heads
-
-    target, draft = tiny_pair
-    args = bench.parse_args(["--smoke", "--target", str(target), "--draft", str(draft), "--hf", "", "--methods",
-                             "noheads"])  # fmt: skip
-    configs = {c.name: c for c in args.configs}
-    assert not configs["ours-default-noheads"].heads and configs["ours-default"].heads
-    runner = bench.Runner(args, list(configs.values()))
-    engine = runner.engine
-    heads = Heads.new(engine.target.cfg.hidden_size, torch.arange(engine.target.cfg.vocab_size))
-    engine.heads = heads
-    seen = []
-    generate = engine.generate
-
-    def spy(*a: Any, **k: Any) -> Any:
-        seen.append(engine.heads)
-        return generate(*a, **k)
-
-    engine.generate = spy
-    ids = runner.encode(bench.Prompt("code", "p", "def add(a, b):\n"))
-    runner.run(configs["ours-default-noheads"], ids, 4, None)
-    runner.run(configs["ours-default"], ids, 4, None)
-    assert seen == [None, heads] and engine.heads is heads
-
-
 def test_a_fast_kernel_run_leaves_the_engine_invariant_with_what_it_measured(bench, tiny_pair):
     """ours-ar-fast runs on the fastest per-shape kernels; afterwards the target is back on the same invariant tiling
     (the same bits as the runs before it) and the default does not measure its costs again (what it learnt before

@@ -74,7 +74,6 @@ CPU_ARMS = (4, 8)
 # the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
 CPU_CHAINS = (2, 3, 4, 6, 10)
 HEAD_ARMS = (0, 1, 2, 4, 8, 16)  # head trees the measured-rate policy chooses among (0: plain decoding)
-CPU_HEAD_ARMS = (1, 2, 4, 8)  # head trees beside the draft's arms (a tree of b head guesses verifies b + 1 rows)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
 
 
@@ -545,13 +544,8 @@ class Engine:
             # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
             lookup = NGramDraft(dev, ngram) if ngram is not None else None  # (--ngram-nodes 0: none)
             chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
-            beside: HeadsDraft | None = None
-            if self.heads is not None:  # the target's heads: arms of their own, no draft pass
-                g = self.target.globals
-                beside = HeadsDraft(self.heads, g.lm_head, g.embed, dev)
-                arms += tuple(HEADS_ARM + b for b in CPU_HEAD_ARMS if b <= tree.max_budget)
             # the draft reads the prompt only when the policy first asks for it (the policy weighs that cost)
-            proposer = TreeDraft(self.draft_model, tree, lookup, chains, beside, lazy=True)
+            proposer = TreeDraft(self.draft_model, tree, lookup, chains, lazy=True)
             return proposer, self._adaptive_policy(learnt, arms, tree, stats, draft=True)
         merged = NGramDraft(dev, ngram) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)

@@ -24,7 +24,6 @@ from torch import Tensor
 
 from specexec.config import TreeConfig
 from specexec.decoding import sampling
-from specexec.decoding.budget import HEADS_ARM
 from specexec.decoding.costs import GrowCost
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
@@ -36,7 +35,6 @@ from specexec.propose.ngram import NGramDraft
 
 if TYPE_CHECKING:
     from specexec.decoding.constraint import GrammarState
-    from specexec.propose.heads import HeadsDraft
 
 
 def default_logprobs(logits: Tensor) -> Tensor:
@@ -61,9 +59,7 @@ class TreeDraft:
 
     With a :class:`~specexec.propose.chain.ChainDraft` attached, a negative ``ctx.budget`` -g asks for a chain of
     g draft tokens instead (what a compute-bound verifier's policy picks when a tree's siblings and extra draft
-    passes cost more than they add; the chain's own acceptance rule applies), and 0 for no draft pass. With the
-    target's heads attached (:class:`~specexec.propose.heads.HeadsDraft`), ``HEADS_ARM + b`` asks for b nodes
-    from the heads instead of the draft (no draft pass; the n-gram continuations merged in as into a tree).
+    passes cost more than they add; the chain's own acceptance rule applies), and 0 for no draft pass.
     """
 
     name = "specexec"
@@ -74,10 +70,9 @@ class TreeDraft:
         cfg: TreeConfig,
         ngram: NGramDraft | None = None,
         chain: ChainDraft | None = None,
-        heads: HeadsDraft | None = None,
         lazy: bool = False,
     ) -> None:
-        self.draft, self.cfg, self.ngram, self.chain, self.heads = draft, cfg, ngram, chain, heads
+        self.draft, self.cfg, self.ngram, self.chain = draft, cfg, ngram, chain
         # lazy: the draft reads the prompt at its first proposal, not at :meth:`begin` (a policy that may never
         # ask for a draft pass, e.g. on a CPU where the draft does not pay, then never pays for its prefill)
         self.lazy = lazy
@@ -87,18 +82,11 @@ class TreeDraft:
         the steps and the prompt it did not see)."""
         return self.draft.lag(seq)
 
-    @property
-    def wants_hidden(self) -> bool:
-        """With heads: the decode loop hands :meth:`commit` the accepted node's final hidden state."""
-        return self.heads is not None
-
     def begin(self, seq: list[int]) -> None:
         if not self.lazy:
             self.draft.prefill(seq)
         if self.ngram is not None:
             self.ngram.begin(seq)
-        if self.heads is not None:
-            self.heads.begin(seq)
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         if ctx.budget < 0:  # a chain of -budget draft tokens
@@ -109,17 +97,6 @@ class TreeDraft:
             # each step takes
             prop = self.chain.propose(seq, replace(ctx, budget=-ctx.budget, walk=True))
             prop.budget = ctx.budget
-            return prop
-        if ctx.budget >= HEADS_ARM:  # the heads' tree, the n-gram continuations merged in
-            if self.heads is None:
-                raise ValueError(f"budget {ctx.budget} asks for heads, but this tree proposer has none")
-            room = self.ngram.max_nodes() if self.ngram is not None else 0
-            tree = self.heads.grow(seq, ctx.budget - HEADS_ARM, room)
-            merged_at = tree.size
-            if self.ngram is None or not self.ngram.merge_into(tree, seq):
-                merged_at = 0
-            prop = Proposal(tree, budget=ctx.budget, source=self.heads.name, merged_at=merged_at)
-            prop.trim(ctx.trim)
             return prop
         if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
             if self.ngram is None:
@@ -163,8 +140,6 @@ class TreeDraft:
             self.draft.commit(tree.draft_slot[torch.tensor(path, device=tree.device)].tolist(), seq)
         if self.ngram is not None:
             self.ngram.commit(proposal, path, seq)
-        if self.heads is not None:
-            self.heads.commit(proposal, path, seq)
 
     # -- growth -----------------------------------------------------------------------------------------------------
     def grow(

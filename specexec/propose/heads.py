@@ -220,10 +220,10 @@ class HeadsDraft:
         lp, idx = logp.topk(min(top, logp.shape[-1]), dim=-1)
         return s, self._ids[idx], lp
 
-    def grow(self, seq: list[int], budget: int, room: int = 0) -> Tree:
+    def grow(self, seq: list[int], budget: int) -> Tree:
         """The tree of the ``budget`` most probable head paths below the pending token ``seq[-1]`` (the root alone
-        before the first verify pass has given a hidden state), with ``room`` more nodes' capacity."""
-        tree = Tree(seq[-1], budget + 1 + room, self.device)
+        before the first verify pass has given a hidden state)."""
+        tree = Tree(seq[-1], budget + 1, self.device)
         if budget > 0 and self._hidden is not None:
             parents, toks, depths, scores = self.paths(self._hidden, seq[-1], budget)
             if parents:

@@ -8,8 +8,8 @@ step first asks for it, and the tokens of steps it sat out before its next one (
 by that step). Whatever the costs and the text, the policy must never decode slower than plain decoding in the same
 weights (>= 0.95x, the draft's catch-ups included) and must come close to the best single arm chosen in hindsight
 (>= 0.7x over one answer, exploration and the draft's first catch-up on the prompt included), also when every
-step's time jitters as on a shared machine. With the target's heads loaded, head trees are arms too (no draft pass;
-a few ms of their own).
+step's time jitters as on a shared machine. With ``--draft heads`` the arms are plain decoding and head trees (no
+draft pass; a few ms of their own).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specexec.decoding.budget import (
     interp,
 )
 from specexec.decoding.costs import CATCH_UP_ROWS, catch_up_s
-from specexec.decoding.engine import CPU_ARMS, CPU_CHAINS, CPU_HEAD_ARMS
+from specexec.decoding.engine import CPU_ARMS, CPU_CHAINS, HEAD_ARMS
 from specexec.decoding.loop import StepInfo
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -61,6 +61,7 @@ TEXTS = {"code": 0.8, "prose": 0.55, "hopeless": 0.0}
 HEAD_TEXTS = {"code": 0.45, "prose": 0.35, "hopeless": 0.0}
 SECOND = 0.4
 HOST_MS = 2.0  # per draft pass: tree building, masks, the policy itself
+HEAD_ARM_SET = tuple(HEADS_ARM + b if b else 0 for b in HEAD_ARMS)  # --draft heads: plain decoding and head trees
 HEADS_MS = 4.0  # a head proposal: three small stages and output-layer slices, the tree
 
 
@@ -152,14 +153,14 @@ def _answer(
     return tokens, seconds
 
 
-@pytest.mark.parametrize("heads", [False, True], ids=["draft", "draft+heads"])
+@pytest.mark.parametrize("heads", [False, True], ids=["draft", "heads"])
 @pytest.mark.parametrize("jitter", [0.0, JITTER], ids=["steady", "jittery"])
 @pytest.mark.parametrize("text", list(TEXTS))
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_the_policy_never_loses_to_plain_decoding_and_finds_the_best_arm(profile, text, jitter, heads):
     target, draft = (_curve(c) for c in PROFILES[profile])
     alpha = TEXTS[text]
-    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS, *((HEADS_ARM + b for b in CPU_HEAD_ARMS) if heads else ()))
+    arms = HEAD_ARM_SET if heads else (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
     # the best arm it may try: a draft whose catch-up on the prompt alone could cost more than the answer's share
     # a try may lose (the policy cannot know the draft's acceptance before trying it) is not a fair benchmark
     plain_s = ANSWER * target[1]
@@ -206,7 +207,7 @@ def test_untried_head_trees_are_rated_from_the_measured_heads():
     curve), as one chain's steps rate every chain length: guesses that hit make deeper head trees look better,
     guesses that miss rule them all out."""
     target = _curve(PROFILES["epyc-avx2 q4/int8"][0])
-    arms = (0, *(HEADS_ARM + b for b in CPU_HEAD_ARMS))
+    arms = HEAD_ARM_SET
     hit, miss = (AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), heads_depth=3) for _ in range(2))
     for policy, emitted in ((hit, 2), (miss, 1)):
         policy.update(StepInfo(0, (), 1, 0.0, target[1], 0, size=1))

@@ -225,42 +225,6 @@ def test_paths_are_the_most_probable_head_paths(trained):
         assert [s for s, _ in got] == pytest.approx([s for s, _ in want], abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def paired(trained, tmp_path_factory):
-    """The trained target with a draft model: the CPU's default engine, the heads found beside the draft."""
-    target, home, *_ = trained
-    draft = make_tiny(tmp_path_factory.mktemp("draft") / "draft", "llama", seed=9, layers=1)
-    return api.load(str(target), str(draft), device="cpu", progress=False, context=256, cache_dir=home, dtype="fp32")
-
-
-def test_heads_are_arms_beside_the_draft(paired):
-    """With a draft and trained heads, the measured-rate policy's arms include head trees; a step of either
-    kind is exact (greedy equals AR, seeded sampling equals seeded AR) and the stats name the arms taken."""
-    from specexec.decoding.budget import HEADS_ARM, FixedBudget, arm_label
-
-    e = paired
-    assert e.heads is not None and e.draft is not None
-    taken: set[str] = set()
-    for p in PROMPTS:
-        e.reset()
-        ref = e.generate(p, 40, method="ar").tokens
-        e.reset()
-        r = e.generate(p, 40)
-        assert r.tokens == ref and r.stats.method == "specexec"
-        taken |= set(r.stats.to_json()["budgets"])
-        for arm in (HEADS_ARM + 1, HEADS_ARM + 4, -2, 0):
-            e.reset()
-            r = e.generate(p, 40, policy=FixedBudget(arm))
-            assert r.tokens == ref, arm
-            assert r.stats.to_json()["budgets"] == {arm_label(arm): r.stats.steps}
-        cfg = SamplingConfig(temperature=0.9, seed=3)
-        e.reset()
-        ref = e.generate(p, 24, method="ar", sampling_cfg=cfg).tokens
-        e.reset()
-        assert e.generate(p, 24, policy=FixedBudget(HEADS_ARM + 4), sampling_cfg=cfg).tokens == ref
-    assert any(k.startswith("heads:") for k in taken) and any(k.startswith("-") for k in taken), taken
-
-
 @pytest.mark.cuda
 def test_heads_on_cuda_greedy_equals_ar(trained):
     """The heads on a GPU target (its hidden states, embedding and output layer there): greedy equals AR."""

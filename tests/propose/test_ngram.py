@@ -310,19 +310,24 @@ def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, t
 
 
 def test_measured_policy_is_kept_across_generations(engine):
-    """What the CPU policy measured carries over to the next request (a chat's next turn)."""
+    """What the CPU policy measured of the costs carries over to the next request (a chat's next turn); what each
+    arm yields depends on the text, so the next request measures that anew."""
     ids = _prompt(engine)
     engine.reset()
     first = engine.stream(ids, 20, method="specexec", tree=TreeConfig())
     list(first)
     policy = first.policy
     assert isinstance(policy, AdaptiveBudget) and policy.summary(), "the first generation measured its arms"
-    steps_before = sum(a["steps"] for a in policy.summary().values())
+    assert first.result is not None
+    assert sum(a["steps"] for a in policy.summary().values()) == first.result.stats.steps
+    verify = policy.verify
+    assert verify.known()
     engine.reset()
     second = engine.stream(ids, 20, method="specexec", tree=TreeConfig())
     list(second)
-    assert second.policy is policy
-    assert sum(a["steps"] for a in policy.summary().values()) > steps_before
+    assert second.policy is policy and policy.verify is verify
+    assert second.result is not None
+    assert sum(a["steps"] for a in policy.summary().values()) == second.result.stats.steps
 
 
 def _scored_tree(logps):
@@ -415,10 +420,22 @@ def test_exploration_steps_are_trimmed_as_the_best_arm_is():
     logps = [math.log(0.5)] * 3
     trimmed = []
     for _ in range(6):
-        arm = p.choose()
+        arm = p.choose(left=100)  # a long answer ahead: its loss share affords explorations
         trimmed.append((arm, _trimmed(p, logps).trimmed))
     assert any(a != 0 for a, _ in trimmed), "the policy explored"
     assert all(t == 3 for _, t in trimmed), "every step trims what costs more than it returns"
+
+
+@pytest.mark.parametrize("left, explored", [(4, False), (100, True)])
+def test_an_exploration_runs_only_if_its_worst_step_fits_the_answer(left, explored):
+    """An exploration is a bet the answer pays for: an arm whose measured step, emitting a single token, would lose
+    more than the answer's loss share (5% of its expected time) is not explored near the end of a short answer, and
+    is with a long one ahead."""
+    p = AdaptiveBudget((0, 4), explore_every=2)
+    _feed(p, 0, 1, 1.0, 3)  # plain decoding: a token a second
+    _feed(p, 4, 2, 3.0, 3)  # arm 4: 3 s a step, 0.67 tokens a second; at worst 2 s lost
+    picks = [p.choose(left=left) for _ in range(6)]
+    assert any(a == 4 for a in picks) == explored, picks
 
 
 def test_trimmed_proposals_stay_exact(engine):
