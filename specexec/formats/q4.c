@@ -104,6 +104,24 @@ static inline __m128i totals4x8(const __m256i *v) {
 #endif
 #define WRT 8 /* the same for wide_rows */
 
+#if defined(__AVX2__) || defined(WIDE)
+/* A super-block's header: the row's stream prefetched PF bytes ahead, its fp16 scale and minimum scale (d, dm),
+   its sub-scales (sc); returns its nibbles. */
+static inline __attribute__((always_inline)) const uint8_t *sb_head(const uint8_t *blk, int ns, float *d, float *dm,
+                                                                    const uint8_t **sc) {
+    _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + PF + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + PF + 128), _MM_HINT_T0);
+    uint16_t hd, hm;
+    memcpy(&hd, blk, 2);
+    memcpy(&hm, blk + 2, 2);
+    *d = h2f(hd);
+    *dm = h2f(hm);
+    *sc = blk + 4;
+    return blk + 4 + 2 * ns;
+}
+#endif
+
 #ifdef __AVX2__
 /* Rows r0 .. r0 + R - 1 against one weight row; R is a constant once inlined, so the accumulators live in
    registers. */
@@ -118,14 +136,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
     const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)ns), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = wr + s * sbb;
-        _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF + 128), _MM_HINT_T0);
-        uint16_t hd, hm;
-        memcpy(&hd, blk, 2);
-        memcpy(&hm, blk + 2, 2);
-        const float d = h2f(hd), dm = h2f(hm);
-        const uint8_t *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+        float d, dm;
+        const uint8_t *sc, *qs = sb_head(blk, ns, &d, &dm, &sc);
         __m256i isum[RT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         if (ns == 1) {
@@ -197,14 +209,8 @@ static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, i
     const __m512i one16 = _mm512_set1_epi16(1), four16 = _mm512_set1_epi16(4);
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *blk = wr + s * sbb;
-        _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF + 128), _MM_HINT_T0);
-        uint16_t hd, hm;
-        memcpy(&hd, blk, 2);
-        memcpy(&hm, blk + 2, 2);
-        const float d = h2f(hd), dm = h2f(hm);
-        const uint8_t *sc = blk + 4, *qs = blk + 4 + 2 * ns;
+        float d, dm;
+        const uint8_t *sc, *qs = sb_head(blk, ns, &d, &dm, &sc);
         int64_t sc8;
         memcpy(&sc8, sc, 8); /* ns = 4: the other 4 bytes are minimums, never picked */
         const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc8)));
