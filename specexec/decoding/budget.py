@@ -555,10 +555,26 @@ class AdaptiveBudget:
         token where plain decoding would have taken that token's seconds."""
         horizon = self._answer_s + (left / plain if left and plain else 0.0)
         cost = switch if arm_kind(arm) in DRAFT_KINDS else 0.0
-        s = self._stats[arm]
-        if arm != 0 and s.seconds and plain:  # measured on this text or an earlier one
-            cost += max(s.seconds - 1 / plain, 0.0)
+        step = self._stats[arm].seconds or self._step_estimate(arm)  # measured on this text or an earlier one
+        if arm != 0 and step and plain:
+            cost += max(step - 1 / plain, 0.0)
         return self._answer_lost_s + cost <= LOSS_SHARE * horizon
+
+    def _step_estimate(self, arm: int) -> float:
+        """An arm's step seconds before it has run, at its dearest, from the cost curves (0 when they are not
+        measured): a chain of g, g draft passes and the verification of g + 1 rows; a tree of b, a draft pass per
+        level, as deep as b nodes can go, and b + 1 rows; a head tree of b, b + 1 rows."""
+        kind, pass_s = arm_kind(arm), self.costs.pass_s
+        if pass_s is None and self.draft is not None and self.draft.known():
+            pass_s = self.draft.at(1)
+        if kind == "chain":
+            verify = self.verify.at(-arm + 1)
+            return -arm * pass_s + verify if verify is not None and pass_s is not None else 0.0
+        size = arm - HEADS_ARM if kind == "heads" else arm
+        verify = self.verify.at(size + 1)
+        if verify is None or (kind == "tree" and pass_s is None):
+            return 0.0
+        return verify + (min(size, self.max_depth) * pass_s if kind == "tree" and pass_s is not None else 0.0)
 
     def _near(self, best: int, left: int | None = None, switch: float = 0.0) -> list[int]:
         """The arms explored next to ``best``: its neighbours by size among its kind, and each kind's best-rated arm

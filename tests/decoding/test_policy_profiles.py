@@ -198,7 +198,7 @@ def test_draft_arms_that_could_not_win_are_never_tried():
     cheap = AdaptiveBudget((0, -2, -4, 4, 8), verify=VerifyCosts(dict(target)))
     cheap.costs.pass_s = 0.005  # a cheap draft: chains could win, so they are tried
     for _ in range(12):
-        cheap.update(_step(cheap.choose(), 0.0, target, {1: 0.005, 64: 0.005}, random.Random(0)))
+        cheap.update(_step(cheap.choose(left=ANSWER), 0.0, target, {1: 0.005, 64: 0.005}, random.Random(0)))
     assert any(a < 0 for a in cheap.history), cheap.history
 
 
@@ -276,3 +276,18 @@ def test_an_arm_rated_on_an_earlier_text_runs_on_a_new_one_only_within_its_loss_
         tokens, seconds = _answer(policy, TEXTS["hopeless"], target, draft, random.Random(seed), [1.0] * 64, 41, 64)
         ratios.append(tokens * target[1] / seconds)
     assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_a_first_try_of_the_draft_is_counted_at_its_worst_step(profile):
+    """Before a draft arm has ever run, its worst step (its draft passes and verification from the cost curves,
+    emitting one token) is counted beside its catch-up on the prompt: on a short answer to a text the draft never
+    predicts, whatever the prompt's length, the answer decodes no slower than plain decoding."""
+    target, draft = (_curve(c) for c in PROFILES[profile])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    ratios = {}
+    for prompt in (8, 16, 24, 32, 48, 64, 96):
+        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+        tokens, seconds = _answer(policy, TEXTS["hopeless"], target, draft, random.Random(0), [1.0] * 64, prompt, 64)
+        ratios[prompt] = round(tokens * target[1] / seconds, 3)
+    assert min(ratios.values()) >= 0.95, ratios
