@@ -551,8 +551,8 @@ class AdaptiveBudget:
     def _affords(self, arm: int, switch: float, left: int | None, plain: float | None) -> bool:
         """Whether a step of ``arm`` at its worst keeps what this answer's tries lost within :data:`LOSS_SHARE` of
         the answer's expected time (its seconds so far and ``left`` tokens at plain decoding's rate ``plain``). Its
-        worst: a draft arm's catch-up (``switch``), and, once its step seconds are measured, a step that emits one
-        token where plain decoding would have taken that token's seconds."""
+        worst: a draft arm's catch-up (``switch``), and a step (its measured seconds, else the cost curves'
+        estimate) that emits one token where plain decoding would have taken that token's seconds."""
         horizon = self._answer_s + (left / plain if left and plain else 0.0)
         cost = switch if arm_kind(arm) in DRAFT_KINDS else 0.0
         step = self._stats[arm].seconds or self._step_estimate(arm)  # measured on this text or an earlier one
@@ -564,9 +564,7 @@ class AdaptiveBudget:
         """An arm's step seconds before it has run, at its dearest, from the cost curves (0 when they are not
         measured): a chain of g, g draft passes and the verification of g + 1 rows; a tree of b, a draft pass per
         level, as deep as b nodes can go, and b + 1 rows; a head tree of b, b + 1 rows."""
-        kind, pass_s = arm_kind(arm), self.costs.pass_s
-        if pass_s is None and self.draft is not None and self.draft.known():
-            pass_s = self.draft.at(1)
+        kind, pass_s = arm_kind(arm), self._pass_s()
         if kind == "chain":
             verify = self.verify.at(-arm + 1)
             return -arm * pass_s + verify if verify is not None and pass_s is not None else 0.0
@@ -605,13 +603,17 @@ class AdaptiveBudget:
             out = [a for a in out if (c := self._ceiling(a)) is None or 1 / (1 / c + spread) >= floor]
         return out
 
+    def _pass_s(self) -> float | None:
+        """A draft pass's seconds: as the draft steps measured it, else the draft's cost curve at one row."""
+        if self.costs.pass_s is None and self.draft is not None and self.draft.known():
+            return self.draft.at(1)
+        return self.costs.pass_s
+
     def _ceiling(self, arm: int) -> float | None:
         """The most tokens/s a draft tree or chain could give, every drafted token accepted: g + 1 tokens for g
         draft passes and the verification of its rows (a tree of b grown d deep: d + 1 tokens for d passes and
         b + 1 rows). None before a draft pass and the verification costs are measured, and for other arms."""
-        kind, pass_s = arm_kind(arm), self.costs.pass_s
-        if pass_s is None and self.draft is not None and self.draft.known():
-            pass_s = self.draft.at(1)
+        kind, pass_s = arm_kind(arm), self._pass_s()
         if kind not in DRAFT_KINDS or pass_s is None or not self.verify.known():
             return None
         if kind == "chain":
