@@ -265,11 +265,15 @@ def our_configs(methods: str, fast_ar: bool = True) -> list[Config]:
     out = [Config("ours-ar", "ours", "ar")]
     if fast_ar:
         out.append(Config(FAST_AR, "ours", "ar", invariant=False))
+    from specexec.config import METHODS
+
     out.append(Config("ours-default", "ours", None, "auto"))
     for item in (m.strip() for m in methods.split(",")):
         if not item:
             continue
         name, _, param = item.partition(":")
+        if name not in METHODS:  # before any model loads
+            raise ValueError(f"--methods {item}: unknown method; choose from {', '.join(METHODS)}")
         if name in ("specexec", "chain") and not param:
             raise ValueError(f"--methods {item}: give a budget (specexec:64) or gamma (chain:2)")
         if name not in ("specexec", "chain") and param:

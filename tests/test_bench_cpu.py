@@ -40,6 +40,7 @@ def test_prompt_sets_are_built_locally_without_duplicates(bench):
         ["--methods", "ar:3"],
         ["--methods", "chain:auto"],
         ["--methods", "chain:0"],
+        ["--methods", "noheads"],
         ["--sets", "poetry"],
         ["--hf", "hf-beam"],
         ["--temperature", "-1"],
