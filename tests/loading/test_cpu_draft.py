@@ -111,7 +111,7 @@ def test_the_draft_sees_the_prompt_tokens(tiny_pair):
     e = api.load(str(target), str(draft), device="cpu", dtype="fp32", draft_vocab=8, progress=False, context=128)
     head = e.draft.globals.lm_head
     assert isinstance(head, SubsetHead) and head.size == 8
-    e.generate([70, 71, 72, 5], 4, method="specexec")
+    e.generate([70, 71, 72, 5], 4, method="specexec", tree=TreeConfig.fixed(16))  # a fixed tree always drafts
     assert {70, 71, 72} <= set(head.extra_ids.tolist())
 
 
