@@ -69,6 +69,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -732,56 +733,80 @@ def run_all(
     max_new: int,
     log: Callable[[str], None],
     done: Callable[[list[dict[str, Any]]], None] | None = None,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Every configuration on each prompt, back to back; the order rotates by one per prompt. ``done`` gets the
-    records so far after each prompt (the partial report a long run leaves behind if it is stopped)."""
+    """Every configuration on each prompt, back to back; the order rotates by one per prompt (and per repeat:
+    ``repeats`` rounds of our configurations, the others in the first round only). ``done`` gets the records so far
+    after each prompt (the partial report a long run leaves behind if it is stopped)."""
     greedy = runner.args.temperature == 0
     records = []
-    k = 0
+    k = n = 0
     for set_name, plist in prompts.items():
         for pi, p in enumerate(plist):
             ids = runner.encode(p)
             text = runner.prompt_text(p) if any(c.side == "llama" for c in configs) else None
-            order = configs[k % len(configs) :] + configs[: k % len(configs)]
-            k += 1
-            seed = None if greedy else runner.args.seed + k
-            got = {}
-            for c in order:
-                rec = runner.run(c, ids, max_new, seed, *([text] if c.side == "llama" else []))
-                got[c.name] = rec
-                log(
-                    f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
-                    f"{rec['tok_s']:7.2f} tok/s {_f(rec['tokens_per_step'], '5.2f')} tok/step"
-                    + (f"  decode {_f(rec.get('decode_tok_s'))} tok/s" if c.side == "llama" else "")
-                    + (f"  budgets {rec['budgets']} trimmed {rec['trimmed']}" if rec.get("budgets") else "")
-                )
-            ref = got.get("ours-ar", {}).get("ids")
-            for c in configs:
-                rec = got[c.name]
-                row = {
-                    "set": set_name,
-                    "prompt": p.name,
-                    "prompt_tokens": len(ids),
-                    "config": c.name,
-                    "order": order.index(c),
-                    **{k2: v for k2, v in rec.items() if k2 != "ids"},
-                }
-                if ref is not None and c.name != "ours-ar" and _compared(c, greedy):
-                    d = _first_diff(ref, rec["ids"])
-                    row["match_ar"] = d is None
-                    row["must_match_ar"] = _must_match(c)
-                    row["first_diff"] = d
-                    if d is not None and d < len(ref):
-                        row.update(runner.tie_check(ids, ref, d, seed))
-                    if d is not None:
-                        log(
-                            f"{'MISMATCH (a bug)' if row['must_match_ar'] else 'differs (reported)'}: {c.name} "
-                            f"left our AR's tokens at {d}"
-                            + (f", top-2 gap {row['first_diff_gap']:.4g}" if "first_diff_gap" in row else "")
-                        )
-                records.append(row)
+            n += 1
+            seed = None if greedy else runner.args.seed + n
+            for rep in range(repeats):
+                order = configs[k % len(configs) :] + configs[: k % len(configs)]
+                k += 1
+                order = [c for c in order if rep == 0 or c.side == "ours"]
+                got = {}
+                for c in order:
+                    rec = runner.run(c, ids, max_new, seed, *([text] if c.side == "llama" else []))
+                    got[c.name] = rec
+                    log(
+                        f"{set_name} {pi + 1}/{len(plist)} {p.name[:40]:40s} {c.name:18s} {rec['tokens']:4d} tok "
+                        f"{rec['tok_s']:7.2f} tok/s {_f(rec['tokens_per_step'], '5.2f')} tok/step"
+                        + (f"  decode {_f(rec.get('decode_tok_s'))} tok/s" if c.side == "llama" else "")
+                        + (f"  budgets {rec['budgets']} trimmed {rec['trimmed']}" if rec.get("budgets") else "")
+                    )
+                records += _compare(runner, got, order, set_name, p.name, ids, seed, greedy, rep, log)
             if done is not None:
                 done(records)
+    return records
+
+
+def _compare(
+    runner: Runner,
+    got: dict[str, dict[str, Any]],
+    order: list[Config],
+    set_name: str,
+    prompt: str,
+    ids: list[int],
+    seed: int | None,
+    greedy: bool,
+    rep: int,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """One round's records of a prompt, each run that must (or may) equal our AR's tokens compared with them."""
+    records = []
+    ref = got.get("ours-ar", {}).get("ids")
+    for c in order:
+        rec = got[c.name]
+        row = {
+            "set": set_name,
+            "prompt": prompt,
+            "prompt_tokens": len(ids),
+            "config": c.name,
+            "order": order.index(c),
+            "repeat": rep,
+            **{k2: v for k2, v in rec.items() if k2 != "ids"},
+        }
+        if ref is not None and c.name != "ours-ar" and _compared(c, greedy):
+            d = _first_diff(ref, rec["ids"])
+            row["match_ar"] = d is None
+            row["must_match_ar"] = _must_match(c)
+            row["first_diff"] = d
+            if d is not None and d < len(ref):
+                row.update(runner.tie_check(ids, ref, d, seed))
+            if d is not None:
+                log(
+                    f"{'MISMATCH (a bug)' if row['must_match_ar'] else 'differs (reported)'}: {c.name} "
+                    f"left our AR's tokens at {d}"
+                    + (f", top-2 gap {row['first_diff_gap']:.4g}" if "first_diff_gap" in row else "")
+                )
+        records.append(row)
     return records
 
 
@@ -789,7 +814,8 @@ def run_all(
 
 
 def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool) -> dict[str, Any]:
-    """Per set and config: tokens, seconds, tok/s (total tokens / total seconds), ratios, per-prompt minima."""
+    """Per set and config: tokens, seconds, tok/s (total tokens / total seconds over all runs), ratios, per-prompt
+    minima (a prompt's tok/s: the median of its runs)."""
     sets: dict[str, Any] = {}
     for set_name in dict.fromkeys(r["set"] for r in records):
         rows = [r for r in records if r["set"] == set_name]
@@ -802,7 +828,8 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
             steps = sum(r["steps"] for r in rs) if known_steps else 0
             s = {
                 "side": c.side,
-                "prompts": len(rs),
+                "prompts": len({r["prompt"] for r in rs}),
+                "runs": len(rs),
                 "tokens": tokens,
                 "seconds": secs,
                 "tok_s": tokens / secs if secs > 0 else 0.0,
@@ -824,7 +851,7 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
         ar = summ.get("ours-ar", {}).get("tok_s")
         fast_ar = summ.get(FAST_AR, {}).get("tok_s")
         hf_best = max((summ[n]["tok_s"] for n in HF_SPECULATIVE if n in summ), default=None)
-        ar_by_prompt = {r["prompt"]: r for r in by.get("ours-ar", [])}
+        ar_by_prompt = _median_by_prompt(by.get("ours-ar", []))
         for c in configs:
             s = summ[c.name]
             if c.side == "llama":  # its whole-call tok/s includes loading the models: compared decode-only below
@@ -834,14 +861,29 @@ def summarize(records: list[dict[str, Any]], configs: list[Config], greedy: bool
             s["vs_our_fast_ar"] = s["tok_s"] / fast_ar if fast_ar else None
             s["vs_best_hf_speculative"] = s["tok_s"] / hf_best if hf_best else None
             ratios = [
-                r["tok_s"] / ar_by_prompt[r["prompt"]]["tok_s"]
-                for r in by[c.name]
-                if r["prompt"] in ar_by_prompt and ar_by_prompt[r["prompt"]]["tok_s"] > 0
+                tok_s / ar_by_prompt[prompt]
+                for prompt, tok_s in _median_by_prompt(by[c.name]).items()
+                if ar_by_prompt.get(prompt, 0) > 0
             ]
             s["min_prompt_vs_our_ar"] = min(ratios) if ratios else None
+        # our AR's runs of each prompt, in order: its second run against its first is noise alone
+        runs: dict[str, list[float]] = {}
+        for r in by.get("ours-ar", []):
+            runs.setdefault(r["prompt"], []).append(r["tok_s"])
+        noise = [t[1] / t[0] for t in runs.values() if len(t) >= 2 and t[0] > 0]
+        if "ours-ar" in summ:
+            summ["ours-ar"]["min_prompt_rerun_vs_first"] = min(noise) if noise else None
         best_hf_name = max((n for n in HF_SPECULATIVE if n in summ), key=lambda n: summ[n]["tok_s"], default=None)
         sets[set_name] = {"configs": summ, "best_hf_speculative": best_hf_name, "decode": _decode_row(summ)}
     return sets
+
+
+def _median_by_prompt(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each prompt's tok/s: the median of its runs' (one run: that run's)."""
+    runs: dict[str, list[float]] = {}
+    for r in rows:
+        runs.setdefault(r["prompt"], []).append(r["tok_s"])
+    return {p: statistics.median(t) for p, t in runs.items()}
 
 
 def _decode_row(summ: dict[str, Any]) -> dict[str, Any]:
@@ -881,7 +923,9 @@ def markdown(report: dict[str, Any]) -> str:
             else ""
         )
         + f"; {m['max_new_tokens']} new tokens, temperature {m['temperature']}; "
-        f"{m['prompts_per_set']} prompts per set; commit {m['commit']}."
+        f"{m['prompts_per_set']} prompts per set"
+        + (f", ours run {m['repeats']} times each (a prompt's figure: its median)" if m.get("repeats", 1) > 1 else "")
+        + f"; commit {m['commit']}."
         + (" **SMOKE RUN (tiny models): the numbers mean nothing.**" if m.get("smoke") else "")
         + (
             " **No shape-invariant tiling passed the check on this machine: the target ran its fastest kernels.**"
@@ -917,8 +961,10 @@ def markdown(report: dict[str, Any]) -> str:
         "mismatches" in s for d in report["sets"].values() for s in d["configs"].values()
     )  # the column: greedy, or sampled runs of our tree-walk methods (the same seed gives AR's text)
     for set_name, d in report["sets"].items():
+        rerun = d["configs"].get("ours-ar", {}).get("min_prompt_rerun_vs_first")
         lines += [
-            f"**{set_name}** (best transformers speculative: {d['best_hf_speculative'] or '-'})",
+            f"**{set_name}** (best transformers speculative: {d['best_hf_speculative'] or '-'})"
+            + (f"; noise: our AR's second run against its first, lowest prompt {rerun:.2f}×" if rerun else ""),
             "",
             "| config | tok/s | × our AR | × fast AR | × best HF spec | min/prompt × our AR | decode tok/s "
             "| tokens/step |" + (" mismatches vs our AR |" if greedy else ""),
@@ -947,7 +993,7 @@ def _mismatches(s: dict[str, Any]) -> str:
         note = " (fast kernels: reported, not asserted)"
     else:
         note = " **(a bug)**" if mm else ""
-    return f"{mm}/{s['prompts']}{note}"
+    return f"{mm}/{s.get('runs', s['prompts'])}{note}"
 
 
 def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], prompts: dict[str, list[Prompt]]):
@@ -986,6 +1032,7 @@ def _meta(args: argparse.Namespace, runner: Runner, configs: list[Config], promp
         "temperature": args.temperature,
         "seed": args.seed,
         "prompts_per_set": args.prompts_per_set,
+        "repeats": args.repeats,
         "lookup_tokens": args.lookup_tokens,
         "commit": commit,
         "smoke": args.smoke,
@@ -1075,6 +1122,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="llama.cpp spec's --spec-draft-n-max (default: llama.cpp's own)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run our configurations N times on each prompt (interleaved; transformers and llama.cpp once) and "
+        "compare each prompt at its median: a single run's host noise of a few percent otherwise sets the lowest "
+        "prompt's ratio; with N >= 2 the tables also give the lowest ratio of our AR's second run to its first",
+    )
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--md", type=Path, default=None, help="append the markdown tables to this file")
@@ -1085,8 +1140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.prompts_per_set = 1 if args.smoke else 20
     if args.max_new_tokens is None:
         args.max_new_tokens = 8 if args.smoke else 128
-    if args.prompts_per_set < 1 or args.max_new_tokens < 1:
-        p.error("--prompts-per-set and --max-new-tokens must be >= 1")
+    if args.prompts_per_set < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        p.error("--prompts-per-set, --max-new-tokens and --repeats must be >= 1")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
     if args.target_dtype == "int8" and args.dtype not in ("auto", "bf16"):
@@ -1149,7 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
             n = len({(r["set"], r["prompt"]) for r in records})
             _write_report(args.out, {"meta": {**meta, "partial": f"{n} of {total} prompts"}, "runs": records})
 
-    records = run_all(runner, prompts, configs, args.max_new_tokens, log, checkpoint)
+    records = run_all(runner, prompts, configs, args.max_new_tokens, log, checkpoint, args.repeats)
     greedy = args.temperature == 0
     sets = summarize(records, configs, greedy)
     report = {"meta": meta, "sets": sets, "runs": records}

@@ -45,6 +45,7 @@ def test_prompt_sets_are_built_locally_without_duplicates(bench):
         ["--hf", "hf-beam"],
         ["--temperature", "-1"],
         ["--max-new-tokens", "0"],
+        ["--repeats", "0"],
     ],
 )
 def test_bad_options_exit_2(bench, bad):
@@ -222,3 +223,43 @@ def test_no_invariant_runs_all_of_ours_on_fast_kernels_and_reports_differences(b
     ours = [c for c in args.configs if c.side == "ours"]
     assert [c.name for c in ours] == ["ours-ar", "ours-default"] and not any(c.invariant for c in ours)
     assert args.invariant is False
+
+
+class NoisyRunner(StubRunner):
+    """A StubRunner whose our-side runs take the seconds a list gives, in call order."""
+
+    def __init__(self, ids: dict[str, list[int]], seconds: dict[str, list[float]]) -> None:
+        super().__init__(ids)
+        self.seconds = {k: list(v) for k, v in seconds.items()}
+        self.calls: list[str] = []
+
+    def run(self, c: Any, ids: list[int], max_new: int, seed: int | None) -> dict[str, Any]:
+        rec = super().run(c, ids, max_new, seed)
+        self.calls.append(c.name)
+        sec = self.seconds[c.name].pop(0) if c.name in self.seconds else 1.0
+        return {**rec, "seconds": sec, "tok_s": rec["tokens"] / sec}
+
+
+def test_repeats_run_ours_again_and_compare_each_prompt_at_its_median(bench):
+    """--repeats 3: our configurations run three times on the prompt (transformers' once), every run is compared
+    with our AR's tokens, a prompt's ratio is taken at the medians (one slow run of the default does not set the
+    lowest prompt), the set's tok/s over all runs, and our AR's second run against its first is the noise shown."""
+    ar = [5, 6, 7, 8]
+    configs = bench.parse_args(["--hf", "hf-ar", "--no-fast-ar", "--repeats", "3"]).configs
+    runner = NoisyRunner(
+        {"ours-ar": ar, "ours-default": ar, "hf-ar": ar},
+        {"ours-ar": [1.0, 1.1, 1.0], "ours-default": [2.0, 0.8, 0.8]},
+    )
+    prompts = {"code": [bench.Prompt("code", "p", "x")]}
+    records = bench.run_all(runner, prompts, configs, 4, lambda s: None, repeats=3)
+    assert sorted(runner.calls) == ["hf-ar", *["ours-ar"] * 3, *["ours-default"] * 3]
+    assert [r["repeat"] for r in records if r["config"] == "ours-default"] == [0, 1, 2]
+    assert all(r["match_ar"] for r in records if r["config"] == "ours-default")
+    s = bench.summarize(records, configs, True)["code"]["configs"]
+    assert s["ours-default"]["prompts"] == 1 and s["ours-default"]["runs"] == 3
+    assert s["ours-default"]["min_prompt_vs_our_ar"] == pytest.approx(1.25)  # 5 tok/s against 4
+    assert s["ours-default"]["tok_s"] == pytest.approx(12 / 3.6)
+    assert s["ours-ar"]["min_prompt_rerun_vs_first"] == pytest.approx(1 / 1.1)
+    once = NoisyRunner({"ours-ar": ar, "ours-default": ar, "hf-ar": ar}, {})
+    one = bench.run_all(once, prompts, configs, 4, lambda s: None)
+    assert bench.summarize(one, configs, True)["code"]["configs"]["ours-ar"]["min_prompt_rerun_vs_first"] is None
