@@ -22,10 +22,12 @@ up per step, so exploration is cheap, and any budget is exact: only speed depend
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from specexec.decoding.costs import ChainStop, GrowCost, Trim, catch_up_s
@@ -711,7 +713,9 @@ DRIFT = 1.5  # step costs beyond this factor of the start-up measurement (either
 
 
 def costs_key(*parts: object) -> str:
-    """A stable key for measured pass costs: machine, versions, model shapes and dtypes, tree limits."""
+    """A stable key for measured pass costs: machine, versions, the package's code, model shapes and dtypes, tree
+    limits. Costs measured by other code (an upgrade, a new kernel: a pass may cost half as much, and differently
+    by size) are measured again, not read."""
     import hashlib
     import json
     import platform
@@ -724,11 +728,24 @@ def costs_key(*parts: object) -> str:
             platform.processor(),
             torch.__version__,
             torch.get_num_threads(),
+            code_version(),
             *[repr(p) for p in parts],
         ],
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of the package's Python and C sources (what a pass runs)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c") and p.is_file()):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def load_costs(path) -> tuple[dict[int, float], dict[int, float]] | None:

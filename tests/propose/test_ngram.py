@@ -309,6 +309,27 @@ def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, t
     assert g3.policy.target_s != policy.target_s
 
 
+def test_costs_measured_by_other_code_are_measured_again(noisy_pairs, tmp_path, monkeypatch):
+    """The CPU policy's pass costs are cached per machine and model, and per version of the package's code: costs a
+    former version measured (another kernel: a pass may cost half as much, and differently by size) are not read."""
+    import specexec.decoding.budget as budget
+
+    target, draft = noisy_pairs["llama"]
+    tree = TreeConfig(auto=True, max_budget=32)
+
+    def run() -> dict[str, int]:  # the cost files after a generation, with their modification times
+        t, d = load_model(target, CPU, torch.float32), load_model(draft, CPU, torch.float32)
+        e = Engine(t, load_tokenizer(target), d, context=256, tree=tree, costs_dir=tmp_path)
+        list(e.stream([5, 6, 7], 4, method="specexec", tree=tree))
+        return {f.name: f.stat().st_mtime_ns for f in tmp_path.glob("*.json")}
+
+    first = run()
+    assert first and run() == first, "measured once, then read from the cache"
+    monkeypatch.setattr(budget, "code_version", lambda: "another version")
+    again = run()
+    assert len(again) == 2 * len(first) and set(first) < set(again), "measured again, in files of their own"
+
+
 def test_measured_policy_is_kept_across_generations(engine):
     """What the CPU policy measured of the costs carries over to the next request (a chat's next turn); what each
     arm yields depends on the text, so the next request measures that anew."""
