@@ -57,6 +57,7 @@ from specexec.propose import (
     TargetPrefix,
     TreeDraft,
 )
+from specexec.propose.ngram import LookupRecord
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,7 @@ class Engine:
         # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
         self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
         self._verify: VerifyCosts | None = None
+        self._lookup = LookupRecord()  # what prompt lookup measured on earlier texts: a new text's prior
         self._draft_costs: VerifyCosts | None = None  # the draft's pass seconds by rows (the CPU policy's catch-ups)
         self._by_mode: dict[bool, tuple[Any, Any, Any, Any]] = {}  # the other mode's measurements (set_invariant)
         self._static = (static_draft, static_rows)
@@ -527,27 +529,27 @@ class Engine:
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
                 arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
                 stats.budget_auto = True
-                return NGramDraft(dev, ngram), self._adaptive_policy(learnt, arms, tree, stats)
-            return NGramDraft(dev, ngram), FixedBudget(ngram.max_nodes)
+                return NGramDraft(dev, ngram, self._lookup), self._adaptive_policy(learnt, arms, tree, stats)
+            return NGramDraft(dev, ngram, self._lookup), FixedBudget(ngram.max_nodes)
         assert self.draft_model is not None
         if method == "chain":
             stats.gamma = chain.gamma
             return ChainDraft(self.draft_model, chain.gamma), FixedBudget(chain.gamma)
         stats.budget, stats.budget_auto = tree.budget, tree.auto
         if not tree.auto:
-            merged = NGramDraft(dev, ngram) if ngram is not None else None
+            merged = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
             return TreeDraft(self.draft_model, tree, merged), FixedBudget(tree.budget, self._costs, tree.max_depth)
         if self._measured_policy():
             # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
             # AR), small trees and bigger ones; n-gram continuations are merged into every tree
             arms = (0, *(-g for g in CPU_CHAINS), *(b for b in CPU_ARMS if b <= tree.max_budget))
             # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
-            lookup = NGramDraft(dev, ngram) if ngram is not None else None  # (--ngram-nodes 0: none)
+            lookup = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None  # (--ngram-nodes 0: none)
             chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
             # the draft reads the prompt only when the policy first asks for it (the policy weighs that cost)
             proposer = TreeDraft(self.draft_model, tree, lookup, chains, lazy=True)
             return proposer, self._adaptive_policy(learnt, arms, tree, stats, draft=True)
-        merged = NGramDraft(dev, ngram) if ngram is not None else None
+        merged = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
         if self._auto is not None and drifted(self._auto):
             log.info("step costs drifted from the start-up measurement: measuring again")

@@ -11,7 +11,10 @@ proportional to the new tokens, not the sequence length.
 
 Scores: node logp = depth * log(a) + log(share), with ``share`` the fraction of the matches' weight that passes
 through the node and ``a`` the measured per-token acceptance of earlier n-gram proposals (decayed counts), so
-1 + sum(exp(logp)) estimates the tokens a step emits from what was measured (the budget policy uses it).
+1 + sum(exp(logp)) estimates the tokens a step emits from what was measured (the budget policy uses it). A text
+starts from what lookup measured on the engine's earlier texts (:class:`LookupRecord`), not from a constant: where
+the target seldom repeats its context (code written from a docstring), a new answer's first lookups verify a row
+or two, not a trie of eight that misses.
 """
 
 from __future__ import annotations
@@ -24,9 +27,34 @@ import torch
 from specexec.decoding.tree import Tree
 from specexec.propose.base import Proposal, StepContext
 
-PRIOR_ACC = 0.6  # per-token acceptance of n-gram tokens before a text's own evidence
-PRIOR_TRIALS = 2.0  # what that prior weighs, in tried tokens
+PRIOR_ACC = 0.6  # per-token acceptance of n-gram tokens before any evidence (an engine's first text)
+PRIOR_TRIALS = 2.0  # what a text's prior weighs against its own evidence, in tried tokens
 ACC_DECAY = 0.9  # per proposal, the weight older counts keep (the text changes)
+TEXT_DECAY = 0.5  # per new text, the weight the earlier texts' counts keep in its prior (texts differ)
+
+
+@dataclass
+class LookupRecord:
+    """What lookup proposals measured on an engine's earlier texts: decayed counts of accepted and tried tokens.
+    A new text's prior is their acceptance beside :data:`PRIOR_ACC` worth :data:`PRIOR_TRIALS` tries; each new
+    text halves the counts, so texts that try nothing (the prior fell under what a row costs) drift back towards
+    :data:`PRIOR_ACC` and lookup is tried again."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def prior(self) -> float:
+        return (self.hits + PRIOR_ACC * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+
+    def new_text(self) -> float:
+        """A new text starts: the earlier texts' counts decay; returns its prior."""
+        self.hits *= TEXT_DECAY
+        self.trials *= TEXT_DECAY
+        return self.prior()
+
+    def add(self, accepted: int, trials: int) -> None:
+        self.hits = ACC_DECAY * self.hits + accepted
+        self.trials = ACC_DECAY * self.trials + trials
 
 
 @dataclass(frozen=True)
@@ -52,20 +80,25 @@ class NGramDraft:
 
     name = "ngram"
 
-    def __init__(self, device: torch.device, cfg: NGramConfig | None = None) -> None:
+    def __init__(
+        self, device: torch.device, cfg: NGramConfig | None = None, record: LookupRecord | None = None
+    ) -> None:
+        """``record``: the engine's earlier texts' counts (this text's prior; its own counts join them)."""
         self.device = device
         self.cfg = cfg or NGramConfig()
         self._seq: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
-        # P(the target accepts the next n-gram token | it accepted the ones before): decayed counts of accepted and
-        # tried tokens beside a prior of PRIOR_ACC worth PRIOR_TRIALS tries, so a text whose matches miss (code's
+        # P(the target accepts the next n-gram token | it accepted the ones before): this text's decayed counts of
+        # accepted and tried tokens beside its prior worth PRIOR_TRIALS tries, so a text whose matches miss (code's
         # frequent two-token repeats) stops paying for their rows within a few steps, not a few dozen
         self._hits = 0.0
         self._trials = 0.0
+        self._record = record
+        self._prior = record.new_text() if record is not None else PRIOR_ACC
 
     @property
     def acc(self) -> float:
-        return (self._hits + PRIOR_ACC * PRIOR_TRIALS) / (self._trials + PRIOR_TRIALS)
+        return (self._hits + self._prior * PRIOR_TRIALS) / (self._trials + PRIOR_TRIALS)
 
     def max_nodes(self) -> int:
         return self.cfg.max_nodes
@@ -189,3 +222,5 @@ class NGramDraft:
         if trials:
             self._hits = ACC_DECAY * self._hits + accepted
             self._trials = ACC_DECAY * self._trials + trials
+            if self._record is not None:
+                self._record.add(accepted, trials)

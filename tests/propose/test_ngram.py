@@ -98,6 +98,43 @@ def test_the_scores_follow_what_the_target_accepts_within_a_few_steps():
     assert top(ng.propose(seq, ctx)) > missed
 
 
+def test_a_new_text_starts_from_what_lookup_measured_on_the_earlier_ones():
+    """Texts whose matches all missed make the next text's first lookup verify fewer rows (trimmed at what a row
+    costs) than an engine's first text does; texts that try nothing drift back to the first text's prior, so lookup
+    is tried again; texts whose matches are taken raise it."""
+    from specexec.decoding.costs import Trim
+    from specexec.propose.ngram import PRIOR_ACC, LookupRecord
+
+    cfg = NGramConfig(min_ngram=2, max_ngram=3, max_len=6)
+    seq = [1, 2, 3, 9, 4, 5, 6, 1, 2]
+    trim = Trim(rate=20.0, verify_s=lambda n: [0.05 + 0.01 * k for k in range(n)])  # a row: a fifth of a token
+    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=64, trim=trim)
+    record = LookupRecord()
+
+    def first_rows(text_misses: bool) -> int:
+        ng = NGramDraft(CPU, cfg, record)
+        ng.begin(seq)
+        prop = ng.propose(seq, ctx)
+        rows = prop.tree.size - 1
+        for _ in range(3):
+            prop = ng.propose(seq, ctx)
+            if prop.tree.size > 1:
+                ng.commit(prop, [0] if text_misses else list(range(prop.tree.size)), seq)
+        return rows
+
+    fresh = first_rows(text_misses=True)
+    assert fresh >= 3, "an engine's first text bets on a deep match"
+    assert record.prior() < PRIOR_ACC
+    after = first_rows(text_misses=True)
+    assert 0 < after < fresh, (fresh, after)
+    for _ in range(6):  # texts with no match at all
+        NGramDraft(CPU, cfg, record)
+    assert record.prior() == pytest.approx(PRIOR_ACC, abs=0.02)
+    for _ in range(3):
+        first_rows(text_misses=False)
+    assert record.prior() > PRIOR_ACC
+
+
 def test_index_is_incremental_and_follows_a_new_sequence():
     ng = NGramDraft(CPU, NGramConfig(min_ngram=1, max_ngram=2))
     seq = [4, 5, 6, 4, 5]
