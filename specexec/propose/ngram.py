@@ -53,6 +53,7 @@ class LookupRecord:
         return self.prior()
 
     def add(self, accepted: int, trials: int) -> None:
+        """One proposal's tokens: older counts keep :data:`ACC_DECAY` of their weight."""
         self.hits = ACC_DECAY * self.hits + accepted
         self.trials = ACC_DECAY * self.trials + trials
 
@@ -91,14 +92,13 @@ class NGramDraft:
         # P(the target accepts the next n-gram token | it accepted the ones before): this text's decayed counts of
         # accepted and tried tokens beside its prior worth PRIOR_TRIALS tries, so a text whose matches miss (code's
         # frequent two-token repeats) stops paying for their rows within a few steps, not a few dozen
-        self._hits = 0.0
-        self._trials = 0.0
+        self._text = LookupRecord()
         self._record = record
         self._prior = record.new_text() if record is not None else PRIOR_ACC
 
     @property
     def acc(self) -> float:
-        return (self._hits + self._prior * PRIOR_TRIALS) / (self._trials + PRIOR_TRIALS)
+        return (self._text.hits + self._prior * PRIOR_TRIALS) / (self._text.trials + PRIOR_TRIALS)
 
     def max_nodes(self) -> int:
         return self.cfg.max_nodes
@@ -220,7 +220,6 @@ class NGramDraft:
         deepest = int(proposal.tree.n_depth.max())
         trials = accepted + (1 if accepted < deepest else 0)
         if trials:
-            self._hits = ACC_DECAY * self._hits + accepted
-            self._trials = ACC_DECAY * self._trials + trials
+            self._text.add(accepted, trials)
             if self._record is not None:
                 self._record.add(accepted, trials)
