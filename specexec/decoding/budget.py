@@ -443,6 +443,8 @@ class AdaptiveBudget:
         self._stats = {a: _Arm() for a in self.arms}
 
     def rate(self, arm: int) -> float | None:
+        if arm == 0:
+            return self._plain_rate()
         s = self._stats[arm]
         kind = arm_kind(arm)
         model = None
@@ -457,9 +459,22 @@ class AdaptiveBudget:
             w = s.n / (s.n + CHAIN_MODEL_WEIGHT)  # a chain's few own steps lean on what every chain measured
             measured = w * measured + (1 - w) * model
         base = self._stats.get(0)
-        if arm != 0 and base is not None and base.n:  # few steps are weak evidence against plain decoding
-            measured = (s.n * measured + SHRINK_STEPS * base.tokens / max(base.seconds, 1e-9)) / (s.n + SHRINK_STEPS)
+        plain = self._plain_rate() if base is not None and base.n else None
+        if plain is not None:  # few steps are weak evidence against plain decoding
+            measured = (s.n * measured + SHRINK_STEPS * plain) / (s.n + SHRINK_STEPS)
         return measured
+
+    def _plain_rate(self) -> float | None:
+        """Plain steps' measured tokens/s, and never less than a one-row verification's: a plain step that bets
+        on prompt lookup's trie and misses costs more than a plain token, but plain decoding stays at hand at that
+        rate, so a drafting arm must beat it (a missed 8-row bet among a text's first plain steps made plain
+        decoding look 30% slower than it is, and a draft chain that lost to it took the lead)."""
+        s = self._stats[0]
+        measured = s.tokens / max(s.seconds, 1e-9) if s.n else self.prior(0) if self.prior is not None else None
+        one_row = self.verify.at(1)
+        if one_row is None:
+            return measured
+        return max(measured or 0.0, 1 / one_row)
 
     def _chain_model(self, g: int) -> float | None:
         """Expected tokens/s of a chain of ``g`` from the chains measured so far (None before any): each drafted
@@ -687,8 +702,9 @@ class AdaptiveBudget:
         if s is None:
             return
         sec = draft_s + step.target_s
-        if s.n == 0:  # the first step on this text: its tokens alone, its seconds beside the earlier texts'
-            s.seconds = _ema(s.seconds, sec, 0.5) if s.seconds else sec
+        if s.n == 0:  # the first step on this text: its own tokens and seconds (a step costs what the text makes
+            # it: a plain step that verifies prompt lookup's trie of 8 rows costs twice one of a single row)
+            s.seconds = sec
             s.tokens = float(step.emitted)
         else:
             s.seconds = _ema(s.seconds, sec, self.alpha)

@@ -77,12 +77,15 @@ def _step(
     rng: random.Random,
     noise: float = 1.0,
     lag: int = 0,
+    lookup: tuple[int, int] = (1, 1),
 ) -> StepInfo:
     """One simulated step of ``arm`` (0: plain decoding; -g: a chain of g; b: a best-first tree of b tokens,
     two children per node along its best path; HEADS_ARM + b: b head guesses, at most 3 deep); ``noise``: its
-    seconds times this (a shared machine's jitter); ``lag``: tokens a draft step first catches up on."""
+    seconds times this (a shared machine's jitter); ``lag``: tokens a draft step first catches up on; ``lookup``:
+    the rows a plain step verifies and the tokens it emits (prompt lookup's matches: (1, 1) where none)."""
     if arm == 0:
-        return StepInfo(0, (), 1, 0.0, interp(target, 1) * noise, 0, size=1)
+        rows, emitted = lookup
+        return StepInfo(0, (), emitted, 0.0, interp(target, rows) * noise, 0, size=rows)
     if arm >= HEADS_ARM:
         b = arm - HEADS_ARM
         beta = next(HEAD_TEXTS[t] for t, a in TEXTS.items() if a == alpha)
@@ -138,6 +141,7 @@ def _answer(
     noise: list[float],
     prompt: int = PROMPT,
     answer: int = ANSWER,
+    lookup: tuple[int, int] = (1, 1),
 ) -> tuple[int, float]:
     """Simulate one answer under ``policy``: (tokens, seconds), catch-ups included."""
     tokens, seconds, lag = 0, 0.0, prompt
@@ -145,7 +149,7 @@ def _answer(
         if tokens >= answer:
             break
         arm = policy.choose(left=answer - tokens, lag=lag)
-        step = _step(arm, alpha, target, draft, rng, noise[i], lag if arm_kind(arm) in DRAFT_KINDS else 0)
+        step = _step(arm, alpha, target, draft, rng, noise[i], lag if arm_kind(arm) in DRAFT_KINDS else 0, lookup)
         policy.update(step)
         lag = 0 if arm_kind(arm) in DRAFT_KINDS else lag + step.emitted
         tokens += step.emitted
@@ -291,3 +295,42 @@ def test_a_first_try_of_the_draft_is_counted_at_its_worst_step(profile):
         tokens, seconds = _answer(policy, TEXTS["hopeless"], target, draft, random.Random(0), [1.0] * 64, prompt, 64)
         ratios[prompt] = round(tokens * target[1] / seconds, 3)
     assert min(ratios.values()) >= 0.95, ratios
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_plain_decoding_is_priced_by_what_its_steps_cost_on_this_text(profile):
+    """A plain step costs what the text makes it: where prompt lookup matches, it verifies a trie of several rows
+    and emits several tokens; on the next text, one row and one token. What plain steps cost on the earlier text
+    must not price plain decoding on the new one (a dearer plain step, kept, lets a draft arm that loses to plain
+    decoding lead), and plain decoding, which cannot lose, is explored even once an answer's tries have spent
+    their loss share: the answer on the new text decodes no slower than plain decoding."""
+    target, draft = (_curve(c) for c in PROFILES[profile])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    ratios = []
+    for seed in range(5):
+        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+        rng = random.Random(seed)
+        _answer(policy, TEXTS["hopeless"], target, draft, rng, [1.0] * 64, 100, 64, lookup=(8, 3))
+        policy.new_text()
+        tokens, seconds = _answer(policy, TEXTS["prose"], target, draft, rng, [1.0] * 64, 90, 64)
+        ratios.append(tokens * target[1] / seconds)
+    assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_a_missed_lookup_bet_does_not_make_plain_decoding_look_slow(profile):
+    """A missed prompt-lookup bet (a plain step that verifies 8 rows and emits one token) among a text's first
+    steps makes plain steps' measured rate lower than plain decoding's; a draft arm priced against that rate, or
+    a first try priced against an answer that long, would run where it loses. The answer decodes no slower than
+    plain decoding after such a step."""
+    target, draft = (_curve(c) for c in PROFILES[profile])
+    arms = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    ratios = []
+    for seed in range(5):
+        policy = AdaptiveBudget(arms, verify=VerifyCosts(dict(target)), draft=VerifyCosts(dict(draft)))
+        for rows in (1, 8):
+            assert policy.choose(left=64) == 0
+            policy.update(StepInfo(0, (), 1, 0.0, interp(target, rows), 0, size=rows))
+        tokens, seconds = _answer(policy, TEXTS["prose"], target, draft, random.Random(seed), [1.0] * 62, 60, 62)
+        ratios.append(tokens * target[1] / seconds)
+    assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
