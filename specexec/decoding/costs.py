@@ -89,9 +89,13 @@ class Trim:
     rate: float  # measured tokens/s: what a second of verification is worth elsewhere
     verify_s: Callable[[int], list[float]]  # n -> seconds to verify 1..n tokens
     acc_scale: float = 1.0  # actual / predicted tokens per step
+    # the most seconds the kept nodes may add to a one-row step's verification: what the step may lose if the
+    # target takes none of them (an estimate of their chances, however measured, can be wrong for a new text)
+    max_extra_s: float = math.inf
 
     def keep(self, logp: Tensor) -> int:
-        """How many of the nodes with path log-probs ``logp`` (N,) to verify (N: keep them all)."""
+        """How many of the nodes with path log-probs ``logp`` (N,) to verify (N: keep them all), within
+        ``max_extra_s``."""
         n = logp.shape[0]
         if n == 0:
             return 0
@@ -100,6 +104,8 @@ class Trim:
         cost = self.verify_s(n + 1)  # cost[k] = seconds to verify k + 1 tokens
         best_k, best_v = n, -math.inf
         for k in range(n + 1):
+            if k and cost[k] - cost[0] > self.max_extra_s:
+                break
             v = gains[k] - self.rate * cost[k]
             if v > best_v + 1e-12:
                 best_k, best_v = k, v

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -450,6 +451,29 @@ def test_trimming_keeps_the_lookup_nodes_boundary():
     only_draft = Proposal(_scored_tree([math.log(p) for p in (0.9, 0.6, 0.3, 0.02)]), merged_at=4)
     only_draft.trim(rule.trim_rule())
     assert only_draft.tree.size == 4 and only_draft.merged_at == 0
+
+
+def test_a_plain_steps_lookup_bet_is_bounded_by_what_the_answer_may_lose():
+    """A plain step's lookup bet is priced by the acceptance lookup measured on earlier texts, which a new text may
+    not share: at its worst (the target takes none of its nodes) it may add no more seconds to the step than the
+    answer's loss share; the bets that hit widen the next one by what they gained."""
+    from specexec.decoding.budget import LOSS_SHARE, VerifyCosts
+
+    v = VerifyCosts({1: 0.05, 2: 0.06, 4: 0.08, 8: 0.14, 16: 0.27, 32: 0.41, 64: 0.6})
+    p = AdaptiveBudget((0,), verify=v)
+    p.update(StepInfo(budget=0, tree_logp=(), emitted=1, draft_s=0.0, target_s=0.05, passes=0, size=1))
+    logps = [(i + 1) * math.log(0.95) for i in range(40)]  # a confident 40-token continuation
+    unbounded = Proposal(_scored_tree(logps))
+    unbounded.trim(replace(p.trim_rule(), max_extra_s=math.inf))
+    assert p.choose(left=64) == 0
+    kept = _trimmed(p, logps).tree.size - 1
+    worst = v.at(kept + 1) - v.at(1)
+    assert 1 <= kept < unbounded.tree.size - 1
+    assert worst <= LOSS_SHARE * (0.05 + 64 * 0.05)
+    hit = StepInfo(budget=0, tree_logp=(), emitted=kept + 1, draft_s=0.0, target_s=v.at(kept + 1), passes=0)
+    p.update(replace(hit, size=kept + 1))
+    assert p.choose(left=64 - kept - 1) == 0
+    assert _trimmed(p, logps).tree.size - 1 > kept, "the bet hit: the next may be bigger"
 
 
 def test_verify_costs_learn_and_never_decrease_with_size():
