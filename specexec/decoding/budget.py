@@ -419,7 +419,7 @@ class AdaptiveBudget:
     _lag: int = 0  # the draft's lag when the current step was chosen
     _answer_s: float = 0.0  # this generation's seconds so far (catch-ups included)
     _answer_lost_s: float = 0.0  # what this generation's explorations and first tries lost
-    _lookup_net_s: float = 0.0  # what this generation's plain steps gained by prompt lookup (a missed bet: < 0)
+    _lookup_bets: int = 0  # this generation's plain steps that verified prompt lookup's nodes
     _left: int | None = None  # the tokens the current step's answer has left
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _exploring: bool = False  # this step tries an arm other than the best measured one
@@ -515,7 +515,8 @@ class AdaptiveBudget:
         tried again within this answer's :data:`LOSS_SHARE` (an arm that led on a code answer may never hit on the
         next prompt, and a text that repeats its context gives plain steps many n-gram tokens where the last text
         gave none)."""
-        self._answer_s = self._answer_lost_s = self._lookup_net_s = 0.0
+        self._answer_s = self._answer_lost_s = 0.0
+        self._lookup_bets = 0
         for s in self._stats.values():
             s.tokens, s.n, s.wait = 0.0, 0, 0
         self._chain_accepted = self._chain_rejected = self._chain_passes = self._chain_draft_s = 0.0
@@ -664,16 +665,16 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale, self._lookup_cap())
 
     def _lookup_cap(self) -> float:
-        """The most seconds a plain step's prompt-lookup bet may add to its one-row verification: this answer's
-        :data:`LOSS_SHARE` (less what its tries lost) plus what its lookup bets gained so far. A text's first bets
-        are priced by the acceptance lookup measured on earlier texts, which a new text may not share (a 32-row trie
-        that emitted 2 tokens cost 312 ms, 7% of the answer); as bets hit, the cap grows with their gains.
+        """The most seconds a text's first prompt-lookup bet on a plain step may add to its one-row verification:
+        this answer's :data:`LOSS_SHARE`, less what its tries lost. That bet is priced by the acceptance lookup
+        measured on earlier texts, which a new text may not share (a 32-row trie that emitted 2 tokens cost 312 ms,
+        7% of the answer); the bets after it are priced by what the text's own bets measured, and are not capped.
         Unbounded for the steps of other arms (their tries have a share of their own)."""
-        if self._current != 0:
+        if self._current != 0 or self._lookup_bets:
             return math.inf
         plain = self._plain_rate()
         horizon = self._answer_s + (self._left / plain if self._left and plain else 0.0)
-        return max(LOSS_SHARE * horizon - self._answer_lost_s + self._lookup_net_s, 0.0)
+        return max(LOSS_SHARE * horizon - self._answer_lost_s, 0.0)
 
     def update(self, step: StepInfo) -> None:
         # a lagging draft's catch-up is a cost of the steps before (and of the prompt): not of this arm's step, but
@@ -702,9 +703,8 @@ class AdaptiveBudget:
             self._chain_draft_s = d * self._chain_draft_s + draft_s
         explored = self._exploring and step.budget == self._current
         sec_all = draft_s + step.target_s
-        one_row = self.verify.at(1)
-        if step.budget == 0 and step.size > 1 and one_row is not None:  # a lookup bet: its tokens at plain's cost
-            self._lookup_net_s += step.emitted * one_row - sec_all
+        if step.budget == 0 and step.size > 1:
+            self._lookup_bets += 1
         self._answer_s += sec_all
         if explored:
             best = max((r for a in self.arms if a != step.budget and (r := self.rate(a)) is not None), default=None)

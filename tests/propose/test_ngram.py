@@ -453,10 +453,10 @@ def test_trimming_keeps_the_lookup_nodes_boundary():
     assert only_draft.tree.size == 4 and only_draft.merged_at == 0
 
 
-def test_a_plain_steps_lookup_bet_is_bounded_by_what_the_answer_may_lose():
-    """A plain step's lookup bet is priced by the acceptance lookup measured on earlier texts, which a new text may
-    not share: at its worst (the target takes none of its nodes) it may add no more seconds to the step than the
-    answer's loss share; the bets that hit widen the next one by what they gained."""
+def test_a_texts_first_lookup_bet_is_bounded_by_what_the_answer_may_lose():
+    """A text's first lookup bet on a plain step is priced by the acceptance lookup measured on earlier texts, which
+    a new text may not share: at its worst (the target takes none of its nodes) it may add no more seconds to the
+    step than the answer's loss share. The bets after it are priced by what the text's own bets measured."""
     from specexec.decoding.budget import LOSS_SHARE, VerifyCosts
 
     v = VerifyCosts({1: 0.05, 2: 0.06, 4: 0.08, 8: 0.14, 16: 0.27, 32: 0.41, 64: 0.6})
@@ -473,7 +473,7 @@ def test_a_plain_steps_lookup_bet_is_bounded_by_what_the_answer_may_lose():
     hit = StepInfo(budget=0, tree_logp=(), emitted=kept + 1, draft_s=0.0, target_s=v.at(kept + 1), passes=0)
     p.update(replace(hit, size=kept + 1))
     assert p.choose(left=64 - kept - 1) == 0
-    assert _trimmed(p, logps).tree.size - 1 > kept, "the bet hit: the next may be bigger"
+    assert _trimmed(p, logps).tree.size - 1 > kept, "the text's own bet measured: the next is not capped"
 
 
 def test_verify_costs_learn_and_never_decrease_with_size():
