@@ -400,7 +400,9 @@ class AdaptiveBudget:
     - what an answer's tries and explorations lost (their seconds beyond what the best arm would have taken for
       their tokens, and a draft's catch-up before them) is kept under :data:`LOSS_SHARE` of the answer's expected
       time at plain decoding's rate, each counted at its worst before it runs;
-    - a new text (:meth:`new_text`) forgets what the arms yielded on the texts before, keeping what they cost;
+    - a new text (:meth:`new_text`) forgets what the arms yielded on the texts before; an arm's first step on it
+      sets its step seconds (a plain step's depend on the text, through prompt lookup's trie), and plain
+      decoding is rated no lower than a one-row verification;
     - a draft that lags (the prompt it has not read: its prefill waits for its first proposal; the tokens of steps
       without it) catches up before its proposal, at the cost its pass seconds by rows give (``draft``: measured
       once at start, corrected by every catch-up): a draft arm that leads is chosen only if it still leads with that
@@ -509,8 +511,9 @@ class AdaptiveBudget:
         return catch_up_s(lag, lambda rows: draft.at(rows) or 0.0)
 
     def new_text(self) -> None:
-        """A new generation (another prompt, the next chat turn) starts. What an arm costs stays (its step seconds,
-        the pass and verification curves); what it yields depends on the text, so every arm's tokens per step and
+        """A new generation (another prompt, the next chat turn) starts. The pass and verification curves stay, and
+        an arm's step seconds price its worst step until its first step here replaces them (a plain step costs what
+        the text's lookup trie makes it); what it yields depends on the text, so every arm's tokens per step and
         the chains' and heads' acceptance are forgotten: the text starts at plain decoding and each other arm is
         tried again within this answer's :data:`LOSS_SHARE` (an arm that led on a code answer may never hit on the
         next prompt, and a text that repeats its context gives plain steps many n-gram tokens where the last text
