@@ -112,12 +112,13 @@ def sse_chat(srv: LiveServer, messages: list[dict[str, str]] = HI, **kw: Any) ->
 
 
 def test_default_server_speculates(live):
-    """The premise: the server under test runs the default speculative method with the automatic budget."""
+    """The premise: the server under test runs the default speculative method with the automatic budget. (Whether
+    a step drafts is the CPU policy's choice by measured time, so tokens per step are not asserted: a run where plain
+    steps measured faster takes one token a step.)"""
     r = chat(live, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == N
     e = ext(r)
     assert e["method"] == "specexec" and e["budget_auto"] is True
-    assert e["tokens_per_step"] > 1  # speculation accepted draft tokens (not one token per step)
 
 
 def test_chat_greedy_repeats_exactly(live):
