@@ -576,7 +576,7 @@ class AdaptiveBudget:
         the answer's expected time (its seconds so far and ``left`` tokens at plain decoding's rate ``plain``). Its
         worst: a draft arm's catch-up (``switch``), and a step (its measured seconds, else the cost curves'
         estimate) that emits one token where plain decoding would have taken that token's seconds."""
-        horizon = self._answer_s + (left / plain if left and plain else 0.0)
+        horizon = self._horizon(left, plain)
         cost = switch if arm_kind(arm) in DRAFT_KINDS else 0.0
         step = self._stats[arm].seconds or self._step_estimate(arm)  # measured on this text or an earlier one
         if arm != 0 and step and plain:
@@ -670,14 +670,16 @@ class AdaptiveBudget:
     def _lookup_cap(self) -> float:
         """The most seconds a text's first prompt-lookup bet on a plain step may add to its one-row verification:
         this answer's :data:`LOSS_SHARE`, less what its tries lost. That bet is priced by the acceptance lookup
-        measured on earlier texts, which a new text may not share (a 32-row trie that emitted 2 tokens cost 312 ms,
-        7% of the answer); the bets after it are priced by what the text's own bets measured, and are not capped.
+        measured on earlier texts, which a new text may not share (a deep trie that misses costs several plain
+        steps); the bets after it are priced by what the text's own bets measured, and are not capped.
         Unbounded for the steps of other arms (their tries have a share of their own)."""
         if self._current != 0 or self._lookup_bets:
             return math.inf
-        plain = self._plain_rate()
-        horizon = self._answer_s + (self._left / plain if self._left and plain else 0.0)
-        return max(LOSS_SHARE * horizon - self._answer_lost_s, 0.0)
+        return max(LOSS_SHARE * self._horizon(self._left, self._plain_rate()) - self._answer_lost_s, 0.0)
+
+    def _horizon(self, left: int | None, plain: float | None) -> float:
+        """This answer's expected seconds: its seconds so far and ``left`` tokens at plain decoding's rate."""
+        return self._answer_s + (left / plain if left and plain else 0.0)
 
     def update(self, step: StepInfo) -> None:
         # a lagging draft's catch-up is a cost of the steps before (and of the prompt): not of this arm's step, but
