@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -63,3 +64,12 @@ def writable_dir(path: Path, what: str) -> Path:
             f"(--cache-dir DIR, or the {HOME_ENV} environment variable)"
         ) from None
     return path
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file renamed over it: a reader, or another process
+    writing at the same time, never sees half a file. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)

@@ -30,7 +30,7 @@ from specexec.decoding.budget import BudgetPolicy, arm_json, arm_label
 from specexec.decoding.constraint import GrammarState, TokenLogprob, mask_rows
 from specexec.decoding.tree import Tree
 from specexec.decoding.verify import commit_target, score_tree
-from specexec.model.kv_cache import KVCache
+from specexec.model.kv_cache import KVCache, common_prefix
 from specexec.model.transformer import Transformer
 from specexec.propose.base import Proposal, Proposer, StepContext
 
@@ -131,15 +131,6 @@ class Cancelled(Exception):
 OnStep = Callable[[StepInfo], bool | None]  # an on_step hook: False (or Cancelled) cancels
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class TargetState:
     """The committed sequence and the target model's KV cache."""
 
@@ -159,13 +150,13 @@ class TargetState:
 
     def adopt(self, ids: list[int]) -> None:
         """Make ``ids`` the committed sequence, keeping the cached common prefix (excluding the pending token)."""
-        self.t_len = _lcp(self.seq[: self.t_len], ids[:-1])
+        self.t_len = common_prefix(self.seq[: self.t_len], ids[:-1])
         self.seq = list(ids)
 
     def held(self, seq: list[int]) -> int:
         """How many leading tokens of ``seq[:-1]`` the target cache holds (a shared-prefix draft copies them)."""
         k = min(self.t_len, len(seq) - 1)
-        return k if self.seq[:k] == seq[:k] else _lcp(self.seq[:k], seq[:k])
+        return k if self.seq[:k] == seq[:k] else common_prefix(self.seq[:k], seq[:k])
 
     def prefill(self) -> int:
         """Process the committed tokens the target cache lacks (all but the pending one). Returns how many."""

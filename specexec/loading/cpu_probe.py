@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from specexec.formats.dense import ORIENT_MAX_ROWS, linear, set_cpu_orientation, set_cpu_transposed
+from specexec.home import write_json
 from specexec.model.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -114,10 +114,7 @@ def _write_cache(result: ProbeResult | OrientResult | FormatProbe) -> None:
     data = _read_cache()
     data[result.key] = asdict(result)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, data)
     except OSError as e:  # a read-only cache costs a re-probe next start, nothing else
         log.warning("could not save the CPU dtype probe to %s: %s", path, e)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor
 
 from specexec.formats.dense import Tiling, tiled_linear
+from specexec.home import write_json
 from specexec.model.attention import blocked, plan_keys
 from specexec.model.transformer import ModelConfig, Transformer
 
@@ -294,10 +294,7 @@ def _write(choice: Choice, home: Path | None = None) -> None:
     data = _read(home)
     data[choice.key] = asdict(choice)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, data)
     except OSError as e:  # a read-only cache costs a re-check next start, nothing else
         log.warning("could not save the invariance check to %s: %s", path, e)
 

@@ -12,6 +12,16 @@ import torch
 from torch import Tensor
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: the cached positions of one that the other can keep."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVCache:
     """Keys/values for every layer. ``length`` is the number of committed (prefix) slots."""
 

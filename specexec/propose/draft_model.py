@@ -29,7 +29,7 @@ from torch import Tensor
 
 from specexec.decoding.costs import CATCH_UP_ROWS
 from specexec.model.graphs import StaticPasses
-from specexec.model.kv_cache import KVCache
+from specexec.model.kv_cache import KVCache, common_prefix
 from specexec.model.transformer import Transformer
 from specexec.propose.captured import LevelSpace
 
@@ -57,15 +57,6 @@ def limit_draft(model: Transformer, excluded: Tensor) -> Transformer:
         return model
     same = {f.name: getattr(model, f.name) for f in fields(model) if f.init and f.name != "excluded"}
     return LimitedDraft(**same, excluded=excluded.to(model.device, torch.long))
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TargetPrefix:
@@ -178,7 +169,7 @@ class DraftModel:
             return 0
         m = len(self._tokens)
         if m > len(seq) - 1 or seq[:m] != self._tokens:
-            m = _lcp(self._tokens, seq[:-1])
+            m = common_prefix(self._tokens, seq[:-1])
         return len(seq) - 1 - m
 
     def reset(self) -> None:
@@ -186,7 +177,7 @@ class DraftModel:
 
     def keep_prefix(self, seq: list[int]) -> None:
         """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
-        keep = _lcp(self._tokens, seq[:-1])
+        keep = common_prefix(self._tokens, seq[:-1])
         if keep < len(self._tokens):
             del self._tokens[keep:]
 
