@@ -111,7 +111,7 @@ def sse_chat(srv: LiveServer, messages: list[dict[str, str]] = HI, **kw: Any) ->
 # ---------------------------------------------------------------------------------------------- greedy
 
 
-def test_default_server_speculates(live):
+def test_default_server_runs_the_automatic_speculative_method(live):
     """The premise: the server under test runs the default speculative method with the automatic budget. (Whether
     a step drafts is the CPU policy's choice by measured time, so tokens per step are not asserted: a run where plain
     steps measured faster takes one token a step.)"""
