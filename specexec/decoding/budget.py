@@ -357,11 +357,16 @@ class _Arm:
 MAX_WAIT = 128  # the most steps between two explorations of an arm that keeps losing
 CHAIN_MODEL_WEIGHT = 3.0  # a chain arm's rate: its own measurement weighs n / (n + this) against the chain model
 CHAIN_DECAY = 0.95  # per chain step, the weight the chain model's older counts keep
+HEADS_CARRY = 4.0  # what the heads measured on earlier texts weighs in a new text's, in head steps
 SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as if by this many steps of it
 # a drafting arm leads only when its measured rate beats plain decoding's by this share: step times on a shared
 # CPU jitter by some percent, and a tie lost to that noise costs every step after it (the draft's passes, the
 # bigger verification), while a tie kept at plain decoding costs nothing
 TIE_MARGIN = 0.1
+# the same for a head tree: its lead costs no draft pass and no catch-up, only a step's extra rows until its next
+# measurement corrects the rate, so a smaller margin keeps the heads' smaller gains (one guess accepted four
+# times in ten: some 15% over plain steps where a second row costs a fifth of a first)
+HEADS_TIE_MARGIN = 0.03
 # what the tries and explorations of an answer may lose against the best measured arm (a draft's catch-up on the
 # prompt and the steps it sat out included), as a share of the answer's expected time at plain decoding's rate:
 # the most the policy may lose to plain decoding on an answer (>= 0.95x)
@@ -371,6 +376,19 @@ LOSS_SHARE = 0.05
 # before head runs; and where the draft is cheap its trees beat head trees: simulated, heads first lost there)
 TRY_ORDER = ("plain", "chain", "tree", "heads")
 DRAFT_KINDS = ("chain", "tree")  # the arms that run the draft model
+# the arms whose steps bet on prompt lookup's trie with no draft pass (a plain step verifies it alone, a head tree
+# has it merged in): a text's first such bet is capped (:meth:`AdaptiveBudget._lookup_cap`)
+LOOKUP_KINDS = ("plain", "heads")
+
+
+def _own_nodes(arm: int) -> int:
+    """The nodes a plain step (0) or a head tree proposes of its own, prompt lookup's merged nodes aside."""
+    return arm - HEADS_ARM if arm_kind(arm) == "heads" else 0
+
+
+def _margin(arm: int) -> float:
+    """By how much an arm's rate must beat plain decoding's for it to lead (:data:`TIE_MARGIN`)."""
+    return HEADS_TIE_MARGIN if arm_kind(arm) == "heads" else TIE_MARGIN
 
 
 @dataclass
@@ -390,7 +408,7 @@ class AdaptiveBudget:
     So that it never decodes much slower than plain decoding, whatever the machine's costs and the text:
 
     - it starts at arm 0 (no draft), the one that cannot lose, and keeps it unless a drafting arm measures clearly
-      faster (:data:`TIE_MARGIN`);
+      faster (:data:`TIE_MARGIN`; a head tree by :data:`HEADS_TIE_MARGIN`);
     - chain arms not yet tried are rated by a model of the chains tried so far: the acceptance rate per drafted
       token they measured, the draft pass's measured seconds and the verification cost curve give every chain
       length's expected tokens/s, so one measured chain ranks all the others (and a text the draft cannot predict
@@ -421,7 +439,7 @@ class AdaptiveBudget:
     _lag: int = 0  # the draft's lag when the current step was chosen
     _answer_s: float = 0.0  # this generation's seconds so far (catch-ups included)
     _answer_lost_s: float = 0.0  # what this generation's explorations and first tries lost
-    _lookup_bets: int = 0  # this generation's plain steps that verified prompt lookup's nodes
+    _lookup_bets: int = 0  # this generation's plain steps and head trees that verified prompt lookup's nodes
     _left: int | None = None  # the tokens the current step's answer has left
     _rate: float | None = None  # EMA of measured tokens/s over all steps: the value of a second
     _exploring: bool = False  # this step tries an arm other than the best measured one
@@ -514,16 +532,23 @@ class AdaptiveBudget:
         """A new generation (another prompt, the next chat turn) starts. The pass and verification curves stay, and
         an arm's step seconds price its worst step until its first step here replaces them (a plain step costs what
         the text's lookup trie makes it); what it yields depends on the text, so every arm's tokens per step and
-        the chains' and heads' acceptance are forgotten: the text starts at plain decoding and each other arm is
-        tried again within this answer's :data:`LOSS_SHARE` (an arm that led on a code answer may never hit on the
-        next prompt, and a text that repeats its context gives plain steps many n-gram tokens where the last text
-        gave none)."""
+        the chains' acceptance are forgotten, and the heads' acceptance weighs no more than :data:`HEADS_CARRY`
+        steps: the text starts at plain decoding and each other arm is tried again within this answer's
+        :data:`LOSS_SHARE` (an arm that led on a code answer may never hit on the next prompt, and a text that
+        repeats its context gives plain steps many n-gram tokens where the last text gave none)."""
         self._answer_s = self._answer_lost_s = 0.0
         self._lookup_bets = 0
         for s in self._stats.values():
             s.tokens, s.n, s.wait = 0.0, 0, 0
         self._chain_accepted = self._chain_rejected = self._chain_passes = self._chain_draft_s = 0.0
-        self._heads_accepted = self._heads_rejected = self._heads_steps = self._heads_s = 0.0
+        # the heads' acceptance is mostly their own (how well they learnt this target), the text's only in part:
+        # the earlier texts' counts carry over, worth at most HEADS_CARRY steps, so a new text's first head step
+        # is chosen by what the heads measured (one lucky or unlucky first guess decided it otherwise)
+        scale = min(1.0, HEADS_CARRY / self._heads_steps) if self._heads_steps else 0.0
+        self._heads_accepted *= scale
+        self._heads_rejected *= scale
+        self._heads_steps *= scale
+        self._heads_s *= scale
 
     def choose(self, left: int | None = None, lag: int = 0) -> int:
         self._step += 1
@@ -538,9 +563,9 @@ class AdaptiveBudget:
         if not known:
             best = 0 if 0 in self.arms else self.arms[0]
         else:
-            best = max(known, key=lambda a: known[a])
-            if best != 0 and 0 in known and known[best] < (1 + TIE_MARGIN) * known[0]:
-                best = 0
+            plain = known.get(0)
+            lead = {a: r for a, r in known.items() if a == 0 or plain is None or r >= (1 + _margin(a)) * plain}
+            best = max(lead, key=lambda a: lead[a])
         if self._stats[best].n == 0 and not self._affords(best, switch, left, rated.get(0)):
             # rated by the model alone, and its worst step would overdraw this answer's share: the best arm measured
             ran = {a: r for a, r in known.items() if self._stats[a].n}
@@ -668,14 +693,19 @@ class AdaptiveBudget:
         return Trim(self._rate, self.verify.curve, self.costs.acc_scale, self._lookup_cap())
 
     def _lookup_cap(self) -> float:
-        """The most seconds a text's first prompt-lookup bet on a plain step may add to its one-row verification:
-        this answer's :data:`LOSS_SHARE`, less what its tries lost. That bet is priced by the acceptance lookup
-        measured on earlier texts, which a new text may not share (a deep trie that misses costs several plain
-        steps); the bets after it are priced by what the text's own bets measured, and are not capped.
-        Unbounded for the steps of other arms (their tries have a share of their own)."""
-        if self._current != 0 or self._lookup_bets:
+        """The most seconds a text's first prompt-lookup bet may add to a plain step's one-row verification (to a
+        head tree's own rows, where it is merged in): this answer's :data:`LOSS_SHARE`, less what its tries lost.
+        That bet is priced by the acceptance lookup measured on earlier texts, which a new text may not share (a
+        deep trie that misses costs several plain steps); the bets after it are priced by what the text's own
+        bets measured, and are not capped. Unbounded for the steps of other arms (their tries have a share of
+        their own)."""
+        if self._current is None or arm_kind(self._current) not in LOOKUP_KINDS or self._lookup_bets:
             return math.inf
-        return max(LOSS_SHARE * self._horizon(self._left, self._plain_rate()) - self._answer_lost_s, 0.0)
+        own = 0.0
+        if _own_nodes(self._current):
+            rows, one = self.verify.at(_own_nodes(self._current) + 1), self.verify.at(1)
+            own = max(rows - one, 0.0) if rows is not None and one is not None else 0.0
+        return own + max(LOSS_SHARE * self._horizon(self._left, self._plain_rate()) - self._answer_lost_s, 0.0)
 
     def _horizon(self, left: int | None, plain: float | None) -> float:
         """This answer's expected seconds: its seconds so far and ``left`` tokens at plain decoding's rate."""
@@ -708,7 +738,7 @@ class AdaptiveBudget:
             self._chain_draft_s = d * self._chain_draft_s + draft_s
         explored = self._exploring and step.budget == self._current
         sec_all = draft_s + step.target_s
-        if step.budget == 0 and step.size > 1:
+        if arm_kind(step.budget) in LOOKUP_KINDS and step.size > 1 + _own_nodes(step.budget):  # lookup's nodes too
             self._lookup_bets += 1
         self._answer_s += sec_all
         if explored:

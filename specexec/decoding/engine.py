@@ -440,7 +440,7 @@ class Engine:
         tree, chain = self._capped(tree or TreeConfig()), chain or ChainConfig()
         if method == "ngram":
             ngram = ngram or NGramConfig()
-        elif method == "specexec" and ngram is None:
+        elif method in ("specexec", "heads") and ngram is None:
             ngram = default_ngram(tree, self.target.device)
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
@@ -518,8 +518,9 @@ class Engine:
         if method == "heads":
             assert self.heads is not None
             g = self.target.globals
-            heads = HeadsDraft(self.heads, g.lm_head, g.embed, dev)
-            if tree.auto:  # measured choice between plain AR (0) and head trees of a few sizes
+            lookup = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
+            heads = HeadsDraft(self.heads, g.lm_head, g.embed, dev, lookup)
+            if tree.auto:  # measured choice between plain AR or prompt lookup's trie (0) and head trees of a few sizes
                 arms = tuple(HEADS_ARM + b if b else 0 for b in HEAD_ARMS if b <= tree.max_budget)
                 stats.budget_auto = True
                 return heads, self._adaptive_policy(learnt, arms, tree, stats)

@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from specexec.decoding.tree import Tree
 from specexec.errors import SpecexecError
 from specexec.formats.dense import linear
 from specexec.propose.base import Proposal, StepContext
+from specexec.propose.ngram import NGramDraft
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +179,19 @@ def find_heads(model_dir: Path, home: Path | None = None) -> Path | None:
 
 
 class HeadsDraft:
-    """Proposals from :class:`Heads` on the last accepted node's hidden state (``ctx.budget`` nodes; 0: none)."""
+    """Proposals from :class:`Heads` on the last accepted node's hidden state (``ctx.budget`` nodes).
+
+    With an :class:`~specexec.propose.ngram.NGramDraft` attached, a step of no heads (budget 0) verifies prompt
+    lookup's trie alone (the root alone where nothing matches: a plain step), and the lookup's continuations are
+    merged into every head tree as extra branches, as a draft model's trees get them."""
 
     name = "heads"
     wants_hidden = True  # the decode loop hands :meth:`commit` the accepted node's final hidden state
 
-    def __init__(self, heads: Heads, lm_head: Any, embed: Any, device: torch.device) -> None:
+    def __init__(
+        self, heads: Heads, lm_head: Any, embed: Any, device: torch.device, ngram: NGramDraft | None = None
+    ) -> None:
+        self.ngram = ngram
         a, g, b, c, ids = (t.to(device) for t in (heads.a, heads.g, heads.b, heads.c, heads.ids))
         self.heads = Heads(a, g, b, c, ids, heads.meta)
         self.device = device
@@ -199,6 +207,8 @@ class HeadsDraft:
 
     def begin(self, seq: list[int]) -> None:
         self._hidden = None  # the first step verifies the root alone; its pass gives the hidden state
+        if self.ngram is not None:
+            self.ngram.begin(seq)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """The target's input embeddings of ``tokens`` (n, D)."""
@@ -220,10 +230,10 @@ class HeadsDraft:
         lp, idx = logp.topk(min(top, logp.shape[-1]), dim=-1)
         return s, self._ids[idx], lp
 
-    def grow(self, seq: list[int], budget: int) -> Tree:
+    def grow(self, seq: list[int], budget: int, room: int = 0) -> Tree:
         """The tree of the ``budget`` most probable head paths below the pending token ``seq[-1]`` (the root alone
-        before the first verify pass has given a hidden state)."""
-        tree = Tree(seq[-1], budget + 1, self.device)
+        before the first verify pass has given a hidden state), with ``room`` for nodes merged into it after."""
+        tree = Tree(seq[-1], budget + 1 + room, self.device)
         if budget > 0 and self._hidden is not None:
             parents, toks, depths, scores = self.paths(self._hidden, seq[-1], budget)
             if parents:
@@ -232,7 +242,16 @@ class HeadsDraft:
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         b = ctx.budget - HEADS_ARM if ctx.budget >= HEADS_ARM else max(ctx.budget, 0)  # a policy's arm, or a size
-        prop = Proposal(self.grow(seq, b), budget=ctx.budget, source=self.name)
+        if b == 0 and self.ngram is not None:  # no heads this step: prompt lookup's trie alone
+            prop = self.ngram.propose(seq, replace(ctx, budget=self.ngram.max_nodes()))
+            prop.budget = ctx.budget
+            return prop
+        ngram = self.ngram  # a head tree, with prompt lookup's continuations merged into it
+        tree = self.grow(seq, b, ngram.max_nodes() if ngram is not None else 0)
+        merged_at = tree.size
+        if ngram is None or not ngram.merge_into(tree, seq):
+            merged_at = 0
+        prop = Proposal(tree, budget=ctx.budget, source=self.name, merged_at=merged_at)
         prop.trim(ctx.trim)
         return prop
 
@@ -275,6 +294,8 @@ class HeadsDraft:
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         self._hidden = getattr(proposal, "hidden", None)
+        if self.ngram is not None:
+            self.ngram.commit(proposal, path, seq)
 
 
 # ---------------------------------------------------------------------------------------------- training

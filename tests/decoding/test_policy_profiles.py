@@ -157,14 +157,18 @@ def _answer(
     return tokens, seconds
 
 
-@pytest.mark.parametrize("heads", [False, True], ids=["draft", "heads"])
+DRAFT_ARM_SET = (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)  # the default: plain decoding, chains and trees
+ARM_SETS = {"draft": DRAFT_ARM_SET, "heads": HEAD_ARM_SET}
+
+
+@pytest.mark.parametrize("arm_set", list(ARM_SETS))
 @pytest.mark.parametrize("jitter", [0.0, JITTER], ids=["steady", "jittery"])
 @pytest.mark.parametrize("text", list(TEXTS))
 @pytest.mark.parametrize("profile", list(PROFILES))
-def test_the_policy_never_loses_to_plain_decoding_and_finds_the_best_arm(profile, text, jitter, heads):
+def test_the_policy_never_loses_to_plain_decoding_and_finds_the_best_arm(profile, text, jitter, arm_set):
     target, draft = (_curve(c) for c in PROFILES[profile])
     alpha = TEXTS[text]
-    arms = HEAD_ARM_SET if heads else (0, *(-g for g in CPU_CHAINS), *CPU_ARMS)
+    arms = ARM_SETS[arm_set]
     # the best arm it may try: a draft whose catch-up on the prompt alone could cost more than the answer's share
     # a try may lose (the policy cannot know the draft's acceptance before trying it) is not a fair benchmark
     plain_s = ANSWER * target[1]
@@ -334,3 +338,21 @@ def test_a_missed_lookup_bet_does_not_make_plain_decoding_look_slow(profile):
         tokens, seconds = _answer(policy, TEXTS["prose"], target, draft, random.Random(seed), [1.0] * 62, 60, 62)
         ratios.append(tokens * target[1] / seconds)
     assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_what_the_heads_measured_carries_into_the_next_text(profile):
+    """The heads' acceptance is mostly their own: a new text's head trees are rated from the start by what the
+    heads measured on the texts before (not left to the luck of a first guess), with a few steps' weight, so a
+    text where they never hit, after texts where they led, still decodes no slower than plain decoding."""
+    target, draft = (_curve(c) for c in PROFILES[profile])
+    policy = AdaptiveBudget(HEAD_ARM_SET, verify=VerifyCosts(dict(target)), heads_depth=3)
+    assert policy.rate(HEADS_ARM + 1) is None  # nothing measured yet
+    ratios = []
+    for i, text in enumerate(("code", "code", "hopeless", "code", "hopeless", "hopeless")):
+        if i:
+            policy.new_text()
+            assert policy.rate(HEADS_ARM + 1) is not None
+        tokens, seconds = _answer(policy, TEXTS[text], target, draft, random.Random(i), [1.0] * 64, 0, 64)
+        ratios.append(round(tokens * target[1] / seconds, 3))
+    assert min(ratios) >= 0.95, (profile, ratios)

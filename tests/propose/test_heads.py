@@ -159,6 +159,23 @@ def test_sampled_heads_follow_the_seeded_ar_draws(engines):
         assert e.generate(PROMPTS[0], 24, method="heads", tree=TreeConfig.fixed(8), sampling_cfg=cfg).tokens == ref
 
 
+def test_heads_merge_prompt_lookup_and_stay_exact(engines):
+    """``--draft heads`` merges prompt lookup's continuations into its head trees (and verifies the lookup's trie
+    alone on its steps without heads): on a prompt that repeats itself, a head tree of 2 verifies more rows than
+    its own 3, and the output is plain greedy decoding's."""
+    e = engines["dense"]
+    prompt = " ".join(["t20 t21 t22 t23 t24 t25 t26 t27"] * 4)
+    e.reset()
+    ref = e.generate(prompt, 40, method="ar").tokens
+    for tree in (TreeConfig(budget=2, ngram=8), TreeConfig(auto=True)):
+        e.reset()
+        steps: list = []
+        r = e.generate(prompt, 40, method="heads", tree=tree, on_step=steps.append)
+        assert r.tokens == ref
+        if not tree.auto:
+            assert max(s.size for s in steps) > 3, [s.size for s in steps]
+
+
 def test_heads_for_another_target_are_not_found(tmp_path, trained):
     _, home, *_ = trained
     other = make_tiny(tmp_path / "other", "llama", seed=6)
