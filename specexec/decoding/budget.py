@@ -365,7 +365,7 @@ SHRINK_STEPS = 2.0  # a drafting arm's rate is pulled toward plain decoding's as
 TIE_MARGIN = 0.1
 # the same for a head tree: its lead costs no draft pass and no catch-up, only a step's extra rows until its next
 # measurement corrects the rate, so a smaller margin keeps the heads' smaller gains (one guess accepted four
-# times in ten: some 15% over plain steps where a second row costs a fifth of a first)
+# times in ten: some 10% over plain steps where a second row costs a quarter of a first)
 HEADS_TIE_MARGIN = 0.03
 # what the tries and explorations of an answer may lose against the best measured arm (a draft's catch-up on the
 # prompt and the steps it sat out included), as a share of the answer's expected time at plain decoding's rate:

@@ -108,6 +108,7 @@ def test_heads_greedy_equals_ar(engines, weights):
             dict(),
             dict(method="heads", tree=TreeConfig.fixed(8)),
             dict(method="heads", tree=TreeConfig.fixed(1)),
+            dict(method="heads", tree=TreeConfig(budget=4, ngram=16)),
         ):
             e.reset()
             r = e.generate(p, 40, **kw)
@@ -155,8 +156,9 @@ def test_sampled_heads_follow_the_seeded_ar_draws(engines):
         cfg = SamplingConfig(temperature=0.9, seed=s)
         e.reset()
         ref = e.generate(PROMPTS[0], 24, method="ar", sampling_cfg=cfg).tokens
-        e.reset()
-        assert e.generate(PROMPTS[0], 24, method="heads", tree=TreeConfig.fixed(8), sampling_cfg=cfg).tokens == ref
+        for tree in (TreeConfig.fixed(8), TreeConfig(budget=2, ngram=8)):  # the latter with lookup merged in
+            e.reset()
+            assert e.generate(PROMPTS[0], 24, method="heads", tree=tree, sampling_cfg=cfg).tokens == ref
 
 
 def test_heads_merge_prompt_lookup_and_stay_exact(engines):
