@@ -4,18 +4,18 @@ A target pass is shape-invariant when every row's logits are bit-identical whate
 one-token step, a tree of any size and shape (at any row), a prefill. Then greedy speculative decoding emits
 exactly the tokens of plain greedy decoding in the same dtype, and a request gives the same text every time.
 
-Matrix libraries choose kernels by shape (a one-row product is often a matrix-vector kernel; a few rows a
-different micro-kernel; the rows past the last whole micro-tile an edge kernel), and kernels that block the
-reduction differently round differently. Which row counts share a kernel differs between CPUs, libraries,
-builds and GPUs, so nothing here is assumed: for the model's own layer and head shapes, in its dtype, on its
-device, :func:`choose` tries row tiles (:class:`~specexec.formats.dense.Tiling`) from the smallest up and keeps
-the first tile under which a probe row gives the same bits at every pass size and place it checks (1 row to
-``max_rows``): ``F.linear``'s when it has one, else ``w @ x.T``'s (on a CPU; that orientation has passed random
-probe weights and then failed real ones, so it is never chosen for speed alone); then the smallest row tile for
-the attention's products (fp32 whatever the model's dtype) under which a probe query agrees across one-token,
-prefill and tree layouts. When
-nothing passes (no tiling makes this machine's kernels agree), the target runs its fastest kernels and a
-warning says that greedy speculation may then differ from plain decoding at near-ties.
+Matrix libraries choose kernels by shape (a one-row product is often a matrix-vector kernel; a few rows a different
+micro-kernel; the rows past the last whole micro-tile an edge kernel), and kernels that block the reduction
+differently round differently. Which row counts share a kernel differs between CPUs, libraries, builds and GPUs, so
+nothing here is assumed: for the model's own layer and head shapes, in its dtype, on its device, :func:`choose`
+tries row tiles (:class:`~specexec.formats.dense.Tiling`) from the smallest up and keeps the first tile under which
+probe rows get the bits they get alone at every pass size and place it checks (1 row to ``max_rows``; up to
+:data:`PROBES` different rows a pass): ``F.linear``'s when it has one, else ``w @ x.T``'s (on a CPU; that
+orientation has passed random probe weights and then failed real ones, so it is never chosen for speed alone); then
+the smallest row tile for the attention's products (fp32 whatever the model's dtype) under which a probe query
+agrees across one-token, prefill and tree layouts. When nothing passes (no tiling makes this machine's kernels
+agree), the target runs its fastest kernels and a warning says that greedy speculation may then differ from plain
+decoding at near-ties.
 
 Results are cached in ``<cache home>/invariance.json`` keyed by the device, torch version, thread count, dtype
 and shapes, and kept for the process; models too small to matter (tests' tiny models) are checked once a process
@@ -51,6 +51,7 @@ CPU_MAX_ROWS = 256  # the largest pass checked on a CPU (bigger ones run as pass
 CUDA_MAX_ROWS = 4096
 MULTIPLES = (1, 2, 3, 5, 8, 16, 33, 64)  # pass sizes checked, in tiles (and 1 row, and max_rows)
 MIN_CACHED_PARAMS = 1 << 20  # smaller models are checked every time, not cached
+PROBES = 16  # different probe rows a checked pass holds (see linear_invariant)
 
 
 @dataclass(frozen=True)
@@ -94,20 +95,27 @@ def linear_invariant(
     tiling: Tiling,
     weight: Callable[[Tensor], Any] = lambda w: w,
 ) -> bool:
-    """Does every checked pass size give a probe row (at its first, middle and last row) the same bits?
-    ``weight``: wraps each random weight (a quantized format's object, or a test's kernel)."""
+    """Does every checked pass size give each probe row, wherever it sits in the pass, the bits it gets alone?
+    ``weight``: wraps each random weight (a quantized format's object, or a test's kernel).
+
+    Kernels that sum a dot product in another order give another fp32 sum, but a 16-bit output differs only
+    where that sum lands near a rounding boundary: one element in hundreds. So a pass holds up to :data:`PROBES`
+    different probe rows, spread over it (first, last and between), each checked against its own one-row result:
+    one probe row of a narrow layer can agree by chance (a 320-wide product in bf16 differed in one element of
+    one row of 40, on a CPU without bf16 instructions)."""
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in shapes:
         w = weight((torch.rand(out_f, in_f, generator=gen) - 0.5).mul_(2 / in_f**0.5).to(device, dtype))
         x = torch.randn(tiling.max_rows, in_f, generator=gen).to(device, dtype)
-        probe = x[0].clone()
-        ref = tiled_linear(probe[None], w, tiling)[0]
+        probes = torch.randn(PROBES, in_f, generator=gen).to(device, dtype)
+        refs = [tiled_linear(p[None], w, tiling)[0] for p in probes]
         for n in _sizes(tiling):
             rows = x[:n].clone()
-            at = sorted({0, n // 2, n - 1})
-            rows[at] = probe
+            k = min(n, PROBES)
+            at = [0] if k == 1 else sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
+            rows[at] = probes[: len(at)]
             y = tiled_linear(rows, w, tiling)
-            if any(not torch.equal(y[i], ref) for i in at):
+            if any(not torch.equal(y[i], refs[j]) for j, i in enumerate(at)):
                 return False
         del w, x
     return True
@@ -262,7 +270,7 @@ def find(
     return replace(found, attn_rows=attn), {}, ""
 
 
-CHECK_VERSION = 5  # bumped when what the check covers changes: older cached choices are checked again
+CHECK_VERSION = 6  # bumped when what the check covers changes: older cached choices are checked again
 
 
 def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fmt: str = "dense") -> str:
