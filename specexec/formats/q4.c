@@ -27,11 +27,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define WIDE 1 /* super-blocks of 4 or 8 sub-blocks run 64 bytes of nibbles at a time (wide_rows) */
 #endif
 
 #define QK 32
+#define OT 16 /* weight rows a thread takes past every group of rows before the next ones */
 #define PF 2048 /* bytes of a weight row prefetched ahead: one row's stream alone does not keep DRAM busy */
 
 /* Where sub-block j of a super-block sits in a quantized activation row: in the wide layout every 4 sub-blocks
@@ -103,6 +104,23 @@ static inline __m128i totals4x8(const __m256i *v) {
 }
 #endif
 #define WRT 8 /* the same for wide_rows */
+
+#ifdef WIDE
+/* lane r (r < 8): the sum of the 16 lanes of v[r] */
+static inline __m256i totals8x16(const __m512i *v) {
+    __m512i a[4], b[2];
+    for (int i = 0; i < 4; i++) /* per 128 bits: rows 2i, 2i + 1, 2i, 2i + 1 */
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128 bits: rows 4i .. 4i + 3 */
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    /* 128-bit parts: rows 0-3 twice, then rows 4-7 twice */
+    const __m512i c = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
+    const __m512i d = _mm512_add_epi32(c, _mm512_shuffle_i32x4(c, c, 0xb1));
+    return _mm256_set_m128i(_mm512_extracti32x4_epi32(d, 2), _mm512_castsi512_si128(d));
+}
+#endif
 
 #if defined(__AVX2__) || defined(WIDE)
 /* A super-block's header: the row's stream prefetched PF bytes ahead, its fp16 scale and minimum scale (d, dm),
@@ -196,8 +214,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *wr, in
    (dpwssd). The activations are in the wide layout (slot). */
 static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, int ns, int64_t nsb, int64_t k,
                                                             const int8_t *qa, const float *dx, int64_t rp,
-                                                            const int16_t *bs, const int R, float *res,
-                                                            int64_t stride) {
+                                                            const int16_t *bs, const int16_t *bw, const int R,
+                                                            float *res, int64_t stride) {
     const int64_t sb = (int64_t)QK * ns, nbs = k / QK, sbb = sb_bytes(ns);
     float acc1 = 0.f, macc1 = 0.f;
     __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
@@ -238,6 +256,18 @@ static inline __attribute__((always_inline)) void wide_rows(const uint8_t *wr, i
             const __m128i b = _mm_loadu_si128((const __m128i *)(bs + s * ns));
             acc1 += d * xd * (float)_mm512_reduce_add_epi32(isum[0]);
             macc1 += dm * xd * (float)hsum128(_mm_madd_epi16(mn, b));
+        } else if (R == WRT && bw) { /* 8 rows: their integers by a transposing sum, their imin from the
+                                       sub-block sums in pairs (bw: row r's sums 2p, 2p + 1 at pair p, r * 2) */
+            const __m256i it = totals8x16(isum);
+            int32_t mp[4];
+            _mm_storeu_si128((__m128i *)mp, mn);
+            __m256i mt = _mm256_setzero_si256();
+            for (int p = 0; p < ns / 2; p++)
+                mt = _mm256_dpwssd_epi32(mt, _mm256_loadu_si256((const __m256i *)(bw + (s * (ns / 2) + p) * 16)),
+                                         _mm256_set1_epi32(mp[p]));
+            const __m256 xd = _mm256_loadu_ps(dx + s * rp);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), xd), _mm256_cvtepi32_ps(it)));
+            macc = _mm256_add_ps(macc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(dm), xd), _mm256_cvtepi32_ps(mt)));
         } else { /* the rows' integers, then the float step for all of them at once (lane r: row r) */
             __m256i y[WRT];
             __m128i m[WRT];
@@ -389,6 +419,13 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     float *dx = (float *)calloc((size_t)(rp * nsb), sizeof(float));
     int16_t *bs = (int16_t *)calloc((size_t)(rows * nbs + 8), sizeof(int16_t)); /* read 8 sums at a time */
     if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
+    int16_t *bw = NULL; /* wide_rows' sub-block sums for whole groups of 8 rows: per group, super-block, pair */
+#ifdef WIDE
+    if (rows >= WRT && ns % 4 == 0) {
+        bw = (int16_t *)malloc((size_t)(rows / WRT * nsb * (ns / 2) * 16) * sizeof(int16_t));
+        if (!bw) { free(qa); free(dx); free(bs); return -1; }
+    }
+#endif
     int64_t tiled = 0; /* outputs [0, tiled) run on the tiles, in blocks of 16 */
 #ifdef TILES
     const int64_t nrb = (rows + 15) / 16, G = k / QK, np = (ns + 1) / 2;
@@ -405,6 +442,13 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) q8_row(x, r, k, ns, qa, dx, rp, bs);
+        if (bw) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows / WRT * WRT; r++)
+                for (int64_t s = 0; s < nsb; s++)
+                    for (int64_t j = 0; j < ns; j++)
+                        bw[((r / WRT * nsb + s) * (ns / 2) + j / 2) * 16 + r % WRT * 2 + j % 2] = bs[r * nbs + s * ns + j];
+        }
 #ifdef TILES
         if (tiled) {
             /* B tiles: for each 16 rows and 64 values (2 sub-blocks, in order), the values in groups of 4 (byte kk
@@ -436,32 +480,37 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
             free(ab);
         }
 #endif
-        #pragma omp for schedule(static)
-        for (int64_t o = tiled; o < n; o++) {
-            const uint8_t *wr = w + o * nsb * sbb;
-            for (int64_t r0 = 0; r0 < rows; r0 += RT) {
-                int rt = rows - r0 < RT ? (int)(rows - r0) : RT;
+        int64_t step = RT; /* rows a weight row's pass takes at once */
 #ifdef WIDE
-                if (ns % 4 == 0) rt = rows - r0 < WRT ? (int)(rows - r0) : WRT;
+        if (ns % 4 == 0) step = WRT;
 #endif
+        /* OT weight rows at a time against every group of rows: the tile stays in cache while the groups pass, and
+           each group's activations while the tile's rows pass (one weight row against all rows in turn streams all
+           activations once per weight row) */
+        #pragma omp for schedule(static)
+        for (int64_t ot = tiled; ot < n; ot += OT)
+        for (int64_t r0 = 0; r0 < rows; r0 += step) {
+            const int rt = rows - r0 < step ? (int)(rows - r0) : (int)step;
+            for (int64_t o = ot; o < n && o < ot + OT; o++) {
+                const uint8_t *wr = w + o * nsb * sbb;
 #ifdef __AVX2__
                 const int8_t *q = qa + r0 * k;
                 const float *d = dx + r0;
                 const int16_t *b = bs + r0 * nbs;
+                const int16_t *bwr = bw && r0 + WRT <= rows ? bw + r0 / WRT * nsb * (ns / 2) * 16 : NULL;
                 float *res = out + r0 * n + o;
 #ifdef WIDE
                 if (ns % 4 == 0) {
                     switch (rt) {
-                        case 1: wide_rows(wr, ns, nsb, k, q, d, rp, b, 1, res, n); break;
-                        case 2: wide_rows(wr, ns, nsb, k, q, d, rp, b, 2, res, n); break;
-                        case 3: wide_rows(wr, ns, nsb, k, q, d, rp, b, 3, res, n); break;
-                        case 4: wide_rows(wr, ns, nsb, k, q, d, rp, b, 4, res, n); break;
-                        case 5: wide_rows(wr, ns, nsb, k, q, d, rp, b, 5, res, n); break;
-                        case 6: wide_rows(wr, ns, nsb, k, q, d, rp, b, 6, res, n); break;
-                        case 7: wide_rows(wr, ns, nsb, k, q, d, rp, b, 7, res, n); break;
-                        default: wide_rows(wr, ns, nsb, k, q, d, rp, b, 8, res, n); break;
+                        case 1: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 1, res, n); break;
+                        case 2: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 2, res, n); break;
+                        case 3: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 3, res, n); break;
+                        case 4: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 4, res, n); break;
+                        case 5: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 5, res, n); break;
+                        case 6: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 6, res, n); break;
+                        case 7: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 7, res, n); break;
+                        default: wide_rows(wr, ns, nsb, k, q, d, rp, b, bwr, 8, res, n); break;
                     }
-                    r0 += WRT - RT;
                     continue;
                 }
 #endif
@@ -510,5 +559,6 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     free(qa);
     free(dx);
     free(bs);
+    free(bw);
     return failed ? -1 : 0;
 }
