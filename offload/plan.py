@@ -123,6 +123,30 @@ def workspace_bytes(cfg: ModelConfig, fmt: LayerFormat, device: torch.device, ma
     return act + scratch
 
 
+def invariant_reservation(
+    cfg: ModelConfig, fmt: LayerFormat, device: torch.device, context: int = 0, rows: int = 2048, attn_rows: int = 16
+) -> dict[str, int]:
+    """GPU bytes shape-invariant passes need beyond :func:`workspace_bytes`, by part (CUDA; {} elsewhere):
+    ``check``, the load-time invariance check's peak (:func:`specexec.model.sizes.check_bytes`: it runs
+    beside the placed layers, before any pass); ``attention``, a pass's attention temporaries over ``context``
+    positions, ``rows`` rows a pass (:func:`specexec.model.sizes.invariant_attention_bytes`); ``scratch``, the NF4
+    dequantization buffer (one layer's largest linear in 16-bit, already part of the workspace: shown, not added
+    again). The plan adds
+    ``max(check, attention)``: the check's tensors are freed before the first pass."""
+    if device.type != "cuda":
+        return {}
+    isz = _itemsize(fmt.dtype)
+    return {
+        "check": sizes.check_bytes(cfg, fmt.dtype),
+        "attention": sizes.invariant_attention_bytes(cfg, context, rows, attn_rows),
+        "scratch": max_linear_numel(layer_layout(cfg, fmt)) * isz if fmt.kind == "nf4" else 0,
+    }
+
+
+def _reserved_bytes(parts: Mapping[str, int]) -> int:
+    return max(parts.get("check", 0), parts.get("attention", 0))
+
+
 @dataclass(frozen=True)
 class Resources:
     """What the machine offers the plan, in bytes: probed by :meth:`probe`, or given (doctor, tests)."""
@@ -161,6 +185,9 @@ class PlanModel:
     max_tokens: int = 2048  # rows of the largest target pass (its activations, logits, NF4 scratch)
     cache_dirs: Mapping[str, Path] = field(default_factory=dict)  # layer format name -> this model's cache dir
     cached: frozenset[str] = frozenset()  # format names whose cache is complete on disk
+    invariant: bool = True  # shape-invariant target passes: reserve their check and attention (invariant_reservation)
+    context: int = 0  # positions a pass attends to at most (the invariant attention's chunk floor)
+    attn_rows: int = 16  # the invariant attention's row tile assumed (the check's smallest CUDA candidate)
 
     @classmethod
     def from_checkpoint(
@@ -206,6 +233,16 @@ class Plan:
     cache_dir: Path | None  # the packed-layer cache directory (SSD tier and NF4), None if unused
     h2d_gbps: float = DEFAULT_H2D_GBPS
     h2d_measured: bool = False
+    invariant_parts: Mapping[str, int] = field(default_factory=dict)  # invariant_reservation's parts ({}: none)
+    check_fits: bool = True  # False: the load-time invariance check is not reserved (it does not fit)
+
+    @property
+    def invariant_reserved(self) -> int:
+        """GPU bytes reserved for shape-invariant passes beyond the workspace (part of ``vram_need``)."""
+        parts = dict(self.invariant_parts)
+        if not self.check_fits:
+            parts.pop("check", None)
+        return _reserved_bytes(parts)
 
     @property
     def bytes_per_forward(self) -> int:
@@ -214,6 +251,29 @@ class Plan:
     def floor_seconds(self, h2d_gbps: float | None = None) -> float:
         """Lower bound on one forward: streamed bytes / pinned H2D bandwidth (GB/s)."""
         return self.bytes_per_forward / ((h2d_gbps or self.h2d_gbps) * GB)
+
+    def invariant_line(self) -> str | None:
+        """What the plan reserves for shape-invariant passes, in one line (None: nothing, e.g. a CPU device or
+        invariant passes off); when the load-time check does not fit, the line says so and names the guarantee."""
+        if not self.invariant_parts:
+            return None
+        p = self.invariant_parts
+        if not self.check_fits:
+            return (
+                f"shape-invariant passes: {self.invariant_reserved / GB:.2f} GB reserved for the attention "
+                "temporaries; "
+                + sizes.unavailable_message(
+                    f"the load-time check needs {p.get('check', 0) / GB:.2f} GB, which does not fit beside the ring; "
+                    "a cached check result still applies"
+                )
+            )
+        return (
+            f"shape-invariant passes: {self.invariant_reserved / GB:.2f} GB reserved, the larger of the load-time "
+            f"check's {p.get('check', 0) / GB:.2f} GB and the attention temporaries' "
+            f"{p.get('attention', 0) / GB:.2f} GB"
+            + (f" (the NF4 dequantization scratch, {p['scratch'] / GB:.2f} GB, is in the workspace)"
+               if p.get("scratch") else "")
+        )  # fmt: skip
 
     def describe(self, h2d_gbps: float | None = None) -> str:
         """A few lines for humans: placement, memory, bytes and the time floor per forward."""
@@ -228,6 +288,9 @@ class Plan:
             + (f" through a ring of {self.ring_size} buffers (lookahead {self.lookahead})" if self.streamed else "")
             + f"; VRAM need {self.vram_need / GB:.1f} GB of {budget}",
         ]
+        inv = self.invariant_line()
+        if inv is not None:
+            lines.append(f"  {inv}")
         if self.mode == "ram":
             lines.append(
                 f"  host: {self.ram_need / GB:.1f} GB of pinned RAM ({self.ram_available / GB:.1f} GB available)"
@@ -298,12 +361,21 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
         budget = int(offload.gpu_memory_gb * GB) if offload.gpu_memory_gb is not None else None
     device = torch.device(resources.device)
 
-    def fixed(fmt: LayerFormat) -> int:
+    def invariant_parts(fmt: LayerFormat) -> dict[str, int]:
+        if not model.invariant:
+            return {}
+        return invariant_reservation(cfg, fmt, device, model.context, model.max_tokens, model.attn_rows)
+
+    def fixed(fmt: LayerFormat, check: bool = True) -> int:
+        parts = invariant_parts(fmt)
+        if not check:
+            parts.pop("check", None)
         return (
             globals_bytes(cfg, dtype)
             + model.draft_bytes
             + model.kv_bytes
             + workspace_bytes(cfg, fmt, device, model.max_tokens)
+            + _reserved_bytes(parts)
         )
 
     def fits_all(fmt: LayerFormat) -> bool:
@@ -318,6 +390,11 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
         fmt = dense
     lb = layer_layout(cfg, fmt).nbytes
     fixed_bytes = fixed(fmt)
+    check_fits = True
+    if budget is not None and offload.mode != "none" and fixed_bytes + R * lb > budget >= fixed(fmt, False) + R * lb:
+        # the load-time check does not fit even beside a bare ring, the passes do: plan without it; the check then
+        # reports in one line that it could not run, and which guarantee holds (sizes.unavailable_message)
+        check_fits, fixed_bytes = False, fixed(fmt, False)
 
     mode = offload.mode
     if mode == "auto":
@@ -403,6 +480,8 @@ def make_plan(resources: Resources, model: PlanModel, offload: OffloadConfig = O
         cache_dir=cache_dir,
         h2d_gbps=h2d or DEFAULT_H2D_GBPS,
         h2d_measured=h2d is not None,
+        invariant_parts=invariant_parts(fmt),
+        check_fits=check_fits,
     )
 
 
@@ -427,7 +506,8 @@ def _resident_count(
     k = (budget - fixed - R * lb) // lb
     if k < 0:
         raise OutOfMemory(
-            f"VRAM too small to stream the target: globals, draft, KV cache and workspace take {fixed / GB:.1f} GB "
+            f"VRAM too small to stream the target: globals, draft, KV cache, workspace and reservations take "
+            f"{fixed / GB:.1f} GB "
             f"and a ring of {R} {fmt.name} layer buffers {R * lb / GB:.1f} GB, but the budget is "
             f"{budget / GB:.1f} GB: lower {setting('context')}, use a smaller draft"
             + ("" if fmt.kind == "nf4" else f", or {setting('OffloadConfig.target_dtype', 'nf4')}"),

@@ -47,7 +47,6 @@ import datetime
 import importlib.metadata
 import json
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+from scripts.bench_cpu import DRAFT, TARGET, _f, first_diff, git_commit, save, write_report  # noqa: E402
 
 BOOK = {
     "type": "object",
@@ -261,13 +260,6 @@ def warm_up(runner: Runner, prompt: Prompt, max_new: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t, "costs_s": costs, "tokens": max_new}
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def run_all(
     runner: Runner,
     prompts: list[Prompt],
@@ -292,7 +284,7 @@ def run_all(
                 + (f"  INVALID: {rec['invalid_reason']}" if rec.get("valid") is False else "")
             )
         for run, ref in EXACT:
-            d = _first_diff(got[ref]["ids"], got[run]["ids"])
+            d = first_diff(got[ref]["ids"], got[run]["ids"])
             got[run]["matches"] = ref
             got[run]["match"] = d is None
             got[run]["first_diff"] = d
@@ -364,10 +356,6 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             s["prompts"] - s["finished"] for n, s in overall.items() if n.endswith("-schema")
         ),
     }
-
-
-def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
-    return "-" if x is None else f"{x:{fmt}}{suffix}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -444,19 +432,6 @@ def markdown(report: dict[str, Any]) -> str:
 def _meta(args: argparse.Namespace, runner: Runner, prompts: list[Prompt], warm: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parents[1],
-                timeout=10,
-            ).stdout.strip()
-            or "?"
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = "?"
     e = runner.engine
     return {
         "target": args.target,
@@ -474,7 +449,7 @@ def _meta(args: argparse.Namespace, runner: Runner, prompts: list[Prompt], warm:
         "context": args.context,
         "max_budget": runner.tree.max_budget,
         "max_tree": getattr(e, "max_tree", None),
-        "commit": commit,
+        "commit": git_commit(),
         "smoke": args.smoke,
         "chat": runner.chat,
         "load_s": runner.load_s,
@@ -536,31 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint(records: list[dict[str, Any]]) -> None:  # a stopped run still leaves its finished prompts
         if args.out:
             n = len({r["prompt"] for r in records})
-            _write_report(args.out, {"meta": {**meta, "partial": f"{n} of {len(prompts)} prompts"}, "runs": records})
+            write_report(args.out, {"meta": {**meta, "partial": f"{n} of {len(prompts)} prompts"}, "runs": records})
 
     records = run_all(runner, prompts, args.max_new_tokens, log, checkpoint)
     summary = summarize(records)
     report = {"meta": meta, "summary": summary, "runs": records}
     md = markdown(report)
     print(md)
-    if args.out:
-        _write_report(args.out, report)
-        log(f"wrote {args.out}")
-    if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        sep = "\n" if args.md.exists() and args.md.stat().st_size else ""
-        with args.md.open("a", encoding="utf-8") as f:
-            f.write(sep + md)
-        log(f"appended the tables to {args.md}")
+    save(args, report, md, log)
     return _verdict(records, summary)
-
-
-def _write_report(path: Path, report: dict[str, Any]) -> None:
-    """Write the JSON report whole (a temporary file renamed over it: a reader never sees half a report)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def _verdict(records: list[dict[str, Any]], summary: dict[str, Any]) -> int:

@@ -3,11 +3,11 @@
 
 For each prompt of bench_cpu.py's sets (code, prose, grounded), the default (what ``specexec generate`` does with
 no tuning flags) generates ``--max-new-tokens`` greedy tokens. Each emitted token must be the target's argmax given
-the prompt and the tokens before it. That is checked for every token with one teacher-forced pass over the prompt
-and the output (shape-invariant passes give a prefill's logits the bits of one-token steps; tests/test_real_pair.py
-asserts that on the same weights). On the first ``--ar`` prompts of each set, plain decoding (``--method ar``) also
-runs, and its tokens are compared with the default's directly; ``--repeat`` runs the default a second time and
-compares the two.
+the prompt and the tokens before it: every token is checked against the engine's teacher-forced scores of the
+prompt and the output (``Engine.score``: shape-invariant passes give a prefill's logits the bits of one-token
+steps; tests/test_real_pair.py asserts that on the same weights). On the first ``--ar`` prompts of each set, plain
+decoding (``--method ar``) also runs, and its tokens are compared with the default's directly; ``--repeat`` runs
+the default a second time and compares the two.
 
     python scripts/check_exact.py --prompts-per-set 20 --max-new-tokens 128 --ar 2
 
@@ -23,21 +23,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from bench_cpu import DRAFT, SETS, TARGET, build_prompts  # noqa: E402
+from scripts.bench_cpu import DRAFT, SETS, TARGET, build_prompts  # noqa: E402
 
 
 def greedy_mismatches(engine, ids: list[int], out: list[int]) -> list[int]:
     """Indices of ``out`` whose token is not the target's argmax after ``ids`` + the tokens before it."""
     if not out:
         return []
-    m = engine.target
-    seq = torch.tensor(ids + out[:-1])
-    pos = torch.arange(len(seq))
-    logits = m.forward(seq, pos, pos, pos[None, :] <= pos[:, None], m.new_cache(len(seq) + 1))
-    choice = logits[len(ids) - 1 :].argmax(-1).tolist()
+    choice = engine.score(ids + out, start=len(ids)).top1
     return [i for i, (a, b) in enumerate(zip(choice, out)) if a != b]
 
 

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import json
 import logging
+import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,6 +40,25 @@ CODE_SOURCES = (
     "string.capwords",
 )
 PROSE_TOPICS = ("for", "with", "while", "try", "lambda", "assert")
+SETS = ("code", "prose", "grounded")  # the benchmark scripts' prompt sets (:func:`prompt_sets`)
+# Pure-Python stdlib modules whose public functions have docstrings (missing ones are skipped).
+CODE_MODULES = (
+    "textwrap", "fnmatch", "statistics", "heapq", "shlex", "string", "json", "base64", "calendar", "difflib",
+    "glob", "posixpath", "colorsys", "html", "ipaddress", "linecache", "mimetypes", "pprint", "quopri", "shutil",
+    "tempfile", "tokenize", "urllib.parse", "uuid", "gettext", "copy", "inspect", "secrets", "dataclasses",
+    "functools", "keyword", "bisect", "random", "csv", "zipfile", "locale", "ntpath", "platform", "sysconfig",
+    "warnings",
+)  # fmt: skip
+GROUNDED_TASKS = (
+    ("hints", "Add type hints to this function. Reply with the complete function.\n\n```python\n{code}\n```"),
+    (
+        "rename",
+        "Rewrite this code with clearer variable names, keeping its behaviour the same.\n\n```python\n{code}\n```",
+    ),
+    ("docstring", "Write a docstring for this function and show the function with it.\n\n```python\n{code}\n```"),
+    ("translate", "Translate this Python function to JavaScript.\n\n```python\n{code}\n```"),
+    ("summarize", "Summarize the following text in a short paragraph.\n\n{text}"),
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,7 @@ class Prompt:
     name: str
     text: str
     chat: bool = False
+    set: str = ""  # the prompt set it belongs to (:func:`prompt_sets`)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -94,6 +115,129 @@ def builtin_prompts(n: int = 8) -> list[Prompt]:
             f"no built-in prompts: this Python lacks stdlib sources; pass {setting('prompts')} FILE.jsonl"
         )
     return mixed[:n]
+
+
+def _stdlib_functions() -> list[tuple[str, Any, str]]:
+    """(qualname, function, source) of public module-level pure-Python functions with a docstring, round-robin
+    over CODE_MODULES so consecutive picks come from different modules."""
+    per_module: list[list[tuple[str, Any, str]]] = []
+    for modname in CODE_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        found = []
+        for name, fn in sorted(vars(mod).items()):
+            if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != mod.__name__ or not fn.__doc__:
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            found.append((f"{modname}.{name}", fn, src))
+        if found:
+            per_module.append(found)
+    out = []
+    for i in range(max((len(f) for f in per_module), default=0)):
+        out += [f[i] for f in per_module if i < len(f)]
+    return out
+
+
+def _header_and_docstring(src: str) -> str | None:
+    """A function's signature and docstring (the model writes the body); None when it has no body after them."""
+    src = textwrap.dedent(src)
+    try:
+        node = ast.parse(src).body[0]
+    except SyntaxError:
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+        return None
+    first = node.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)):
+        return None
+    return "\n".join(src.splitlines()[: first.end_lineno]) + "\n"
+
+
+def _without_docstring(src: str) -> str:
+    """A function's source (from :func:`_header_and_docstring`'s checks) with its docstring cut out."""
+    src = textwrap.dedent(src)
+    node = ast.parse(src).body[0]
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    first = node.body[0]
+    lines = src.splitlines()
+    return "\n".join(lines[: first.lineno - 1] + lines[first.end_lineno :])
+
+
+def _pydoc_texts(chars: int) -> list[tuple[str, str]]:
+    """(topic, text) from ``pydoc_data``: each topic's opening (title dropped) cut at a sentence end."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return []
+    out = []
+    for topic in sorted(topics):
+        body = topics[topic].split("\n\n", 1)[-1].strip()
+        if len(body) < 300:
+            continue
+        cut = body[:chars]
+        end = cut.rfind(". ")
+        out.append((topic, cut[: end + 1] if end > chars // 3 else cut))
+    return out
+
+
+def _spread(items: list, n: int) -> list:
+    """``n`` items spread evenly over the list (deterministic)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def prompt_sets(sets: tuple[str, ...], n: int) -> dict[str, list[Prompt]]:
+    """Up to ``n`` prompts of each of ``sets`` (from :data:`SETS`), built from this Python's standard library:
+    ``code`` (function headers + docstrings, raw completion), ``prose`` (``pydoc_data`` topic openings, raw
+    completion), ``grounded`` (chat requests that carry the material to work on: a function to annotate, rename,
+    document or translate, a text to summarize). The same prompts on every run of one Python."""
+    funcs = _stdlib_functions()
+    out: dict[str, list[Prompt]] = {}
+    code = [Prompt(q, h, set="code") for q, _, s in funcs if (h := _header_and_docstring(s))][:n]
+    if "code" in sets:
+        out["code"] = code
+    if "prose" in sets:
+        out["prose"] = [Prompt(f"pydoc:{t}", x, set="prose") for t, x in _spread(_pydoc_texts(500), n)]
+    if "grounded" in sets:
+        # whole functions of moderate size (at least 5 lines of code besides the docstring), not in the code set
+        used = {p.name for p in code}  # the same choice whichever sets run
+        bodies = [
+            (q, s)
+            for q, _, s in funcs
+            if q not in used
+            and len(s) <= 2000
+            and _header_and_docstring(s)
+            and _without_docstring(s).strip().count("\n") >= 5
+        ]
+        texts = _pydoc_texts(1500)
+        texts = texts[len(texts) // 2 :] + texts[: len(texts) // 2]  # not the same openings as the prose set
+        grounded, bi, ti = [], 0, 0
+        for i in range(n):
+            kind, template = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
+            if kind == "summarize":
+                if ti >= len(texts):
+                    continue
+                topic, text = texts[ti]
+                ti += 1
+                grounded.append(Prompt(f"{kind}:pydoc:{topic}", template.format(text=text), True, "grounded"))
+            else:
+                if bi >= len(bodies):
+                    continue
+                q, src = bodies[bi]
+                bi += 1
+                given = _without_docstring(src) if kind == "docstring" else textwrap.dedent(src)
+                grounded.append(Prompt(f"{kind}:{q}", template.format(code=given.rstrip()), True, "grounded"))
+        out["grounded"] = grounded
+    for s in sets:
+        if len(out.get(s, [])) < n:
+            log.warning("only %d %s prompts available (asked %d)", len(out.get(s, [])), s, n)
+    return out
 
 
 def load_prompts(path: Path) -> list[Prompt]:

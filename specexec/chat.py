@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig, check_method
-from specexec.decoding.budget import arm_label
 from specexec.decoding.engine import Engine, Generation, Result, Stats
 from specexec.decoding.text import render_chat
 from specexec.errors import ConfigError, SpecexecError, setting
@@ -363,7 +362,10 @@ def format_stats(stats: Stats) -> list[str]:
     """Human lines for one answer's stats: speed, tokens per step, accepted-length histogram, time split."""
     s = stats
     auto = "auto, mostly " if s.budget_auto else ""
-    param = f", budget {auto}{arm_label(s.budget)}" if s.budget else (f", gamma {s.gamma}" if s.gamma else "")
+    if s.budget is not None and s.budget.kind != "plain":
+        param = f", budget {auto}{s.budget.label}"
+    else:
+        param = f", gamma {s.gamma}" if s.gamma else ""
     lines = [
         f"method       {s.method}{param}",
         f"tokens       {s.new_tokens} in {s.steps} target passes ({s.tokens_per_step:.2f} tokens/step)",
@@ -372,7 +374,7 @@ def format_stats(stats: Stats) -> list[str]:
         f"time         draft {s.draft_s:.2f} s, target {s.target_s:.2f} s, wall {s.wall_s:.2f} s",
     ]
     if len(s.budgets) > 1:
-        lines.append("budgets      " + ", ".join(f"{arm_label(b)} x{n}" for b, n in sorted(s.budgets.items())))
+        lines.append("budgets      " + ", ".join(f"{b.label} x{n}" for b, n in sorted(s.budgets.items())))
     if s.mean_tree_size:
         lines.append(f"tree         {s.mean_tree_size:.1f} draft tokens per step, {s.draft_passes} draft passes")
     if s.ngram_tokens:

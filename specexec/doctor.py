@@ -112,9 +112,23 @@ class Recommendation:
 
 
 @dataclass
+class ProbeInfo:
+    """One cached one-time measurement: what it chose (``line``), when, and whether the machine was busy then."""
+
+    kind: str  # "cpu dtype", "cpu matmuls", "cpu target format", "cpu draft format", "pass costs"
+    line: str
+    measured_at: float  # unix seconds (0: unknown)
+    provisional: bool = False  # measured under load: measured again at the next quiet start
+    stale: str = ""  # why run-time figures contradicted it
+    load: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class DoctorReport:
     system: SystemInfo
     recommendation: Recommendation | None = None
+    probes: list[ProbeInfo] = field(default_factory=list)
+    remeasured: str = ""  # what ``--remeasure`` dropped and measured again
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -480,8 +494,9 @@ def _recommend_gpu(
             d_bytes = sizes.model_weight_bytes(d_cfg, fmt, 2) if d_cfg is not None else 0
             res = sizes.plan_reservations(cfg, d_cfg, context, 2, 2, cap, draft_weights=d_bytes)  # as load charges
             model = PlanModel(
-                cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=res.kv_bytes, max_tokens=res.max_tokens
-            )
+                cfg, torch.bfloat16, draft_bytes=d_bytes, kv_bytes=res.kv_bytes, max_tokens=res.max_tokens,
+                context=context,
+            )  # fmt: skip
             name = {"dense": "16-bit"}.get(fmt, fmt)
             try:
                 p = make_plan(resources, model, OffloadConfig(cache_dir=home))
@@ -550,6 +565,9 @@ def _recommend_gpu(
     rec.dtype = "nf4" if plan.fmt.kind == "nf4" else "bf16"
     rec.tier = plan.mode
     rec.resident_layers, rec.streamed_layers = len(plan.resident), len(plan.streamed)
+    inv = plan.invariant_line()  # what the placement reserves for shape-invariant passes (load's default)
+    if inv is not None:
+        rec.notes.append(inv)
     n = cfg.num_layers
     if plan.fmt.kind == "nf4":
         bf16_floor = n * layer_bytes(cfg, "bf16") / ((gpu.pinned_h2d_gbps or ASSUMED_H2D_GBPS) * GB)
@@ -570,6 +588,76 @@ def _recommend_gpu(
     rec.floor_s_per_pass = streamed_bytes / (bw * GB)
 
 
+# ---------------------------------------------------------------------------------------------- cached probes
+
+
+def costs_dir(home: Path | None = None) -> Path:
+    """Where the engines cache the policy's measured pass costs (as :func:`specexec.api.load` sets it)."""
+    from specexec.loading import hub
+
+    return hub.cache_home(home) / "costs"
+
+
+def probes(home: Path | None = None) -> list[ProbeInfo]:
+    """Every cached one-time measurement of this machine: the CPU probes (:mod:`specexec.loading.cpu_probe`, each
+    with its load record) and the policy's pass costs (one file per machine and model; when each was written). The
+    invariance check's cache is not listed: a correctness check, not a timing, which load cannot fool."""
+    from specexec.loading import cpu_probe
+
+    out = []
+    for r in cpu_probe.entries():
+        kind = (
+            "cpu matmuls"
+            if isinstance(r, cpu_probe.OrientResult)
+            else f"cpu {r.key.split(' ', 1)[0]} format"
+            if isinstance(r, cpu_probe.FormatProbe)
+            else "cpu dtype"
+        )
+        out.append(ProbeInfo(kind, cpu_probe.entry_line(r), r.measured_at, r.provisional, r.stale, r.load))
+    files = sorted(costs_dir(home).glob("*.json")) if costs_dir(home).is_dir() else []
+    if files:
+        newest = max(f.stat().st_mtime for f in files)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest))
+        line = f"pass costs: {len(files)} cached in {costs_dir(home)} (newest {when}; re-measured when steps drift)"
+        out.append(ProbeInfo("pass costs", line, newest))
+    return out
+
+
+def remeasure(target: str | None = None, home: Path | None = None, gpu: bool = False) -> str:
+    """Drop every cached one-time measurement (CPU probes and pass costs) so it is measured again; for a CPU
+    ``target`` (config.json, or the architecture configs/models.toml records) and the draft ``--draft auto`` gives
+    it, measure its CPU probes right away. Returns what was done (one line). Raises OSError where the cache
+    cannot be written."""
+    from specexec.loading import cpu_probe, pairing
+
+    dropped = cpu_probe.forget()
+    files = list(costs_dir(home).glob("*.json")) if costs_dir(home).is_dir() else []
+    for f in files:
+        f.unlink(missing_ok=True)
+    done = f"dropped {dropped} cached CPU probe(s) and {len(files)} pass-cost file(s)"
+    if target is None or gpu:
+        return done + "; each is measured again at the next start that needs it"
+    measured = []
+    cfgs = {"target": model_config(target, home)[0]}
+    draft = pairing.choose_draft(target, home).draft
+    if draft is not None:
+        cfgs["draft"] = model_config(draft, home)[0]
+    for what, cfg in cfgs.items():
+        if cfg is None:
+            continue
+        if what == "target":
+            fmt, dt = cpu_probe.choose_target(cfg)
+        else:
+            dt, fmt = cpu_probe.choose_draft(cfg)
+        cpu_probe.orientation(cfg, dt)
+        measured.append(f"{what} {fmt if fmt != 'dense' else str(dt).removeprefix('torch.')}")
+    fresh = [i for i in probes(home) if i.kind != "pass costs"]
+    if not fresh:
+        return done + f"; {target}'s models are too small to probe"
+    busy = " (provisional: the machine is busy)" if any(i.provisional for i in fresh) else ""
+    return done + f"; measured now: {', '.join(measured)}{busy}"
+
+
 def run_doctor(
     target: str | None = None,
     draft: str | None = None,
@@ -578,21 +666,24 @@ def run_doctor(
     measure: bool = True,
     disk_dir: Path | None = None,
     home: Path | None = None,
+    remeasure_probes: bool = False,
 ) -> DoctorReport:
     """The whole report: the machine, plus a recommendation for ``target`` if given. ``home``: specexec's cache
     root (``--cache-dir``; default :func:`specexec.loading.hub.cache_home`), where models are looked up and whose disk
     is
     measured unless ``disk_dir`` is given. Without ``draft`` (or with ``"auto"``) the recommendation says which
     draft ``--draft auto`` would load (:func:`specexec.loading.pairing.choose_draft`); ``"auto"`` also charges it
-    to the plan."""
+    to the plan. ``remeasure_probes``: drop the cached one-time measurements first (:func:`remeasure`); the
+    report lists what is cached (:func:`probes`)."""
     from specexec.loading import hub, pairing
 
     system = system_info(disk_dir or (hub.cache_home(home) if home is not None else None), disk_mb, measure)
+    again = remeasure(target, home, gpu=system.gpu is not None) if remeasure_probes else ""
     if not target:
-        return DoctorReport(system=system)
+        return DoctorReport(system=system, probes=probes(home), remeasured=again)
     choice = pairing.choose_draft(target, home) if draft in (None, pairing.AUTO) else None
     planned = choice.draft if draft == pairing.AUTO and choice is not None else draft
     rec = recommend(target, system, context, home, planned)
     if choice is not None:
         rec.draft_choice = choice.line
-    return DoctorReport(system=system, recommendation=rec)
+    return DoctorReport(system=system, recommendation=rec, probes=probes(home), remeasured=again)

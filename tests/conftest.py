@@ -181,6 +181,15 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(monkeypatch):
+    """Cached measurements see a quiet machine (the test machine's own load would make them provisional at
+    random); the tests of :mod:`specexec.quiet`'s rules pass a busy or quiet load source themselves."""
+    from specexec import quiet
+
+    monkeypatch.setattr(quiet, "sample", quiet.simulated(False))
+
+
 # ---------------------------------------------------------------------------------------------- the real demo pair
 #
 # Memory rule for `slow` tests (the suite must run on a 16 GB machine, peak RSS < 8 GB): the real pair is

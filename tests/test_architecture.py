@@ -1,6 +1,6 @@
 """The package's layers: every import points down (or sideways within a layer), and no modules import each other in
-a circle. Read from the modules' syntax trees, every import counted (module level and inside functions), except
-those under ``if TYPE_CHECKING:``, which never run."""
+a circle. Read from the modules' syntax trees, every import counted: module level, inside functions, and under
+``if TYPE_CHECKING:`` (an annotation's arrow back up is a circle too, even if it never runs)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # bottom to top: a module may import its own layer and the layers below it
 LAYERS: list[tuple[str, ...]] = [
-    ("specexec.errors", "specexec.config", "specexec.home"),
+    ("specexec.errors", "specexec.config", "specexec.home", "specexec.quiet"),
     ("specexec.formats",),
     ("specexec.model",),
     ("offload",),
     ("specexec.loading",),
-    ("specexec.propose", "specexec.decoding"),
+    ("specexec.steps",),  # the shared step types: tree, sampling, rules, arm and step record, proposal
+    ("specexec.propose",),
+    ("specexec.policy",),
+    ("specexec.decoding",),
     ("specexec.api", "specexec.chat", "specexec.bench", "specexec.doctor"),
     ("specexec.server",),
     ("specexec.cli",),
@@ -37,22 +40,11 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in files if "configs" not in p.parts}
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
-    return skip
-
-
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The project modules ``name`` imports (``from a import b`` counts a.b where a.b is a module, else a)."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in known)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -119,7 +119,7 @@ def test_a_fast_kernel_run_leaves_the_engine_invariant_with_what_it_measured(ben
         return generate(*a, **k)
 
     engine.generate = spy
-    ids = runner.encode(bench.Prompt("code", "p", "def add(a, b):\n"))
+    ids = runner.encode(bench.Prompt("p", "def add(a, b):\n", set="code"))
     runner.run(configs["ours-default"], ids, 4, None)  # measures the auto budget's costs
     fast = runner.run(configs["ours-ar-fast"], ids, 4, None)
     again = runner.run(configs["ours-default"], ids, 4, None)
@@ -154,7 +154,7 @@ class StubRunner:
 
 def stub_run(bench: Any, ids: dict[str, list[int]], methods: str, hf: str, temperature: float = 0.0):
     configs = bench.parse_args(["--methods", methods, "--hf", hf]).configs
-    prompts = {"code": [bench.Prompt("code", "p", "x")]}
+    prompts = {"code": [bench.Prompt("p", "x", set="code")]}
     records = bench.run_all(StubRunner(ids, temperature), prompts, configs, 4, lambda s: None)
     return configs, records, bench.summarize(records, configs, temperature == 0)
 
@@ -250,7 +250,7 @@ def test_repeats_run_ours_again_and_compare_each_prompt_at_its_median(bench):
         {"ours-ar": ar, "ours-default": ar, "hf-ar": ar},
         {"ours-ar": [1.0, 1.1, 1.0], "ours-default": [2.0, 0.8, 0.8]},
     )
-    prompts = {"code": [bench.Prompt("code", "p", "x")]}
+    prompts = {"code": [bench.Prompt("p", "x", set="code")]}
     records = bench.run_all(runner, prompts, configs, 4, lambda s: None, repeats=3)
     assert sorted(runner.calls) == ["hf-ar", *["ours-ar"] * 3, *["ours-default"] * 3]
     assert [r["repeat"] for r in records if r["config"] == "ours-default"] == [0, 1, 2]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "shapes.py")
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 
 
 def script(name: str) -> Any:
@@ -74,6 +74,47 @@ def test_bench_gpu_smoke_measures_runs_against_our_ar_the_pcie_limit_and_acceler
     assert "| 70b-nf4@24 | auto |" in printed and "accelerate at 80 layers (projected)" in printed
 
 
+def test_bench_gpu_projects_measured_acceptance_onto_24_gb_cards(tmp_path, capsys):
+    """--acceptance --smoke measures tokens/step per fixed budget (a planted tiny pair, the same text at every
+    budget); --project joins them with the recorded H100 profile, or a bench_offload.py one, into a table labelled a
+    projection, with an AR row and the published anchors."""
+    mod, acc = script("bench_gpu"), tmp_path / "acc.json"
+    argv = ["--acceptance", str(acc), "--smoke", "--budgets", "4,8", "--prompts", "1", "--max-new-tokens", "6"]
+    assert mod.main(argv) == 0
+    rep = json.loads(acc.read_text())
+    assert list(rep["budgets"]) == ["4", "8"] and rep["same_tokens_across_budgets"] and rep["smoke"]
+    for r in rep["budgets"].values():
+        assert r["prompts"] == 1 and r["steps"] >= 1 and r["tokens_per_step"] >= 1 and r["verify_tokens"] > 1
+        assert r["draft_passes_per_step"] > 0 and list(r["per_set_tokens_per_step"]) == ["planted"]
+    assert mod.main(["--project", "--acceptance", str(acc)]) == 0
+    printed = capsys.readouterr().out
+    proj = json.loads(acc.with_suffix(".projection.json").read_text())
+    assert [r["budget"] for r in proj["rows"]] == ["AR", "4", "8"] and proj["note"] == "projection, not a measurement"
+    assert proj["rows"][0]["PCIe 4.0"]["step_s"] == pytest.approx(80 * 0.481 / 24)  # AR: 80 NF4 layers' copies
+    assert "### Projection, not a measurement" in printed and "| PCIe 4.0 tok/s, projection |" in printed
+    assert "| PCIe 5.0 (56 GB/s) step s, projection |" in printed and "| AR | 1.00 | 1 | 0.0 |" in printed
+    for row in ("| 4 |", "| 8 |", "| 8.6 chat / 11.4 code |", "| 5.66 |", "| ~2–3 |", "recorded in shared/GPU.md"):
+        assert row in printed
+    # a bench_offload.py --profile-out profile: nf4, invariant passes, the smallest prefix >= 1024
+    passes = [
+        dict(format=f, tokens=t, prefix=p, mode=m, compute_s_per_layer=c, forward_s_per_layer=c)
+        for f, p, m, c in [
+            ("nf4", 1024, "invariant", 0.01),
+            ("nf4", 1024, "fast", 0.5),
+            ("nf4", 4096, "invariant", 0.5),
+        ]
+        + [("bf16", 1024, "invariant", 0.5), ("nf4", 512, "invariant", 0.5)]
+        for t in (1, 4096)
+    ]
+    profile = {"device": "Fake GPU", "h2d_pinned_gbps": 50.0, "layer_bytes": {"nf4": 0.5e9}, "layers": {}}
+    (tmp_path / "p.json").write_text(json.dumps({**profile, "passes": passes}))
+    argv = ["--project", "--acceptance", str(acc), "--profile", str(tmp_path / "p.json"), "--out", str(tmp_path / "o")]
+    assert mod.main([*argv, "--consumer-factor", "3"]) == 0
+    assert "Fake GPU, profile p.json (nf4, invariant, prefix 1024)" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "o").read_text())["rows"]
+    assert rows[0]["PCIe 5.0"]["step_s"] == pytest.approx(80 * 0.03)  # compute-bound: 3 x 10 ms > 0.5 GB / 56 GB/s
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -84,6 +125,9 @@ def test_bench_gpu_smoke_measures_runs_against_our_ar_the_pcie_limit_and_acceler
         ["--echo", "--prompt-tokens", "20"],
         ["--ngram-nodes", "-1"],
         ["--warmup-tokens", "0"],
+        ["--project"],
+        ["--profile", "p.json"],
+        ["--project", "--acceptance", "a.json", "--resident-layers", "81"],
     ],
 )
 def test_bench_gpu_refuses_bad_options_with_exit_2(bad):
@@ -448,3 +492,19 @@ def test_bench_cpu_smoke_runs_llama_cpp_in_the_rotation_and_tables_its_decode_sp
     assert "| llama.cpp AR | llama.cpp spec |" in printed and "| llama.cpp-spec |" in printed
     row = next(ln for ln in printed.splitlines() if ln.startswith("| code |"))
     assert f"| {3 / 0.20251:.2f} | {8 / 0.855:.2f} | 62.5% |" in row
+
+
+def test_the_device_check_runs_its_steps_and_writes_a_device_profile_in_smoke_mode(tmp_path, capsys):
+    """The prepared device call on the CPU at tiny shapes: each step exits 0 and leaves its log; the pass table
+    holds both kernels' passes at every tree size and prefix, with launches counted, and its device profile is
+    what ``bench_gpu.py --project`` reads."""
+    assert script("bench_offload").main(["--device-check", str(tmp_path), "--smoke"]) == 0
+    printed = capsys.readouterr().out
+    for step in ("compile", "passes", "70b-nf4@24"):
+        assert f"== {step}: exit 0" in printed and (tmp_path / f"{step}.log").exists()
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    assert prof["h2d_pinned_gbps"] > 0 and prof["layer_bytes"]["nf4"] > 0
+    seen = {(p["mode"], p["tokens"], p["prefix"]) for p in prof["passes"]}
+    assert seen == {(m, t, p) for m in ("fast", "invariant") for t in (1, 16) for p in (16, 64)}
+    for p in prof["passes"]:
+        assert p["forward_s_per_layer"] > 0 and p["compute_s_per_layer"] > 0 and p["launches_per_layer"] > 0

@@ -32,6 +32,12 @@ def doctor(
     context: int = typer.Option(4096, "--context", help="Context the recommendation sizes the KV cache for."),
     disk_mb: int = typer.Option(256, "--disk-mb", help="Size of the disk read test in MiB (0 skips it)."),
     cache_dir: Path | None = o.option("cache_dir"),
+    remeasure: bool = typer.Option(
+        False,
+        "--remeasure",
+        help="Drop the cached one-time measurements (CPU dtype and weight formats, pass costs) so they are measured "
+        "again: with --target on a CPU, its probes (and its auto draft's) right away; the rest at the next start.",
+    ),
     as_json: bool = o.as_json(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner."),
     verbose: bool = o.option("verbose"),
@@ -47,7 +53,9 @@ def doctor(
         if draft is not None and target is None:
             raise ConfigError("draft", draft, "needs --target (the draft is planned beside a target)")
         with o.spinner(quiet or as_json)("measuring this machine"):
-            report = run_doctor(target, draft, context=context, disk_mb=disk_mb, home=cache_dir)
+            report = run_doctor(
+                target, draft, context=context, disk_mb=disk_mb, home=cache_dir, remeasure_probes=remeasure
+            )
         if as_json:
             typer.echo(json.dumps(report.to_json()))
         else:
@@ -87,6 +95,25 @@ def _print(report) -> None:
     console.print(table)
     if report.recommendation:
         _print_recommendation(console, report.recommendation)
+    _print_probes(console, report)
+
+
+def _print_probes(console, report) -> None:
+    """The cached one-time measurements: what each chose, when, and whether the machine was busy then."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="cached measurements", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    if report.remeasured:
+        table.add_row("--remeasure", report.remeasured)
+    for p in report.probes:
+        flag = " (stale)" if p.stale else " (provisional)" if p.provisional else ""
+        table.add_row(p.kind + flag, escape(p.line.split(": ", 1)[-1]))
+    if not report.probes:
+        table.add_row("", "none yet (the first load on a CPU, and the first --budget auto run, measure them)")
+    console.print(table)
 
 
 def _print_recommendation(console, r) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
@@ -12,7 +13,7 @@ import typer
 from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
 from specexec.cli.options import DEMO_DRAFT, DEMO_TARGET, tree_config  # noqa: F401  (tree_config: used by tests)
-from specexec.decoding.constraint import Constraint, ConstraintError
+from specexec.decoding.constraint import MAX_GRAMMAR_BYTES, MAX_SCHEMA_BYTES, Constraint, ConstraintError
 from specexec.errors import ConfigError
 
 
@@ -50,8 +51,17 @@ def constraint_option(json_schema: str | None, grammar: str | None, regex: str |
         if flag == "--regex":
             c = Constraint.regex(value)
         else:
+            limit = MAX_SCHEMA_BYTES if flag == "--json-schema" else MAX_GRAMMAR_BYTES
             try:
-                text = o.prompt_text(value) if value == "-" else open(value, encoding="utf-8").read()
+                if value == "-":
+                    text = o.prompt_text(value)
+                else:
+                    with open(value, encoding="utf-8") as f:
+                        text = f.read(limit + 1)  # a longer file is refused by its size: never read it all
+                        if len(text) > limit:
+                            what = "JSON schema" if flag == "--json-schema" else "grammar"
+                            size = os.fstat(f.fileno()).st_size
+                            raise ConstraintError(f"the {what} is {size:,} bytes; at most {limit:,} are allowed")
             except OSError as e:
                 raise ConstraintError(f"{value}: {e.strerror or e}") from None
             except UnicodeDecodeError:
@@ -61,6 +71,10 @@ def constraint_option(json_schema: str | None, grammar: str | None, regex: str |
     except ConstraintError as e:
         raise ConstraintError(f"{flag} {e}" if str(e).startswith(value) else f"{flag}: {e}") from None
     return c
+
+
+def constraint_flag(json_schema: str | None, grammar: str | None, regex: str | None) -> str:
+    return "--json-schema" if json_schema else ("--grammar" if grammar else "--regex")
 
 
 @o.shared_options(defaults={"max_new_tokens": 256})
@@ -136,12 +150,18 @@ def generate(
                 constraint=constraint,
             )
             pieces = iter(g)
-            with status(first_label if i == 0 else "reading the prompt"):  # until the first text arrives
-                first = next(pieces, None)
-            for piece in chain_pieces(first, pieces):
+            try:
+                with status(first_label if i == 0 else "reading the prompt"):  # until the first text arrives
+                    first = next(pieces, None)
+                for piece in chain_pieces(first, pieces):
+                    if not as_json:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+            except ConstraintError as e:  # the grammar failed part-way: the text so far stays, one error line
                 if not as_json:
-                    sys.stdout.write(piece)
+                    sys.stdout.write("\n")
                     sys.stdout.flush()
+                raise ConstraintError(f"{constraint_flag(json_schema, grammar, regex)}: {e}") from None
             assert g.result is not None
             if as_json:
                 sys.stdout.write(json.dumps(g.result.to_json()) + "\n")

@@ -16,8 +16,9 @@ command's own, and hands the command one ``Shared`` value; a command declares on
 
         guarded(run, shared.verbose)
 
-``--help`` shows the choices a user makes (models, budget, sampling, placement, dtypes, output) in the main panel
-and the tuning knobs in the "Advanced" one.
+``--help`` shows the choices a user makes (models, method, budget, sampling, placement, the target's weights,
+output) in the main panel, at most 20 options, and the tuning knobs and settings whose default rarely needs changing
+(context, compute dtypes, cache root, tree shape) in the "Advanced" one.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ class Shared:
         f"(`specexec heads train`; the demo target's ship with specexec). With the default target auto picks "
         f"{DEMO_DRAFT}.",
     )
+    method: str | None = _option(
+        None,
+        "--method",
+        "-m",
+        help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar).",
+    )
     budget: str = _option(
         "auto", "--budget", help="SpecExec: draft tokens per tree, or 'auto' (best expected tokens/s, measured)."
     )
@@ -135,25 +142,38 @@ class Shared:
     temperature: float = _option(0.0, "--temperature", help="0 = greedy (exactly the target's greedy output).")
     top_p: float = _option(1.0, "--top-p", help="Nucleus sampling mass (1 = off).")
     top_k: int = _option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
-    min_p: float = _option(0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off).")
     seed: int | None = _option(None, "--seed", help="Seed for sampling (same seed, same output).")
     device: str = _option("auto", "--device", help="auto, cpu or cuda.")
-    context: int = _option(
-        4096, "--context", help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum)."
-    )
     offload: str = _option("auto", "--offload", help="Target placement: auto, none (all on GPU), ram, ssd.")
-    dtype: str = _option(
-        "auto",
-        "--dtype",
-        help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
-        "finds faster), fp32, bf16, fp16.",
-    )
+    gpu_memory: float | None = _option(None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).")
     target_dtype: str = _option(
         "auto",
         "--target-dtype",
         help="Target weights: auto, bf16, fp16, nf4 (GPU), int8 or q4 (CPU; q4 compiles a 4-bit kernel with the "
         "system C compiler on first use). auto on a CPU: the low-bit weights (q4 or int8) this machine runs "
         "clearly fastest (measured once), else dense.",
+    )
+    quiet: bool = _option(
+        False, "--quiet", "-q", help="No spinner, progress bars, banner or stats line (serve: no access log)."
+    )
+    verbose: bool = _option(False, "--verbose", "-v", help="Debug logging; the full traceback of an internal error.")
+
+    # the "Advanced" panel: tuning knobs and settings whose default rarely needs changing
+    min_p: float = _option(
+        0.0, "--min-p", help="Drop tokens below min-p x the top probability (0 = off).", advanced=True
+    )
+    context: int = _option(
+        4096,
+        "--context",
+        help="Longest prompt + answer the KV caches hold (tokens; at most the model's maximum).",
+        advanced=True,
+    )
+    dtype: str = _option(
+        "auto",
+        "--dtype",
+        help="Compute dtype: auto (bf16 on GPU; on a CPU fp32 or bf16, whichever a cached probe of this machine "
+        "finds faster), fp32, bf16, fp16.",
+        advanced=True,
     )
     draft_dtype: str | None = _option(
         None,
@@ -163,24 +183,13 @@ class Shared:
         "int8 on a CPU where this machine runs it clearly faster (measured), else --dtype's choice; on a GPU "
         "beside a streamed target 16-bit, int8 or nf4, whichever is expected to decode fastest; for --draft self "
         "int8 on a CPU, nf4 on a GPU.",
+        advanced=True,
     )
     cache_dir: Path | None = _option(
         None,
         "--cache-dir",
         help="specexec's cache root: downloaded/converted models (models/) and the packed-layer caches that "
         "--offload ssd and --target-dtype nf4 write (offload/). Default: $SPECEXEC_HOME, else ~/.cache/specexec.",
-    )
-    quiet: bool = _option(
-        False, "--quiet", "-q", help="No spinner, progress bars, banner or stats line (serve: no access log)."
-    )
-    verbose: bool = _option(False, "--verbose", "-v", help="Debug logging; the full traceback of an internal error.")
-
-    # the "Advanced" panel: tuning knobs
-    method: str | None = _option(
-        None,
-        "--method",
-        "-m",
-        help=f"One of {', '.join(METHODS)} (default: specexec with a draft, else ar).",
         advanced=True,
     )
     max_budget: int = _option(2048, "--max-budget", help="SpecExec: upper limit for --budget auto.", advanced=True)
@@ -213,9 +222,6 @@ class Shared:
         "unchanged (the target decides). 0 or 'full': the whole vocabulary. Default: on a CPU 32768 for a draft "
         "whose vocabulary is over twice that (e.g. Qwen2.5's), else the whole vocabulary.",
         advanced=True,
-    )
-    gpu_memory: float | None = _option(
-        None, "--gpu-memory", help="Cap on the GPU memory used, in GB (CUDA only).", advanced=True
     )
     invariant: bool = _option(
         True,

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specexec.config import SamplingConfig
-from specexec.decoding import sampling
-from specexec.decoding.tree import Tree
 from specexec.decoding.verify import walk
-from specexec.propose.base import Proposal
+from specexec.steps import sampling
+from specexec.steps.proposal import Proposal
+from specexec.steps.tree import Tree
 
 
 def accept(

@@ -1,7 +1,7 @@
 """The engine: a loaded target (+ optional draft) that generates many times, reusing its KV caches.
 
 It builds what a generation needs -- a proposer for the method (:mod:`specexec.propose`), a budget policy
-(:mod:`specexec.decoding.budget`) -- and runs the one decode loop (:func:`specexec.decoding.loop.decode`). Methods:
+(:mod:`specexec.policy`) -- and runs the one decode loop (:func:`specexec.decoding.loop.decode`). Methods:
 ``ar`` (no
 proposal), ``chain`` (gamma draft tokens; Leviathan et al. 2023 / Chen et al. 2023), ``specexec`` (a best-first
 tree of ``budget`` draft tokens, arXiv 2406.02532; with n-gram branches merged in when ``ngram`` is given) and
@@ -14,37 +14,25 @@ prefills the new suffix -- the longest common prefix of the old and new token id
 from __future__ import annotations
 
 import logging
-import time
+import math
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from specexec import quiet
 from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingConfig, TreeConfig, check_method
-from specexec.decoding.budget import (
-    HEADS_ARM,
-    AdaptiveBudget,
-    AutoBudget,
-    BudgetPolicy,
-    FixedBudget,
-    StepCosts,
-    VerifyCosts,
-    costs_key,
-    drifted,
-    load_costs,
-    measure_costs,
-    save_costs,
-)
 from specexec.decoding.constraint import Constraint, GrammarState, TokenLogprob, grammar_tokenizer
-from specexec.decoding.loop import Cancelled, OnStep, Stats, StepInfo, TargetState, decode, pass_timer
+from specexec.decoding.loop import Cancelled, OnStep, TargetState, decode, pass_timer
 from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
 from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
-from specexec.loading import invariance
+from specexec.loading import cpu_probe, invariance
 from specexec.loading.checkpoint import TokenizerInfo
 from specexec.model import sizes
 from specexec.model.transformer import Transformer
+from specexec.policy import AdaptiveBudget, BudgetPolicy, PolicyState, measure_costs
 from specexec.propose import (
     ChainDraft,
     DraftModel,
@@ -58,24 +46,11 @@ from specexec.propose import (
     TreeDraft,
 )
 from specexec.propose.ngram import LookupRecord
+from specexec.steps.record import PLAIN, Arm, Stats, StepInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cancelled", "Engine", "Generation", "Result", "Stats", "StepInfo"]
-
-# tree budgets the CPU's measured policy chooses among (besides 0: no draft). On the 2-core demo box verifying
-# 9 tokens cost 2-3x one token and budget 8 lost to 4 on code, prose and grounded prompts (docs/BENCHMARKS.md), so
-# the arms stay small; bigger ones would only cost exploration steps there.
-CPU_ARMS = (4, 8)
-# chains of these lengths are arms too (negative in the policy's terms): on that box chain-3 beat every tree
-# (1.9x AR vs 1.5x for budget 4 on a code prompt): a chain's passes are one token each and it verifies no siblings.
-# Each is a cap: once costs are measured a chain stops at the first token not worth its pass (ChainStop), so the
-# longest arm only runs long through confident stretches. The 10-cap arm pays where the text copies its context
-# (with the n-gram continuations merged in): on 3 grounded prompts 2.74x / 2.39x AR vs 2.48x / 2.25x without it,
-# the third (a docstring to write) 1.22x vs 1.29x, within one run's noise.
-CPU_CHAINS = (2, 3, 4, 6, 10)
-HEAD_ARMS = (0, 1, 2, 4, 8, 16)  # head trees the measured-rate policy chooses among (0: plain decoding)
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # target pass sizes timed once for the CPU policy's trimming
+__all__ = ["Cancelled", "Engine", "Generation", "Result", "ScoreResult", "Stats", "StepInfo"]
 
 
 def weights_tag(model: Transformer) -> str:
@@ -118,6 +93,47 @@ class Result:
         if self.logprobs is not None:
             d["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in self.logprobs]
         return d
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Teacher-forced scores of a token sequence under the target (:meth:`Engine.score`).
+
+    Entry j is about ``tokens[j]`` = ``ids[start + j]`` given ``ids[: start + j]``: ``logprobs`` (n,) fp32, its
+    log-probability in nats (the log-softmax of the target's fp32 logits: temperature 1, no top-k/top-p);
+    ``top1`` (n,) the target's greedy choice there (its argmax); ``logits`` (n, V) fp32, when asked for.
+    """
+
+    tokens: list[int]
+    logprobs: torch.Tensor
+    top1: list[int]
+    start: int
+    logits: torch.Tensor | None = None
+
+    @property
+    def nll(self) -> float:
+        """The negative log-likelihood of the scored tokens: -sum(logprobs), nats (summed in float64)."""
+        return -float(self.logprobs.double().sum())
+
+    @property
+    def mean_nll(self) -> float:
+        """Nats per scored token."""
+        return self.nll / len(self.tokens)
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean_nll)."""
+        return math.exp(self.mean_nll)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "tokens": self.tokens,
+            "logprobs": self.logprobs.tolist(),
+            "top1": self.top1,
+            "nll": self.nll,
+            "perplexity": self.perplexity,
+        }
 
 
 class Generation:
@@ -208,7 +224,7 @@ class Generation:
             steps.close()
 
     def _step(self, step: StepInfo) -> bool | None:
-        self._pending = list(step.logprobs)
+        self._pending = cast(list[TokenLogprob], list(step.logprobs))  # the decode loop records TokenLogprobs
         return self.on_step(step) if self.on_step is not None else None
 
     def _finish(self, reason: str | None) -> None:
@@ -285,14 +301,9 @@ class Engine:
         self.draft_model: DraftModel | None = None
         self._tree_room = 0
         self._draft_room = 0
-        self._auto: AutoBudget | None = None
-        self._costs = StepCosts()  # fixed budgets: measured step costs for the draft's early stop
-        # measured per-arm rates outlive a generation (the next chat turn starts from what was learnt)
-        self._adaptive: dict[tuple[str, tuple[int, ...]], AdaptiveBudget] = {}
-        self._verify: VerifyCosts | None = None
+        # what the budget policies measured and learnt (costs, rates), kept across generations
+        self.policies = PolicyState(costs_dir)
         self._lookup = LookupRecord()  # what prompt lookup measured on earlier texts: a new text's prior
-        self._draft_costs: VerifyCosts | None = None  # the draft's pass seconds by rows (the CPU policy's catch-ups)
-        self._by_mode: dict[bool, tuple[Any, Any, Any, Any]] = {}  # the other mode's measurements (set_invariant)
         self._static = (static_draft, static_rows)
         self._grammar_tokenizer: Any = None
         self.costs_dir = costs_dir
@@ -324,7 +335,7 @@ class Engine:
             self._tree_room = room
             self.state = None  # free the old cache before allocating the new one
             self.state = TargetState(self.target, self.context + room)
-            self._auto = None
+            self.policies.forget_cost_model()
         if self.draft is not None:
             self._draft_room = max(draft_room, self._draft_room)
             self.draft_model = None
@@ -361,9 +372,8 @@ class Engine:
         the two), so switching back finds them again."""
         if on == (self.target.tiling is not None):
             return
-        self._by_mode[not on] = (self._verify, self._auto, self._adaptive, self._costs)
+        self.policies.switch_mode(on)
         self.invariance = invariance.apply(self.target, on, home=self._home())
-        self._verify, self._auto, self._adaptive, self._costs = self._by_mode.pop(on, (None, None, {}, StepCosts()))
 
     def reset(self) -> None:
         """Forget the committed sequence (the caches' contents become unused)."""
@@ -407,7 +417,7 @@ class Engine:
         :data:`~specexec.config.NGRAM_NODES_GPU` on a GPU; see :meth:`TreeConfig.ngram_nodes`). ``policy``: a
         budget policy to use instead of the tree config's (fixed or auto), e.g. one with known costs. ``stop``:
         stop strings; the text ends right before the first one (not included) and finish_reason is "stop".
-        ``on_step``: called with a :class:`~specexec.decoding.loop.StepInfo` after every step; returning False (or
+        ``on_step``: called with a :class:`~specexec.steps.record.StepInfo` after every step; returning False (or
         raising
         :class:`~specexec.decoding.loop.Cancelled`) ends the generation after that step, as :meth:`Generation.close`
         does
@@ -499,6 +509,62 @@ class Engine:
         assert g.result is not None
         return g.result
 
+    def score(
+        self,
+        text: str | Sequence[int],
+        start: int = 1,
+        chat: bool = False,
+        chunk: int = 512,
+        logits: bool = False,
+    ) -> ScoreResult:
+        """Teacher-forced scores: the target's log-probability of each token of ``text`` (or ids) given the tokens
+        before it, e.g. a text's perplexity under this target's weight format against another's.
+
+        ``start``: the first scored index (1: every token but the first, which has nothing before it;
+        ``len(prompt_ids)`` on prompt + answer ids: the answer's tokens only). The target reads the ids in passes
+        of ``chunk`` tokens (a prefill's causal passes; only the scored rows' logits are kept, about 4 x ``chunk``
+        x vocabulary bytes at a time) in the engine's pass dtype; with shape-invariant passes (the default) each
+        position's logits are bit-identical to the ones plain decoding computes there, whatever ``chunk``.
+        ``logits``: keep the scored rows' logits too. At most :attr:`context` ids. The passes use the target's
+        KV cache: the committed sequence is forgotten (the next generation prefills its prompt again).
+        """
+        ids = self.encode(text, chat)
+        if len(ids) > self.context:
+            raise InvalidPrompt(f"the text has {len(ids)} tokens but the context holds {self.context}")
+        if not 1 <= start < len(ids):
+            raise ConfigError("start", start, f"must be in 1..{len(ids) - 1} (the text has {len(ids)} tokens)")
+        if chunk < 1:
+            raise ConfigError("chunk", chunk, "must be >= 1")
+        if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
+            raise SpecexecError("token ids out of the model's vocabulary")
+        self.reset()
+        assert self.state is not None
+        dev = self.target.device
+        x = torch.tensor(ids, device=dev)
+        lps, tops, kept = [], [], []
+        with torch.inference_mode():
+            for a in range(0, len(ids) - 1, chunk):  # row i of a pass predicts ids[i + 1]
+                b = min(a + chunk, len(ids) - 1)
+                pos = torch.arange(a, b, device=dev)
+                mask = torch.arange(b, device=dev)[None, :] <= pos[:, None]
+                first = max(start - 1, a) - a  # rows before it are only read into the cache
+                rows = slice(first, None) if first < b - a else slice(-1, None)
+                out = self.target.forward(x[a:b], pos, pos, mask, self.state.cache, logits_rows=rows)
+                if first >= b - a:
+                    continue
+                lp = torch.log_softmax(out.float(), dim=-1)
+                lps.append(lp.gather(-1, x[a + first + 1 : b + 1, None])[:, 0])
+                tops.append(out.argmax(-1))
+                if logits:
+                    kept.append(out.float())
+        return ScoreResult(
+            tokens=ids[start:],
+            logprobs=torch.cat(lps).cpu(),
+            top1=torch.cat(tops).tolist(),
+            start=start,
+            logits=torch.cat(kept) if logits else None,
+        )
+
     # -- what a generation runs with ------------------------------------------------------------------------------
     def _plan(
         self,
@@ -513,121 +579,102 @@ class Engine:
         its own arm rates: forced tokens and masked drafts change what each arm yields."""
         dev = self.target.device
         learnt = f"{method}+grammar" if constrained else method
+        pol = self.policies
         if method == "ar":
-            return NoDraft(dev), FixedBudget(0)
+            return NoDraft(dev), pol.fixed(PLAIN)
         if method == "heads":
             assert self.heads is not None
             g = self.target.globals
             lookup = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
             heads = HeadsDraft(self.heads, g.lm_head, g.embed, dev, lookup)
             if tree.auto:  # measured choice between plain AR or prompt lookup's trie (0) and head trees of a few sizes
-                arms = tuple(HEADS_ARM + b if b else 0 for b in HEAD_ARMS if b <= tree.max_budget)
                 stats.budget_auto = True
-                return heads, self._adaptive_policy(learnt, arms, tree, stats)
-            return heads, FixedBudget(tree.budget)
+                return heads, self._adaptive_policy(learnt, pol.head_arms(tree.max_budget), tree, stats)
+            return heads, pol.fixed(Arm.nodes(tree.budget))
         if method == "ngram":
             assert ngram is not None
             if tree.auto:  # measured choice between plain AR (0) and tries of a few sizes
-                arms = tuple(sorted({0, *(b for b in (4, 16, 64) if b <= ngram.max_nodes), ngram.max_nodes}))
                 stats.budget_auto = True
+                arms = pol.ngram_arms(ngram.max_nodes)
                 return NGramDraft(dev, ngram, self._lookup), self._adaptive_policy(learnt, arms, tree, stats)
-            return NGramDraft(dev, ngram, self._lookup), FixedBudget(ngram.max_nodes)
+            return NGramDraft(dev, ngram, self._lookup), pol.fixed(Arm.nodes(ngram.max_nodes))
         assert self.draft_model is not None
         if method == "chain":
             stats.gamma = chain.gamma
-            return ChainDraft(self.draft_model, chain.gamma), FixedBudget(chain.gamma)
-        stats.budget, stats.budget_auto = tree.budget, tree.auto
+            return ChainDraft(self.draft_model, chain.gamma), pol.fixed(Arm.nodes(chain.gamma))
+        stats.budget, stats.budget_auto = Arm.nodes(tree.budget), tree.auto
         if not tree.auto:
             merged = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
-            return TreeDraft(self.draft_model, tree, merged), FixedBudget(tree.budget, self._costs, tree.max_depth)
+            return TreeDraft(self.draft_model, tree, merged), pol.fixed_tree(Arm.nodes(tree.budget), tree.max_depth)
         if self._measured_policy():
             # a compute-bound verifier: choose per step, by measured tokens/s, among no draft (n-gram trie or
-            # AR), small trees and bigger ones; n-gram continuations are merged into every tree
-            arms = (0, *(-g for g in CPU_CHAINS), *(b for b in CPU_ARMS if b <= tree.max_budget))
+            # AR), chains and small trees; n-gram continuations are merged into every tree
+            arms = pol.cpu_arms(tree.max_budget)
             # one n-gram index, merged into trees and chains alike (a chain's tree runs on along a continuation)
             lookup = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None  # (--ngram-nodes 0: none)
-            chains = ChainDraft(self.draft_model, max(CPU_CHAINS), lookup)
+            chains = ChainDraft(self.draft_model, pol.longest_chain(), lookup)
             # the draft reads the prompt only when the policy first asks for it (the policy weighs that cost)
             proposer = TreeDraft(self.draft_model, tree, lookup, chains, lazy=True)
             return proposer, self._adaptive_policy(learnt, arms, tree, stats, draft=True)
         merged = NGramDraft(dev, ngram, self._lookup) if ngram is not None else None
         proposer = TreeDraft(self.draft_model, tree, merged)
-        if self._auto is not None and drifted(self._auto):
-            log.info("step costs drifted from the start-up measurement: measuring again")
-            self._auto = None
-            if self.costs_dir:
-                self._costs_file(tree).unlink(missing_ok=True)
-        if self._auto is None:  # once per engine (and cache size), before the caches hold anything
-            tc = time.perf_counter()
-            self._auto = self._measure_costs(tree)
-            stats.costs_s = time.perf_counter() - tc
-        return proposer, self._auto
+        # once per engine (and cache size), before the caches hold anything; again when the steps' costs drift
+        policy, spent = pol.cost_model(tree, self._costs_key(tree), lambda: self._measure_costs(tree))
+        if spent is not None:
+            stats.costs_s = spent
+        return proposer, policy
 
     def _adaptive_policy(
-        self, method: str, arms: tuple[int, ...], tree: TreeConfig, stats: Stats | None = None, draft: bool = False
+        self, method: str, arms: tuple[Arm, ...], tree: TreeConfig, stats: Stats, draft: bool = False
     ) -> AdaptiveBudget:
-        """The engine's measured-rate policy for these arms (kept across generations; each starts a new text). Its
-        verification-cost curve (shared by all such policies of the engine) starts from a short measurement, cached
-        per machine; with ``draft``, so does its curve of the draft's pass costs (what a lagging draft's catch-up
-        costs)."""
-        key = (method, tuple(sorted(set(arms))))
-        if key not in self._adaptive:
-            tc = time.perf_counter()
-            if self._verify is None:
-                self._verify = VerifyCosts(self._pass_prior(draft=False))
-            if draft and self._draft_costs is None:
-                self._draft_costs = VerifyCosts(self._pass_prior(draft=True))
-            if stats is not None:
-                stats.costs_s = time.perf_counter() - tc
-            self._adaptive[key] = AdaptiveBudget(
-                arms,
-                costs=self._costs,
-                max_depth=tree.max_depth,
-                verify=self._verify,
-                draft=self._draft_costs if draft else None,
-                heads_depth=self.heads.k if self.heads is not None else 0,
-            )
-        policy = self._adaptive[key]
-        policy.new_text()
+        """The engine's measured-rate policy for these arms (see :meth:`PolicyState.adaptive`); with ``draft``, its
+        curve of the draft's pass costs is measured too."""
+        policy, spent = self.policies.adaptive(
+            method,
+            arms,
+            max_depth=tree.max_depth,
+            heads_depth=self.heads.k if self.heads is not None else 0,
+            verify_prior=lambda: self._pass_prior(draft=False),
+            draft_prior=(lambda: self._pass_prior(draft=True)) if draft else None,
+        )
+        if spent is not None:
+            stats.costs_s = spent
         return policy
 
     def _pass_prior(self, draft: bool) -> dict[int, float]:
         """The target's pass seconds at a few small sizes (what trimming a proposal weighs), or the draft's (what its
-        catch-ups cost), measured once per machine and model
-        (cached under ``costs_dir``). Uses the caches as scratch: drops the prefix cache."""
+        catch-ups cost), measured once per machine and model (cached by the policies). Uses the caches as scratch:
+        drops the prefix cache."""
         assert self.state is not None
         dm = self.draft_model
         model = dm.model if draft and dm is not None else self.target
-        path = None
-        if self.costs_dir:
-            key = costs_key(
-                model.device, model.cfg, model.dtype, weights_tag(model), model.tiling,
-                "draft" if draft else "verify", VERIFY_SIZES,
-            )  # fmt: skip
-            path = self.costs_dir / f"{'draft' if draft else 'verify'}-{key}.json"
-            cached = load_costs(path)
-            if cached is not None:
-                return cached[0]
-        if draft and dm is not None:  # the draft's own passes, as its steps run them
-            timer, capacity = pass_timer(dm.model, dm.cache, dm.forward), dm.usable
-        else:
-            timer, capacity = pass_timer(self.target, self.state.cache), self.state.cache.capacity
-        timer(1, 1)  # warm-up
-        points = {n: timer(n, 2) for n in VERIFY_SIZES if n <= capacity}
-        self.reset()
-        if path is not None:
-            save_costs(path, points, {})
-        rounded = {k: round(v, 4) for k, v in points.items()}
-        log.info("%s pass cost by size: %s", "draft" if draft else "target", rounded)
-        return points
+        key = (model.device, model.cfg, model.dtype, weights_tag(model), model.tiling)
+
+        def measure(sizes: Sequence[int]) -> dict[int, float]:
+            assert self.state is not None
+            if draft and dm is not None:  # the draft's own passes, as its steps run them
+                timer, capacity = pass_timer(dm.model, dm.cache, dm.forward), dm.usable
+            else:
+                timer, capacity = pass_timer(self.target, self.state.cache), self.state.cache.capacity
+            with quiet.watch() as seen:
+                timer(1, 1)  # warm-up
+                points = {n: timer(n, 2) for n in sizes if n <= capacity}
+            self.reset()
+            if model.device.type == "cpu" and 1 in points:  # a quiet one-row pass checks the format probe's figures
+                cpu_probe.check_pass(model, "draft" if draft else "target", points[1], seen.load)
+            return points
+
+        return self.policies.pass_prior("draft" if draft else "verify", key, measure)
 
     def _measured_policy(self) -> bool:
         """--budget auto on a CPU: the measured per-step choice (AdaptiveBudget); elsewhere the cost model."""
         return self.target.device.type == "cpu"
 
-    def _costs_file(self, tree: TreeConfig) -> Path:
-        assert self.costs_dir is not None and self.draft is not None
-        key = costs_key(
+    def _costs_key(self, tree: TreeConfig) -> tuple[object, ...]:
+        """What the cost model's pass costs depend on: the machine's device, both models, the tree limits and the
+        cache size."""
+        assert self.draft is not None
+        return (
             self.target.device,
             self.target.cfg,
             self.draft.cfg,
@@ -641,24 +688,13 @@ class Engine:
             self.context + self._tree_room,
             "draft passes as run",  # costs measured before the draft was timed through its graphed passes differ
         )
-        return self.costs_dir / f"{key}.json"
 
-    def _measure_costs(self, tree: TreeConfig) -> AutoBudget:
-        """Time a few target passes (tree sizes) and draft passes (beam counts) for the auto budget.
+    def _measure_costs(self, tree: TreeConfig) -> tuple[dict[int, float], dict[int, float]]:
+        """Time a few target passes (tree sizes) and draft passes (beam counts) for the cost model.
 
         Uses the caches as scratch, so the prefix cache is dropped.
         """
         assert self.draft_model is not None and self.state is not None
-        cached = load_costs(self._costs_file(tree)) if self.costs_dir else None
-        if cached is not None:
-            return AutoBudget(
-                target_s=cached[0],
-                draft_pass_s=cached[1],
-                max_beams=tree.max_beams,
-                max_depth=tree.max_depth,
-                max_budget=tree.max_budget,
-                budget=tree.budget,
-            )
         t_time = pass_timer(self.target, self.state.cache)
         # the draft's own passes (graphed on a GPU): timing its model eagerly overstates what its graphed steps take
         # several times over, and the drift check would then measure again every generation
@@ -667,13 +703,4 @@ class Engine:
         d_time(1, 1)
         t_s, d_s = measure_costs(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
         self.reset()
-        if self.costs_dir:
-            save_costs(self._costs_file(tree), t_s, d_s)
-        return AutoBudget(
-            target_s=t_s,
-            draft_pass_s=d_s,
-            max_beams=tree.max_beams,
-            max_depth=tree.max_depth,
-            max_budget=tree.max_budget,
-            budget=tree.budget,
-        )
+        return t_s, d_s

@@ -15,8 +15,7 @@ sequence (the next chat turn) keeps the cached common prefix and prefills only t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -24,103 +23,16 @@ import torch
 from torch import Tensor
 
 from specexec.config import SamplingConfig
-from specexec.decoding import sampling
 from specexec.decoding.accept import accept
-from specexec.decoding.budget import BudgetPolicy, arm_json, arm_label
-from specexec.decoding.constraint import GrammarState, TokenLogprob, mask_rows
-from specexec.decoding.tree import Tree
+from specexec.decoding.constraint import GrammarFailed, GrammarState, TokenLogprob, mask_rows
 from specexec.decoding.verify import commit_target, score_tree
 from specexec.model.kv_cache import KVCache, common_prefix
 from specexec.model.transformer import Transformer
-from specexec.propose.base import Proposal, Proposer, StepContext
-
-
-@dataclass
-class Stats:
-    """What one generation did. Seconds are wall-clock; tokens_per_s counts decoding only (prefill excluded)."""
-
-    method: str
-    steps: int = 0  # target verification passes (prefill excluded)
-    new_tokens: int = 0
-    tokens_per_step: float = 0.0
-    tokens_per_s: float = 0.0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
-    costs_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
-    budget: int | None = None  # specexec: the budget (auto: the one chosen most often)
-    # specexec: budget -> steps (-g: a chain of g tokens; HEADS_ARM + b: b nodes from the heads, "heads:b" in JSON)
-    budgets: dict[int, int] = field(default_factory=dict)
-    budget_auto: bool = False
-    gamma: int | None = None
-    mean_tree_size: float = 0.0
-    draft_passes: int = 0
-    early_stops: int = 0  # specexec: trees whose growth the early-stop rule ended before max_depth
-    trimmed: int = 0  # proposal nodes dropped as not worth their verification time (auto, CPU)
-    ngram_tokens: int = 0  # emitted tokens that came from merged prompt-lookup nodes (the draft's tree lacked them)
-    forced_tokens: int = 0  # constrained: emitted tokens the grammar forced (proposed without a draft pass)
-    accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens committed per step -> count
-    tree_shapes: list[list[int]] = field(default_factory=list)  # tokens per draft pass, per step
-    finish_reason: str = ""  # "stop" (EOS or a stop string), "length" (max_new_tokens), "cancelled"
-
-    def add(self, step: StepInfo) -> None:
-        """Count one step (the decode loop's only way of changing the counts)."""
-        self.steps += 1
-        self.new_tokens += len(step.tokens)
-        self.tokens_per_step = self.new_tokens / self.steps
-        self.draft_s += step.draft_s
-        self.target_s += step.target_s
-        self.draft_passes += step.passes
-        self.early_stops += step.stopped_early
-        self.trimmed += step.trimmed
-        self.ngram_tokens += step.ngram_tokens
-        self.forced_tokens += step.forced
-        self.mean_tree_size += (step.tree_size - self.mean_tree_size) / self.steps
-        self.budgets[step.budget] = self.budgets.get(step.budget, 0) + 1
-        self.budget = max(self.budgets, key=self.budgets.__getitem__)  # the most chosen (ties: the first)
-        self.accepted_hist[len(step.tokens)] = self.accepted_hist.get(len(step.tokens), 0) + 1
-        if step.beams:
-            self.tree_shapes.append(list(step.beams))
-
-    def to_json(self, shapes: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
-        d["budgets"] = {arm_label(k): v for k, v in sorted(self.budgets.items())}
-        d["budget"] = arm_json(self.budget)
-        if not shapes:
-            d.pop("tree_shapes")
-        return d
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One decode step, recorded once after both sides committed it: :meth:`Stats.add` counts it, the budget
-    policy's ``update`` learns from it, the ``on_step`` hook sees it (before its tokens are yielded). Seconds as in
-    :class:`Stats`: ``draft_s`` proposing, ``target_s`` the target's pass, acceptance and both commits."""
-
-    budget: int  # the proposal size the policy chose (0: no draft; b > 0: a tree; chain: gamma; -g: a chain arm)
-    tree_logp: Sequence[float]  # the proposal's non-root cumulative scores (log path probabilities)
-    emitted: int  # tokens the step emitted (before any cut at EOS / the token limit)
-    draft_s: float
-    target_s: float
-    passes: int  # draft passes
-    catch_up_s: float = 0.0  # of draft_s, a lagging draft's catch-up over tokens committed without it
-    size: int = 0  # tokens the target verified (the tree's nodes, root included; 0: unknown)
-    index: int = 0  # 0-based step number (prefill excluded)
-    tokens: tuple[int, ...] = ()  # tokens committed this step (cut at EOS / the token limit)
-    beams: tuple[int, ...] = ()  # tokens per draft pass
-    stopped_early: bool = False  # the early stop ended the proposal's growth
-    trimmed: int = 0  # proposal nodes dropped as not worth their verification time
-    ngram_tokens: int = 0  # committed tokens that came from merged prompt-lookup nodes
-    forced: int = 0  # constrained: committed tokens the grammar forced (ahead of the proposal, no draft pass)
-    logprobs: tuple[TokenLogprob, ...] = ()  # the committed tokens' target log-probs, when asked for
-
-    @property
-    def tree_size(self) -> int:
-        """Proposed tokens the target verified beside the root (:attr:`Stats.mean_tree_size`'s unit)."""
-        return max(self.size - 1, 0)
+from specexec.policy import BudgetPolicy
+from specexec.steps import sampling
+from specexec.steps.proposal import Proposal, Proposer, StepContext
+from specexec.steps.record import Stats, StepInfo
+from specexec.steps.tree import Tree
 
 
 class Cancelled(Exception):
@@ -245,12 +157,12 @@ def decode(
         while stats.new_tokens < max_new:
             n = state.n
             td = time.perf_counter()
-            budget = policy.choose(left=max_new - stats.new_tokens, lag=lag(state.seq) if lag is not None else 0)
+            arm = policy.choose(left=max_new - stats.new_tokens, lag=lag(state.seq) if lag is not None else 0)
             ctx = StepContext(
                 samp=samp,
                 gen=gen,
-                budget=budget,
-                cost=policy.grow_cost(budget),
+                arm=arm,
+                cost=policy.grow_cost(arm),
                 trim=policy.trim_rule(),
                 logprobs=logprobs,
                 seed=seed,
@@ -293,12 +205,17 @@ def decode(
             if hidden is not None:  # heads: the last accepted node's hidden state (its logits chose seq[-1])
                 prop.hidden = (hidden[0] if len(hidden) == 1 else torch.cat(hidden))[path[-1]]
             proposer.commit(prop, ppath, state.seq)
+            failure: GrammarFailed | None = None
             if constraint is not None:
-                constraint.commit(out[k:])
+                try:
+                    constraint.commit(out[k:])
+                except GrammarFailed as e:  # at a committed position (as plain decoding): the tokens before it stand
+                    failure = e
+                    out = out[: k + e.committed]
             sync(dev)
             te = time.perf_counter()
             step = StepInfo(
-                budget=budget,
+                arm=arm,
                 tree_logp=tuple(prop.tree.n_logp[1:].tolist()),
                 emitted=len(emitted) - k,
                 draft_s=tt - td,
@@ -325,6 +242,8 @@ def decode(
                 except Cancelled:
                     cancel = True
             yield out
+            if failure is not None:
+                raise failure
             if out and out[-1] in eos:
                 stats.finish_reason = "stop"
                 break
@@ -352,7 +271,7 @@ def _graft(prop: Proposal, root: int, forced: list[int]) -> Proposal:
     out.depth[k + 1 : k + t.size] = t.depth[1 : t.size] + k
     out.logp[k : k + t.size] = t.logp[: t.size]
     out.size = k + t.size
-    return Proposal(out, budget=prop.budget, source=prop.source)
+    return Proposal(out, arm=prop.arm, source=prop.source)
 
 
 def _picked(raw: Tensor, path: list[int], out: list[int], top: int) -> tuple[TokenLogprob, ...]:
@@ -375,18 +294,20 @@ def _picked(raw: Tensor, path: list[int], out: list[int], top: int) -> tuple[Tok
 
 
 def pass_timer(
-    model: Transformer, cache: KVCache, forward: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    model: Transformer,
+    cache: KVCache,
+    forward: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
+    context: int = 0,
 ) -> Callable[[int, int], float]:
     """``time(size, reps)``: the best of a few timed forwards of ``size`` random tokens (uses the cache as scratch).
     ``forward(tokens, positions, slots, mask)``: the pass to time instead of ``model.forward`` over ``cache`` (a
-    draft's: its graphed passes on a GPU, which is what its steps run)."""
+    draft's: its graphed passes on a GPU, which is what its steps run). ``context``: the rows come after that many
+    cache slots and attend to them (the cache needs ``context + size`` slots)."""
     dev = model.device
     run = forward or (lambda toks, pos, slots, mask: model.forward(toks, pos, slots, mask, cache))
 
     def timed(size: int, reps: int) -> float:
-        pos = torch.arange(size, device=dev)
-        toks = torch.randint(0, model.cfg.vocab_size, (size,), device=dev)
-        mask = pos[None, :] <= pos[:, None]
+        toks, pos, mask = _pass_inputs(model, size, context)
         best, spent, i = float("inf"), 0.0, 0
         while i < reps or (spent < 0.2 and i < 5):  # fast passes: repeat, keep the best (least noisy)
             sync(dev)
@@ -398,3 +319,32 @@ def pass_timer(
         return best
 
     return timed
+
+
+def _pass_inputs(model: Transformer, size: int, context: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Random tokens, positions and causal mask of a pass of ``size`` rows after ``context`` cached slots."""
+    dev = model.device
+    pos = context + torch.arange(size, device=dev)
+    toks = torch.randint(0, model.cfg.vocab_size, (size,), device=dev)
+    return toks, pos, torch.arange(context + size, device=dev)[None, :] <= pos[:, None]
+
+
+def pass_ops(model: Transformer, cache: KVCache, size: int, context: int = 0) -> int:
+    """Torch operations plus Triton kernel launches of one forward of ``size`` random rows after ``context`` cache
+    slots (the pass :func:`pass_timer` times): an upper bound on the pass's kernel launches (views count too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specexec.model import tree_attn
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    toks, pos, mask = _pass_inputs(model, size, context)
+    before = tree_attn.launches
+    with Count():
+        model.forward(toks, pos, pos, mask, cache)
+    return Count.ops + tree_attn.launches - before

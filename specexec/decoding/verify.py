@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specexec.decoding.tree import Tree
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import Transformer
+from specexec.steps.tree import Tree
 
 
 def score_tree(

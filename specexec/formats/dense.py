@@ -120,6 +120,15 @@ class Tiling:
         return f"row tile {self.rows} ({how}), attention row tile {self.attn_rows}, key block {self.key_block}"
 
 
+def invariant_weight(w: Any) -> Any:
+    """The weight :func:`tiled_linear` multiplies: a quantized weight that can give its dense (16-bit) form
+    (``.invariant_weight()``: NF4 dequantizes, once, into its scratch buffer) gives it, so the tiles that follow
+    all multiply the same dense tensor in one fixed configuration; others (dense tensors, CPU kernels with their
+    own invariant path: int8, q4) are returned as they are."""
+    get = getattr(w, "invariant_weight", None)
+    return get() if get is not None else w
+
+
 def _mm(x: Tensor, w: Any, transposed: bool) -> Tensor:
     if isinstance(w, Tensor):
         return torch.mm(w, x.T).T if transposed else F.linear(x, w)
@@ -129,7 +138,9 @@ def _mm(x: Tensor, w: Any, transposed: bool) -> Tensor:
 def tiled_linear(x: Tensor, w: Any, tiling: Tiling) -> Tensor:
     """x (T, in) @ w.T -> (T, out), each row's result independent of T and of the row's place (see :class:`Tiling`).
     ``w``: a dense tensor, or a quantized weight whose ``.linear(x, invariant=True)`` uses one kernel for every
-    row count."""
+    row count. A weight with ``.invariant_weight()`` (NF4) is dequantized once a call, before the tiles
+    (:func:`invariant_weight`), and the tiles run the dense product."""
+    w = invariant_weight(w)
     T = x.shape[0]
     P = tiling.pad(T)
     if P != T:

@@ -103,15 +103,24 @@ class NF4Linear:
         """The dense weight (out, in) in ``dtype`` (a fresh tensor)."""
         return _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self._flat_state).view(self.shape)
 
+    def invariant_weight(self) -> Tensor:
+        """The dense weight (out, in) that shape-invariant passes multiply, dequantized once per call of
+        :func:`specexec.formats.dense.tiled_linear` (which then runs every row tile on it): on CUDA into the shared
+        scratch buffer (valid until the next NF4 linear dequantizes), elsewhere a fresh tensor. Dequantization is
+        elementwise, so the result is the same bits whatever the pass."""
+        if self.packed.device.type != "cuda":
+            return self.dequantize()
+        w = self.scratch.get(self.shape) if self.scratch is not None else None
+        return _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self.state, out=w)
+
     def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
         """x (T, in) @ W.T -> (T, out) in x's dtype. ``invariant``: one kernel for every row count (dequantize, then
-        one GEMM; :func:`specexec.formats.dense.tiled_linear` pads the rows), never bnb's few-row kernels."""
+        one dense product), never bnb's few-row kernels. Shape-invariant passes do not come here: they go through
+        :func:`specexec.formats.dense.tiled_linear`, which dequantizes once (:meth:`invariant_weight`) and pads."""
         if x.device.type != "cuda":
             from specexec.formats.dense import linear  # the dense path, CPU kernel choice included (bit-equal results)
 
             return F.linear(x, self.dequantize()) if invariant else linear(x, self.dequantize())
         if not invariant and x.numel() // x.shape[-1] <= FUSED_MAX_TOKENS:
             return _bnb().matmul_4bit(x, self.packed.view(-1, 1).t(), quant_state=self.state)
-        w = self.scratch.get(self.shape) if self.scratch is not None else None
-        w = _bnb().functional.dequantize_4bit(self.packed.view(-1, 1), self.state, out=w)
-        return F.linear(x, w)
+        return F.linear(x, self.invariant_weight())

@@ -14,8 +14,13 @@ rows, and the BLAS's kernel choice there varies by CPU and build by 2-3x), and s
 :func:`specexec.formats.dense.linear`'s table from it.
 
 The results are cached in ``<cache home>/cpu_probe.json``, keyed by CPU model, torch version, thread count and
-the shapes, so the second start skips the measurement. Models too small for the dtype to matter (tests' tiny
-models) are not probed: fp32. ``doctor`` shows the cached results (:func:`doctor_lines`).
+the shapes, so the second start skips the measurement. Each measurement runs under :func:`specexec.quiet.watch`:
+one taken while the machine was busy is stored provisional, with the load it saw, and measured again at the next
+start (replaced when that start is quiet, kept provisional while the machine stays busy); a format whose
+one-row pass at run time disagrees with the probe's figures by more than :data:`specexec.quiet.DRIFT`
+(:func:`check_pass`) is marked stale and measured again at the next start. Models too small for the dtype to
+matter (tests' tiny models) are not probed: fp32. ``doctor`` shows the cached results, when and how each was
+measured (:func:`doctor_lines`, :func:`entries`), and drops them on request (:func:`forget`).
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from specexec import quiet
 from specexec.formats.dense import ORIENT_MAX_ROWS, linear, set_cpu_orientation, set_cpu_transposed
 from specexec.home import write_json
 from specexec.model.transformer import ModelConfig
@@ -66,6 +72,10 @@ class ProbeResult:
     bf16_transposed: bool  # bf16 passes of 8..48 rows use w @ x.T
     seconds: float = 0.0  # how long the probe took
     notes: list[str] = field(default_factory=list)
+    provisional: bool = False  # measured while the machine was busy (specexec.quiet): measured again when quiet
+    load: dict[str, Any] = field(default_factory=dict)  # what the measurement saw (quiet.Load.figures)
+    measured_at: float = 0.0  # unix seconds (0: written before load was recorded)
+    stale: str = ""  # why run-time figures contradicted it ("": they did not)
 
     def summary(self) -> str:
         f, b = self.ms.get("fp32", {}), self.ms.get("bf16", {})
@@ -128,6 +138,32 @@ def _cached(key: str, cls: Any, use_cache: bool = True) -> Any:
         return cls(**data)
     except TypeError:
         return None
+
+
+Result = TypeVar("Result", "ProbeResult", "OrientResult", "FormatProbe")
+
+
+def _measured(key: str, cls: type[Result], run: Callable[[], Result], use_cache: bool = True) -> Result:
+    """The cached ``cls`` under ``key`` unless it must be measured again (:func:`specexec.quiet.needs_measuring`:
+    provisional, stale, or from before load was recorded); else ``run()`` under :func:`specexec.quiet.watch`,
+    stamped with the load it saw and cached. A provisional entry measured again under load is kept as it was."""
+    old = _cached(key, cls, use_cache)
+    if old is not None and not quiet.needs_measuring(old):
+        return old
+    with quiet.watch() as w:
+        new = run()
+    if quiet.keep_old(old, w.load):
+        log.info("the machine is still busy (%s): keeping the provisional choice", "; ".join(w.load.reasons()))
+        return old  # type: ignore[return-value]
+    if w.load.busy:
+        log.warning(
+            "the machine was busy while measuring (%s): the choice is provisional, measured again at the next "
+            "quiet start",
+            "; ".join(w.load.reasons()),
+        )
+    new = replace(new, **quiet.stamp(w.load))
+    _write_cache(new)
+    return new
 
 
 def _best_ms_pair(
@@ -229,8 +265,8 @@ def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> P
     if sum(o * i for o, i in shapes) < MIN_LAYER_PARAMS:
         return None
     key = probe_key(shapes)
-    result = _cached(key, ProbeResult, use_cache)
-    if result is None:
+
+    def run() -> ProbeResult:
         log.info("measuring fp32 vs bf16 matmuls on this CPU (once; cached in %s)", cache_path())
         t0 = time.perf_counter()
         ms = measure(shapes, repeats=repeats)
@@ -247,7 +283,9 @@ def probe(cfg: ModelConfig, use_cache: bool = True, repeats: int = REPEATS) -> P
             seconds=round(time.perf_counter() - t0, 2),
         )
         log.info("CPU dtype probe: %s", result.summary())
-        _write_cache(result)
+        return result
+
+    result = _measured(key, ProbeResult, run, use_cache)
     set_cpu_transposed(torch.bfloat16, result.bf16_transposed)
     return result
 
@@ -261,6 +299,10 @@ class OrientResult:
     ms: dict[str, dict[str, float]]  # "linear" / "transposed" -> rows -> ms
     transposed_rows: list[int]
     seconds: float = 0.0
+    provisional: bool = False  # measured while the machine was busy (specexec.quiet): measured again when quiet
+    load: dict[str, Any] = field(default_factory=dict)  # what the measurement saw (quiet.Load.figures)
+    measured_at: float = 0.0  # unix seconds (0: written before load was recorded)
+    stale: str = ""  # why run-time figures contradicted it ("": they did not)
 
     def summary(self) -> str:
         runs: list[str] = []
@@ -317,14 +359,16 @@ def orientation(cfg: ModelConfig, dtype: torch.dtype, use_cache: bool = True) ->
         return None
     name = "fp32" if dtype == torch.float32 else "bf16"
     key = f"orient {name}|{probe_key(shapes)}"
-    result = _cached(key, OrientResult, use_cache)
-    if result is None:
+
+    def run() -> OrientResult:
         log.info("measuring the CPU's matmul orientations for %s (once; cached in %s)", name, cache_path())
         t0 = time.perf_counter()
         ms = measure_orientation(shapes, dtype)
         result = OrientResult(key, name, ms, decide_orientation(ms), round(time.perf_counter() - t0, 2))
         log.info("CPU orientation probe: %s", result.summary())
-        _write_cache(result)
+        return result
+
+    result = _measured(key, OrientResult, run, use_cache)
     set_cpu_orientation(dtype, result.transposed_rows)
     return result
 
@@ -408,6 +452,11 @@ class FormatProbe:
     fmt: str  # the chosen format: "dense", "int8" or "q4"
     cold: bool = False
     seconds: float = 0.0
+    pass_s: dict[str, float] = field(default_factory=dict)  # format -> a whole one-row pass, s (:func:`pass_seconds`)
+    provisional: bool = False  # measured while the machine was busy (specexec.quiet): measured again when quiet
+    load: dict[str, Any] = field(default_factory=dict)  # what the measurement saw (quiet.Load.figures)
+    measured_at: float = 0.0  # unix seconds (0: written before load was recorded)
+    stale: str = ""  # why run-time figures contradicted it ("": they did not)
 
     def summary(self, what: str = "target") -> str:
         d = self.ms.get("dense", {})
@@ -459,8 +508,8 @@ def _choose(cfg: ModelConfig, what: str, formats: tuple[str, ...]) -> FormatProb
         return None
     name = "fp32" if dense == torch.float32 else "bf16"
     key = f"{what} formats {PROBE_VERSION} {'+'.join(formats)} vs {name}|{probe_key(shapes)}"
-    result = _cached(key, FormatProbe)
-    if result is None:
+
+    def run() -> FormatProbe:
         log.info("measuring low-bit vs %s %s weights on this CPU (once; cached in %s)", name, what, cache_path())
         t0 = time.perf_counter()
         flush = cold(sum(o * i for o, i in shapes) * cfg.num_layers * dense.itemsize)
@@ -471,10 +520,82 @@ def _choose(cfg: ModelConfig, what: str, formats: tuple[str, ...]) -> FormatProb
             table = DRAFT_FORMATS
             ms = measure_formats(shapes, dense, {f: table[f] for f in formats}, before=flush, target=False)
         fmt = pick_format(ms, table)
-        result = FormatProbe(key, name, ms, fmt, flush is not None, round(time.perf_counter() - t0, 2))
+        secs = round(time.perf_counter() - t0, 2)
+        result = FormatProbe(key, name, ms, fmt, flush is not None, secs, pass_seconds(cfg, ms))
         log.info("CPU %s probe: %s", what, result.summary(what))
-        _write_cache(result)
-    return result
+        return result
+
+    return _measured(key, FormatProbe, run)
+
+
+def pass_seconds(cfg: ModelConfig, ms: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per format of ``ms`` (:func:`measure_formats`' figures), the seconds of a whole one-row pass of ``cfg``
+    expected from them: its layers' linears plus the output head (in the same format, priced per weight as a
+    layer's linears are: a one-row pass reads each weight once), the rest (norms, attention at a short context)
+    left out."""
+    layer = sum(o * i for o, i in layer_shapes(cfg))
+    layers = cfg.num_layers + cfg.vocab_size * cfg.hidden_size / layer
+    one = str(min(INT8_ROWS))
+    return {f: round(v[one] * layers / 1e3, 6) for f, v in ms.items() if one in v}
+
+
+def contradicts(cached: FormatProbe, measured_s: float, fmt: str | None = None) -> bool:
+    """Whether a one-row pass measured at run time (``measured_s``, of a model in ``fmt``, default the probe's
+    choice) disagrees with what the probe's figures expect (:attr:`FormatProbe.pass_s`) by more than
+    :data:`specexec.quiet.DRIFT` either way. False where the probe has no figure for that format."""
+    expected = cached.pass_s.get(fmt or cached.fmt)
+    return expected is not None and quiet.contradicts(expected, measured_s)
+
+
+def weight_format(model: Any) -> str:
+    """A CPU model's layer weight format: ``q4``, ``int8`` or ``dense``."""
+    from specexec.formats.int8 import Int8Linear
+    from specexec.formats.q4 import Q4Linear
+    from specexec.model.transformer import ResidentLayers
+
+    if not isinstance(model.layers, ResidentLayers) or not model.layers.layers:
+        return "dense"
+    w = model.layers.layer(0).get("w2")
+    return "q4" if isinstance(w, Q4Linear) else "int8" if isinstance(w, Int8Linear) else "dense"
+
+
+def check_pass(model: Any, what: str, measured_s: float, load: quiet.Load | None = None) -> list[str]:
+    """Run-time check of the cached format probes of ``model`` as a ``what`` ("target" / "draft"): where a one-row
+    pass measured now (``measured_s``, on a quiet machine: a busy ``load`` says nothing about the probe) contradicts
+    the probe's figures for the model's format (:func:`contradicts`), the probe is marked stale and measured
+    again at the next start. Returns the keys marked."""
+    if load is not None and load.busy:
+        return []
+    cfg, fmt = model.cfg, weight_format(model)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype)
+    table = TARGET_FORMATS if what == "target" else DRAFT_FORMATS
+    data = _read_cache()
+    marked = []
+    for key, val in data.items():
+        if not (
+            key.startswith(f"{what} formats {PROBE_VERSION} ") and key.endswith(f"|{probe_key(layer_shapes(cfg))}")
+        ):
+            continue
+        try:
+            entry = FormatProbe(**val)
+        except TypeError:
+            continue
+        runs_as = entry.dense if fmt == "dense" else {torch.float32: "fp32", torch.bfloat16: "bf16"}[table[fmt]]
+        if entry.stale or runs_as != dtype or not contradicts(entry, measured_s, fmt):
+            continue
+        why = (
+            f"a one-row {what} pass in {fmt} ran in {measured_s * 1e3:.1f} ms at run time, the probe's figures "
+            f"expected {entry.pass_s[fmt] * 1e3:.1f} ms"
+        )
+        log.info("%s: measuring the CPU %s formats again at the next start", why, what)
+        data[key] = {**val, "stale": why}
+        marked.append(key)
+    if marked:
+        try:
+            write_json(cache_path(), data)
+        except OSError as e:
+            log.warning("could not mark the CPU probe stale in %s: %s", cache_path(), e)
+    return marked
 
 
 def choose_target(cfg: ModelConfig) -> tuple[str, torch.dtype]:
@@ -507,15 +628,51 @@ def choose_dtype(cfg: ModelConfig) -> torch.dtype:
 
 def cached_results() -> list[ProbeResult]:
     """Every cached probe result for this CPU, torch version and thread count (for ``doctor``)."""
-    prefix = f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-    out = []
+    return [r for r in entries() if isinstance(r, ProbeResult)]
+
+
+def _machine_prefix() -> str:
+    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+
+
+def entries() -> list[ProbeResult | OrientResult | FormatProbe]:
+    """Every readable cached measurement for this CPU, torch version and thread count: dtype, orientation and
+    format probes (for ``doctor``)."""
+    prefix, out = _machine_prefix(), []
     for key, val in _read_cache().items():
-        if key.startswith(prefix):
-            try:
-                out.append(ProbeResult(**val))
-            except TypeError:
-                continue
+        head, _, rest = key.partition("|")
+        if not (key.startswith(prefix) or rest.startswith(prefix)):
+            continue
+        cls: Any = (
+            ProbeResult if key.startswith(prefix) else OrientResult if head.startswith("orient ") else FormatProbe
+        )
+        try:
+            out.append(cls(**val))
+        except TypeError:
+            continue
     return out
+
+
+def entry_line(r: ProbeResult | OrientResult | FormatProbe) -> str:
+    """One line on a cached measurement: what it chose, for which shapes, when, and how (``doctor``)."""
+    shapes = r.key.rsplit("|", 1)[-1]
+    if isinstance(r, OrientResult):
+        what = f"cpu matmuls: {r.summary()}"
+    elif isinstance(r, FormatProbe):
+        kind = r.key.split(" ", 1)[0]
+        what = f"cpu {kind} format: {r.summary(kind)}"
+    else:
+        what = f"cpu dtype: {r.summary()}"
+    return f"{what}, layer shapes {shapes}; {quiet.describe(r)}"
+
+
+def forget() -> int:
+    """Drop every cached measurement of this file (all machines' keys): the next start measures again. Returns how
+    many were dropped. Raises OSError where the cache cannot be written."""
+    data = _read_cache()
+    if data:
+        cache_path().unlink(missing_ok=True)
+    return len(data)
 
 
 def doctor_lines(cfgs: dict[str, ModelConfig] | None = None, run: bool = False) -> list[str]:

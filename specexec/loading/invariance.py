@@ -38,8 +38,19 @@ from torch import Tensor
 
 from specexec.formats.dense import Tiling, tiled_linear
 from specexec.home import write_json
+from specexec.model import tree_attn
 from specexec.model.attention import blocked, plan_keys
+from specexec.model.sizes import (  # noqa: F401  (GUARANTEE, unavailable_message: this module's public names too)
+    CPU_MAX_ROWS,
+    CUDA_MAX_ROWS,
+    GUARANTEE,
+    PROBES,
+    check_bytes,
+    head_shapes,
+    unavailable_message,
+)
 from specexec.model.transformer import ModelConfig, Transformer
+from specexec.model.tree_attn import tree_attention, tree_keys
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +58,8 @@ CACHE_FILE = "invariance.json"
 CPU_TILES = (1, 2, 4, 8, 16, 32)
 CUDA_TILES = (16, 64, 128)
 KEY_BLOCK = 64  # positions per attention block (see specexec.model.attention.blocked)
-CPU_MAX_ROWS = 256  # the largest pass checked on a CPU (bigger ones run as passes of this many rows)
-CUDA_MAX_ROWS = 4096
 MULTIPLES = (1, 2, 3, 5, 8, 16, 33, 64)  # pass sizes checked, in tiles (and 1 row, and max_rows)
 MIN_CACHED_PARAMS = 1 << 20  # smaller models are checked every time, not cached
-PROBES = 16  # different probe rows a checked pass holds (see linear_invariant)
 
 
 @dataclass(frozen=True)
@@ -74,13 +82,6 @@ def _device_name(device: torch.device) -> str:
     from specexec.loading.cpu_probe import cpu_name
 
     return cpu_name()
-
-
-def head_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(out, in) of every linear a pass runs: the layer's four and the output head."""
-    from specexec.loading.cpu_probe import layer_shapes
-
-    return [*layer_shapes(cfg), (cfg.vocab_size, cfg.hidden_size)]
 
 
 def _sizes(tiling: Tiling) -> list[int]:
@@ -119,6 +120,23 @@ def linear_invariant(
                 return False
         del w, x
     return True
+
+
+def memory_note(cfg: ModelConfig, dtype: torch.dtype, free_bytes: int) -> str | None:
+    """Why the check cannot run with ``free_bytes`` of device memory free (None: it fits, see :func:`check_bytes`)."""
+    need = check_bytes(cfg, dtype)
+    if need <= free_bytes:
+        return None
+    return (
+        f"not enough free GPU memory for the load-time invariance check: it needs {need / 1e9:.2f} GB, "
+        f"{free_bytes / 1e9:.2f} GB is free"
+    )
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Device memory a new allocation can take: the driver's free bytes and torch's cached, unused blocks."""
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
 
 
 def _layouts(p: int, gen: torch.Generator) -> list[tuple[int, int, list[int]]]:
@@ -179,8 +197,18 @@ def _attention_agrees(
             q[at] = probe
             P = tiling.pad(T)
             qp = torch.cat((q, q.new_zeros(P - T, H, hd))).to(device)
-            plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.attn_rows, window)
-            out = blocked(qp, keys.to(device), values.to(device), plan, cfg.attn_scale, cfg.attn_softcap)[at].cpu()
+            if tree_attn.ready(device):  # the kernel the model's invariant passes run there (see Transformer)
+                rows = tree_keys(mask.to(device), pos.to(device), P, window)
+                try:
+                    out = tree_attention(qp, keys.to(device), values.to(device), rows, cfg.attn_scale,
+                                         cfg.attn_softcap)  # fmt: skip
+                except Exception as e:  # a kernel that does not compile or run here: the check fails, said so
+                    log.warning("the Triton tree attention failed on %s: %s: %s", device, type(e).__name__, e)
+                    return False
+            else:
+                plan = plan_keys(mask.to(device), pos.to(device), P, B, tiling.attn_rows, window)
+                out = blocked(qp, keys.to(device), values.to(device), plan, cfg.attn_scale, cfg.attn_softcap)
+            out = out[at].cpu()
             if ref is None:
                 ref = out
             elif not torch.equal(out, ref):
@@ -280,6 +308,7 @@ def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fmt: str = 
         + f"{head_shapes(cfg)}|heads {cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"
         + (f"|window {cfg.sliding_window}" if cfg.sliding_window is not None else "")
         + (f"|scale {cfg.attn_scale} cap {cfg.attn_softcap}" if cfg.attn_scale or cfg.attn_softcap else "")
+        + ("|triton tree attention" if tree_attn.ready(device) else "")
     )
 
 
@@ -338,11 +367,15 @@ def choose(
             "checking which kernels keep the target's passes shape-invariant (once; cached in %s)", cache_path(home)
         )
     t0 = time.perf_counter()
+    short = memory_note(cfg, dtype, _free_bytes(device)) if device.type == "cuda" else None
+    if short is not None:  # the memory plan reserves check_bytes; a smaller free amount means it was not planned
+        return Choice(key, None, {}, 0.0, short)  # not cached: try again next load
     try:
         tiling, ms, note = find(cfg, dtype, device, fmt=fmt)
     except torch.cuda.OutOfMemoryError:  # the check's full-size random weights did not fit beside the model
         torch.cuda.empty_cache()
-        note = "not enough free GPU memory to run the check (it needs about one output head's size)"
+        need = check_bytes(cfg, dtype) / 1e9
+        note = f"not enough free GPU memory to run the load-time invariance check (about {need:.2f} GB)"
         return Choice(key, None, {}, round(time.perf_counter() - t0, 2), note)  # not cached: try again next load
     choice = Choice(key, asdict(tiling) if tiling else None, ms, round(time.perf_counter() - t0, 2), note)
     if big:
@@ -355,7 +388,8 @@ def apply(
     model: Transformer, on: bool = True, check: Callable[..., Choice] = choose, home: Path | None = None
 ) -> Choice | None:
     """Give ``model`` shape-invariant passes (``on``), or the fastest per-shape kernels; returns the choice made
-    (None when off). ``home``: the cache root. Warns when this machine has no invariant way."""
+    (None when off). ``home``: the cache root. Warns in one line (:func:`unavailable_message`) when this machine
+    has no invariant way or the check could not run."""
     if not on:
         model.tiling = None
         return None
@@ -363,9 +397,5 @@ def apply(
     choice = check(model.cfg, model.dtype, model.device, home=home, **({"fmt": fmt} if fmt != "dense" else {}))
     model.tiling = choice.get()
     if model.tiling is None:
-        log.warning(
-            "shape-invariant passes are not available here (%s): greedy speculative output may differ from "
-            "plain decoding where the two best tokens are within rounding of each other",
-            choice.note,
-        )
+        log.warning("%s", unavailable_message(choice.note))
     return choice

@@ -37,6 +37,62 @@ from torch import Tensor
 
 from specexec.model.transformer import Globals, ModelConfig, ResidentLayers, Transformer
 
+# Real models' shapes, for random models of their sizes (the GPU benchmarks' targets and drafts)
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama2-70b": dict(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128,
+        num_layers=80,
+    ),
+    "llama2-7b": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_heads=32, num_kv_heads=32, head_dim=128,
+        num_layers=32,
+    ),
+    "qwen2.5-32b": dict(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_heads=40, num_kv_heads=8, head_dim=128,
+        num_layers=64, qkv_bias=True, rope_theta=1e6,
+    ),
+    "qwen2.5-0.5b": dict(
+        vocab_size=152064, hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
+        num_layers=24, qkv_bias=True, rope_theta=1e6,
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128,
+        num_layers=80, rope_theta=5e5,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+        num_layers=32, rope_theta=5e5,
+    ),
+    "llama3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, head_dim=64,
+        num_layers=16, rope_theta=5e5,
+    ),
+}  # fmt: skip
+
+# --smoke: every shape shrunk so a whole benchmark runs on a CPU in seconds (checks the flow, measures nothing);
+# the shapes that serve as targets keep more layers and wider ones than the drafts
+SMOKE_TARGETS = ("llama2-70b", "llama3-70b", "qwen2.5-32b", "llama3-8b")
+SMOKE_BIG = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+SMOKE_SMALL = {**SMOKE_BIG, "hidden_size": 128, "intermediate_size": 128}
+
+
+def shape(name: str, smoke: bool = False, layers: int | None = None) -> dict[str, Any]:
+    """``SHAPES[name]`` (a copy), shrunk for a smoke run (4 layers for a target, 2 for a draft), with ``layers``
+    layers if given."""
+    s = dict(SHAPES[name])
+    if smoke:
+        big = name in SMOKE_TARGETS
+        s.update(SMOKE_BIG if big else SMOKE_SMALL, num_layers=4 if big else 2)
+    if layers is not None:
+        s["num_layers"] = layers
+    return s
+
+
+def model_config(name: str, smoke: bool = False, layers: int | None = None, context: int = 8192) -> ModelConfig:
+    """A :class:`~specexec.model.transformer.ModelConfig` of :func:`shape`."""
+    return ModelConfig(max_position_embeddings=context, **shape(name, smoke, layers))
+
+
 CODE = (0.72, 0.965)  # (top-1 agreement, coverage) of the real demo pair on code
 PROSE = (0.58, 0.925)  # ... on English prose
 BASE_LOGIT = 16.0  # the successors' mean logit: above the background's log-mass (~ln V plus a little)

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from specexec.config import FORCED_IN_CHAIN, NGRAM_NODES_GPU, ChainConfig, TreeConfig
 from specexec.errors import SpecexecError
 from specexec.model.transformer import ModelConfig
@@ -266,6 +268,37 @@ def logits_bytes(cfg: ModelConfig, rows: int, itemsize: int = 4) -> int:
     return rows * cfg.vocab_size * (4 + (itemsize if itemsize != 4 else 0))
 
 
+def invariant_attention_bytes(
+    cfg: ModelConfig, context: int = 0, rows: int = 2048, attn_rows: int = 16, key_block: int = 64
+) -> int:
+    """Peak temporaries (bytes) of one layer's shape-invariant attention on a GPU,
+    :func:`specexec.model.attention.blocked`, for a pass of ``rows`` rows (a chain that deep at worst: the rows'
+    own blocks, R = rows / key_block + 1 of them) over a prefix of ``context`` positions (S = context / key_block
+    shared blocks), its products' row tile ``attn_rows``. It runs the rows in chunks of c rows whose largest
+    working tensor holds about :data:`~specexec.model.attention.CHUNK_ELEMENTS` fp32 values (never fewer than one
+    row tile), and a chunk holds, in fp32: the gathered keys and values (2 KVH c R B hd); the own blocks'
+    expanded queries, scores, exps and values product, their query group padded to whole tiles (Gp);
+    the shared blocks' expanded queries, scores, exps and values product (M = c G rows padded); the blocks'
+    concatenated parts and their running sum (2 KVH c G (S + R) hd); and the products' padding to
+    :data:`~specexec.model.attention.MIN_OUTPUTS` outputs (inputs and output). A kernel that writes only its
+    output (rows x heads x head_dim) would replace this function."""
+    from specexec.model.attention import CHUNK_ELEMENTS, MIN_OUTPUTS
+
+    H, KVH, hd, B = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, key_block
+    G = H // KVH
+    Gp = -(-G // attn_rows) * attn_rows
+    S = context // B
+    R = -(-rows // B) + 1
+    per_row = max(H * (S + R) * max(B, hd), 2 * KVH * R * B * hd)  # as blocked sizes its chunks
+    c = max(attn_rows, CHUNK_ELEMENTS // per_row // attn_rows * attn_rows)
+    M = -(-c * G // attn_rows) * attn_rows
+    gathered = 2 * KVH * c * R * B * hd
+    own = KVH * c * R * Gp * (2 * hd + 2 * B)
+    shared = KVH * S * M * (2 * hd + 2 * B)
+    parts = 2 * KVH * c * G * (S + R) * hd
+    return 4 * (gathered + own + shared + parts + 3 * MIN_OUTPUTS)
+
+
 @dataclass(frozen=True)
 class StepBuffers:
     """Bytes of every buffer whose size grows with the tree (one decoding step at the largest tree)."""
@@ -441,3 +474,35 @@ def plan_reservations(
     )  # fmt: skip
     others = est.total - est.weights - est.step.logits - est.step.target_activations
     return PlanReservations(est.weights, others, min(step_room(tree, None, merged) - 1, tree.verify_chunk))
+
+
+# -- the load-time invariance check (specexec.loading.invariance): its sizes and its one line ---------------------
+CPU_MAX_ROWS = 256  # the largest pass checked on a CPU (bigger ones run as passes of this many rows)
+CUDA_MAX_ROWS = 4096
+PROBES = 16  # different probe rows a checked pass holds (see invariance.linear_invariant)
+GUARANTEE = "greedy output equals plain decoding up to near-ties; sampling still follows the target's distribution"
+
+
+def head_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every linear a pass runs: one decoder layer's fused wqkv, wo, w13, w2 and the output head."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer = [(q + 2 * kv, d), (d, q), (2 * cfg.intermediate_size, d), (d, cfg.intermediate_size)]
+    return [*layer, (cfg.vocab_size, cfg.hidden_size)]
+
+
+def check_bytes(cfg: ModelConfig, dtype: torch.dtype, device_type: str = "cuda") -> int:
+    """Device bytes the invariance check (``invariance.find``) holds at its peak on ``cfg``'s shapes, from what
+    ``invariance.linear_invariant`` allocates for its largest linear (the output head at real shapes): the random
+    weight (out x in; made on the host in fp32, converted there, then copied), the pass rows ``x``, a pass's copy of
+    them and its zero-padded copy (max_rows x in each), the probes and their one-row results, and a pass's output
+    twice (max_rows x out: a fixed-tile pass concatenates its tiles' outputs). The attention check's tensors are
+    a few hundred positions long (negligible)."""
+    isz = torch.empty((), dtype=dtype).element_size()
+    rows = CUDA_MAX_ROWS if device_type == "cuda" else CPU_MAX_ROWS
+    return max((o * i + 3 * rows * i + PROBES * (i + o) + 2 * rows * o) * isz for o, i in head_shapes(cfg))
+
+
+def unavailable_message(note: str) -> str:
+    """The one line a target without shape-invariant passes logs: why, and the guarantee the user has instead."""
+    return f"shape-invariant passes are off ({note}); what still holds: {GUARANTEE}"

@@ -30,8 +30,10 @@ from torch import Tensor
 from specexec.formats.dense import Tiling, embed_rows, linear, tiled_linear
 from specexec.formats.layers import NativeLayers
 from specexec.formats.subset import SubsetHead
+from specexec.model import tree_attn
 from specexec.model.attention import blocked, native, native_ready, plan_keys, row_keys, sdpa, sdpa_bias
 from specexec.model.kv_cache import KVCache
+from specexec.model.tree_attn import tree_attention, tree_keys
 
 LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w13", "w2")
 
@@ -555,6 +557,14 @@ class Transformer:
             def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
                 r = wrows if wrows is not None and c.window(i) else rows
                 return native(q, keys, values, r, c.attn_scale, c.attn_softcap)
+
+        elif tree_attn.ready(x.device):  # a CUDA device with Triton: one kernel launch a layer
+            trows = tree_keys(mask, positions, P)
+            twrows = None if c.sliding_window is None else tree_keys(mask, positions, P, window=c.sliding_window)
+
+            def attend(i: int, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+                r = twrows if twrows is not None and c.window(i) else trows
+                return tree_attention(q, keys, values, r, c.attn_scale, c.attn_softcap)
 
         else:
             plan = plan_keys(mask, positions, P, t.key_block, t.attn_rows)

@@ -3,7 +3,7 @@
 Decoding is one loop (:mod:`specexec.decoding.loop`): propose → verify (ONE target pass over the proposal's tree) →
 accept → commit → emit. Only the proposer varies; :class:`Proposer` is all the loop calls (``begin``, ``propose``,
 ``commit``). A proposer returns a :class:`Proposal`: a tree rooted at the pending token (flat tensors,
-:class:`specexec.decoding.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact tree walk, right for any
+:class:`specexec.steps.tree.Tree`), the acceptance rule it needs (``"tree"``: the exact tree walk, right for any
 tree; ``"chain"``: speculative sampling along a chain with the draft distributions q it was sampled from), and what
 it spent (draft passes, tokens per pass). The :class:`StepContext` carries the budget policy's choices: the size,
 the early stop's costs, and the rule that trims nodes not worth verifying, which the proposer applies to its own
@@ -34,13 +34,13 @@ How the coming proposers plug in:
 Every proposal is verified exactly, so a proposer can only change speed, never the output.
 """
 
-from specexec.propose.base import Proposal, Proposer, StepContext
 from specexec.propose.best_first import TreeDraft
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel, TargetPrefix
 from specexec.propose.heads import Heads, HeadsDraft
 from specexec.propose.ngram import NGramConfig, NGramDraft
 from specexec.propose.nodraft import NoDraft
+from specexec.steps.proposal import Proposal, Proposer, StepContext
 
 __all__ = [
     "ChainDraft",

@@ -5,7 +5,7 @@ The tree holds the ``budget`` most probable continuations under the draft model 
 top ``budget``, runs ONE draft forward over them (tree mask, draft KV cache by slot), proposes each one's top
 ``max_branch`` children, and keeps only the best ``budget`` nodes of the whole tree. Growth stops when no
 unexpanded node beats the budget-th best (its children could not enter), after ``max_depth`` levels, or -- with
-``early_stop`` and known costs (:class:`~specexec.decoding.costs.GrowCost`), once the tree holds ``budget`` nodes --
+``early_stop`` and known costs (:class:`~specexec.steps.rules.GrowCost`), once the tree holds ``budget`` nodes --
 when one more pass is expected to add fewer tokens than its time is worth; the result is cut to exactly ``budget``
 nodes. Any tree is verified exactly, so the early stop only moves speed.
 
@@ -23,18 +23,19 @@ import torch
 from torch import Tensor
 
 from specexec.config import TreeConfig
-from specexec.decoding import sampling
-from specexec.decoding.costs import GrowCost
-from specexec.decoding.tree import Tree
-from specexec.propose.base import Proposal, StepContext
 from specexec.propose.captured import capturable
 from specexec.propose.chain import ChainDraft
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.fixed_grow import finish, grow_fixed
 from specexec.propose.ngram import NGramDraft
+from specexec.steps import sampling
+from specexec.steps.proposal import Proposal, StepContext
+from specexec.steps.record import PLAIN, Arm
+from specexec.steps.rules import GrowCost
+from specexec.steps.tree import Tree
 
 if TYPE_CHECKING:
-    from specexec.decoding.constraint import GrammarState
+    from specexec.steps.proposal import Grammar
 
 
 def default_logprobs(logits: Tensor) -> Tensor:
@@ -55,11 +56,11 @@ def _paths(tree: Tree, nodes: Tensor) -> list[list[int]]:
 
 
 class TreeDraft:
-    """Best-first tree proposals from a draft model (``ctx.budget`` draft tokens per tree).
+    """Best-first tree proposals from a draft model (``ctx.arm.size`` draft tokens per tree).
 
-    With a :class:`~specexec.propose.chain.ChainDraft` attached, a negative ``ctx.budget`` -g asks for a chain of
+    With a :class:`~specexec.propose.chain.ChainDraft` attached, a chain arm of size g asks for a chain of
     g draft tokens instead (what a compute-bound verifier's policy picks when a tree's siblings and extra draft
-    passes cost more than they add; the chain's own acceptance rule applies), and 0 for no draft pass.
+    passes cost more than they add; the chain's own acceptance rule applies), and a plain arm for no draft pass.
     """
 
     name = "specexec"
@@ -89,23 +90,23 @@ class TreeDraft:
             self.ngram.begin(seq)
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        if ctx.budget < 0:  # a chain of -budget draft tokens
+        if ctx.arm.kind == "chain":  # a chain of arm.size draft tokens
             if self.chain is None:
-                raise ValueError(f"budget {ctx.budget} asks for a chain, but this tree proposer has none")
+                raise ValueError(f"arm {ctx.arm} asks for a chain, but this tree proposer has none")
             # verified by the tree walk also when sampling (the draft's tokens are then coupled draws): exact for
             # any tree, and the walk draws from the target as AR does, so a seed gives the same text whichever arm
             # each step takes
-            prop = self.chain.propose(seq, replace(ctx, budget=-ctx.budget, walk=True))
-            prop.budget = ctx.budget
+            prop = self.chain.propose(seq, replace(ctx, walk=True))
+            prop.arm = ctx.arm
             return prop
-        if ctx.budget == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
+        if ctx.arm.size == 0:  # no draft this step: the n-gram trie alone (the root alone without one: an AR step)
             if self.ngram is None:
-                return Proposal(Tree(seq[-1], 1, self.draft.device), budget=0, source=self.name)
-            prop = self.ngram.propose(seq, replace(ctx, budget=self.ngram.max_nodes()))
-            prop.budget = 0
+                return Proposal(Tree(seq[-1], 1, self.draft.device), arm=PLAIN, source=self.name)
+            prop = self.ngram.propose(seq, replace(ctx, arm=Arm.nodes(self.ngram.max_nodes())))
+            prop.arm = PLAIN
             return prop
         cost = ctx.cost if isinstance(ctx.cost, GrowCost) else None
-        cfg = replace(self.cfg, budget=ctx.budget)
+        cfg = replace(self.cfg, budget=ctx.arm.size)
         if ctx.constraint is not None:  # the grammar's masks are the host's per node: levels of any width
             cfg = replace(cfg, grow="dynamic")
         tree, passes, beams, early = self.grow(
@@ -124,7 +125,7 @@ class TreeDraft:
             passes=passes,
             beams=beams,
             stopped_early=early,
-            budget=ctx.budget,
+            arm=ctx.arm,
             source=self.name,
             merged_at=merged_at,
             catch_up_s=self.draft.caught_up_s,
@@ -149,12 +150,12 @@ class TreeDraft:
         logprobs=default_logprobs,
         cost: GrowCost | None = None,
         seed: int | None = None,
-        constraint: GrammarState | None = None,
+        constraint: Grammar | None = None,
     ) -> tuple[Tree, int, list[int], bool]:
         """Grow a best-first tree of exactly ``min(cfg.budget, reachable)`` draft tokens below the root seq[-1].
 
         ``seed`` (sampling): children are ranked and scored by the draft's log-probs perturbed by the walk's noise
-        (:func:`specexec.decoding.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw,
+        (:func:`specexec.steps.sampling.coupled_logprobs`), so the most probable path is the draft's coupled draw,
         the token the target's walk draws wherever p is close to q. ``cost`` enables the early stop (when
         ``cfg.early_stop``; by default on a CPU, and for fixed-width growth on a GPU); None grows up to
         ``max_depth`` levels. ``constraint``: a grammar whose masks apply to the draft's logits at every expanded

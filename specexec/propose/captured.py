@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.decoding.tree import Tree
 from specexec.model.graphs import StaticPasses
+from specexec.steps.tree import Tree
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 time. Greedy: the draft's argmax, verified by the exact tree walk. Sampling: x_i ~ q_i, verified by speculative
 sampling with those q (the ``"chain"`` acceptance rule); or, with ``StepContext.walk`` (the CPU policy's chain
 arms), coupled draws -- x_i drawn from q_i with the Gumbel noise the tree walk uses at that position
-(:func:`specexec.decoding.sampling.coupled_choice`) -- verified by the exact tree walk, so the same seed gives AR's
+(:func:`specexec.steps.sampling.coupled_choice`) -- verified by the exact tree walk, so the same seed gives AR's
 text."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import torch
 from torch import Tensor
 
 from specexec.config import FORCED_IN_CHAIN, SamplingConfig
-from specexec.decoding import sampling
-from specexec.decoding.costs import ChainStop
-from specexec.decoding.tree import Tree
-from specexec.propose.base import Proposal, StepContext
 from specexec.propose.draft_model import DraftModel
 from specexec.propose.ngram import NGramDraft
+from specexec.steps import sampling
+from specexec.steps.proposal import Proposal, StepContext
+from specexec.steps.rules import ChainStop
+from specexec.steps.tree import Tree
 
 
 class ChainDraft:
-    """``ctx.budget`` (gamma) draft tokens per step; with a :class:`~specexec.decoding.costs.ChainStop` as
+    """``ctx.arm.size`` (gamma) draft tokens per step; with a :class:`~specexec.steps.rules.ChainStop` as
     ``ctx.cost``, up to gamma.
 
     With ``lookup`` (an :class:`~specexec.propose.ngram.NGramDraft`; greedy chains verified by the tree walk only,
@@ -42,7 +42,7 @@ class ChainDraft:
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
         d = self.draft
         dev = d.device
-        gamma = ctx.budget
+        gamma = ctx.arm.size
         n = len(seq) - 1
         # verified by the tree walk: greedy, or (ctx.walk) coupled draws when sampling; else the chain rule with q
         walk = ctx.samp.greedy or (ctx.walk and ctx.seed is not None)
@@ -119,7 +119,7 @@ class ChainDraft:
             q=q_all,
             passes=passes,
             beams=beams,
-            budget=gamma,
+            arm=ctx.arm,
             source=self.name,
             stopped_early=chosen < gamma,
             merged_at=merged_at,

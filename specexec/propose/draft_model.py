@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specexec.decoding.costs import CATCH_UP_ROWS
 from specexec.model.graphs import StaticPasses
 from specexec.model.kv_cache import KVCache, common_prefix
 from specexec.model.transformer import Transformer
 from specexec.propose.captured import LevelSpace
+from specexec.steps.rules import CATCH_UP_ROWS
 
 
 @dataclass

@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from specexec.decoding import sampling
-from specexec.decoding.tree import Tree
 from specexec.propose.captured import MIN_ROWS, LevelSpace, capturable, space_for
+from specexec.steps import sampling
+from specexec.steps.tree import Tree
 
 if TYPE_CHECKING:
     from specexec.config import TreeConfig
-    from specexec.decoding.costs import GrowCost
     from specexec.propose.draft_model import DraftModel
+    from specexec.steps.rules import GrowCost
 
 NEG = float("-inf")
 

@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specexec.decoding.budget import HEADS_ARM
-from specexec.decoding.tree import Tree
 from specexec.errors import SpecexecError
 from specexec.formats.dense import linear
-from specexec.propose.base import Proposal, StepContext
 from specexec.propose.ngram import NGramDraft
+from specexec.steps.proposal import Proposal, StepContext
+from specexec.steps.record import Arm
+from specexec.steps.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,9 @@ def find_heads(model_dir: Path, home: Path | None = None) -> Path | None:
 
 
 class HeadsDraft:
-    """Proposals from :class:`Heads` on the last accepted node's hidden state (``ctx.budget`` nodes).
+    """Proposals from :class:`Heads` on the last accepted node's hidden state (``ctx.arm.size`` nodes).
 
-    With an :class:`~specexec.propose.ngram.NGramDraft` attached, a step of no heads (budget 0) verifies prompt
+    With an :class:`~specexec.propose.ngram.NGramDraft` attached, a step of no heads (a plain arm) verifies prompt
     lookup's trie alone (the root alone where nothing matches: a plain step), and the lookup's continuations are
     merged into every head tree as extra branches, as a draft model's trees get them."""
 
@@ -241,17 +241,17 @@ class HeadsDraft:
         return tree
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        b = ctx.budget - HEADS_ARM if ctx.budget >= HEADS_ARM else max(ctx.budget, 0)  # a policy's arm, or a size
+        b = ctx.arm.size  # a head tree of b nodes (a policy's heads arm, or a fixed size)
         if b == 0 and self.ngram is not None:  # no heads this step: prompt lookup's trie alone
-            prop = self.ngram.propose(seq, replace(ctx, budget=self.ngram.max_nodes()))
-            prop.budget = ctx.budget
+            prop = self.ngram.propose(seq, replace(ctx, arm=Arm.nodes(self.ngram.max_nodes())))
+            prop.arm = ctx.arm
             return prop
         ngram = self.ngram  # a head tree, with prompt lookup's continuations merged into it
         tree = self.grow(seq, b, ngram.max_nodes() if ngram is not None else 0)
         merged_at = tree.size
         if ngram is None or not ngram.merge_into(tree, seq):
             merged_at = 0
-        prop = Proposal(tree, budget=ctx.budget, source=self.name, merged_at=merged_at)
+        prop = Proposal(tree, arm=ctx.arm, source=self.name, merged_at=merged_at)
         prop.trim(ctx.trim)
         return prop
 

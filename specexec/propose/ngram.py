@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specexec.decoding.tree import Tree
-from specexec.propose.base import Proposal, StepContext
+from specexec.steps.proposal import Proposal, StepContext
+from specexec.steps.tree import Tree
 
 PRIOR_ACC = 0.6  # per-token acceptance of n-gram tokens before any evidence (an engine's first text)
 PRIOR_TRIALS = 2.0  # what a text's prior weighs against its own evidence, in tried tokens
@@ -77,7 +77,7 @@ class NGramConfig:
 
 
 class NGramDraft:
-    """Prompt-lookup proposals; ``ctx.budget`` caps the trie's nodes (0 = the root alone)."""
+    """Prompt-lookup proposals; ``ctx.arm.size`` caps the trie's nodes (0 = the root alone)."""
 
     name = "ngram"
 
@@ -186,13 +186,13 @@ class NGramDraft:
         return parents, tokens, depths, logp
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        tree = Tree(seq[-1], max(ctx.budget, 0) + 1, self.device)
-        if ctx.budget > 0:
+        tree = Tree(seq[-1], ctx.arm.size + 1, self.device)
+        if ctx.arm.size > 0:
             conts = self.continuations(seq)
             if conts:
-                parents, tokens, depths, logp = self._trie(conts, {}, [0], [0.0], ctx.budget)
+                parents, tokens, depths, logp = self._trie(conts, {}, [0], [0.0], ctx.arm.size)
                 tree.append(parents, tokens, depths, logp)
-        prop = Proposal(tree, budget=ctx.budget, source=self.name, merged_at=1 if tree.size > 1 else 0)
+        prop = Proposal(tree, arm=ctx.arm, source=self.name, merged_at=1 if tree.size > 1 else 0)
         prop.trim(ctx.trim)
         return prop
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specexec.decoding.tree import Tree
-from specexec.propose.base import Proposal, StepContext
+from specexec.steps.proposal import Proposal, StepContext
+from specexec.steps.tree import Tree
 
 
 class NoDraft:
@@ -16,7 +16,7 @@ class NoDraft:
         pass
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        return Proposal(Tree(seq[-1], 1, self.device), budget=0, source=self.name)
+        return Proposal(Tree(seq[-1], 1, self.device), source=self.name)
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         pass

@@ -346,6 +346,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise p.ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:  # nested deeper than json.loads recurses: name the field
+        raise p.too_deep_body(raw.decode("utf-8", errors="replace")) from None
 
 
 def _usage(o: Outcome) -> dict[str, Any]:

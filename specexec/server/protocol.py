@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import SamplingConfig
+from specexec.decoding.constraint import MAX_SCHEMA_DEPTH, json_path, too_deep, too_deep_message, value_depth
 from specexec.server.tools import Tool
 
 MAX_STOPS = 16  # OpenAI allows 4; a few more cost nothing here
@@ -269,7 +270,30 @@ def _response_format(body: dict) -> ResponseFormat | None:
         return ResponseFormat("json_object")
     if not isinstance(schema, dict):
         raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)", name)
+    _check_depth(schema, "response_format.json_schema.schema", name)
     return ResponseFormat("json_schema", schema)
+
+
+def _check_depth(schema: Any, field_name: str, param: str) -> None:
+    """400 naming ``field_name`` for a schema nested deeper than a constraint may be (counted without recursion,
+    so before anything that recurses over it: repr, the chat template's tojson, json.dumps)."""
+    if value_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ApiError(400, too_deep_message(field_name), param)
+
+
+def too_deep_body(text: str) -> ApiError:
+    """The 400 for a request body nested too deeply for ``json.loads`` (which recurses): it names the field where
+    the nesting first passes the schemas' limit (a schema's field when it is inside one)."""
+    path = too_deep(text, MAX_SCHEMA_DEPTH) or []
+    if path[:3] == ["response_format", "json_schema", "schema"]:
+        where, param = "response_format.json_schema.schema", "response_format"
+    elif len(path) >= 4 and path[0] == "tools" and path[2:4] == ["function", "parameters"]:
+        where, param = json_path(path[:4]), "tools"
+    elif path and isinstance(path[0], str) and path[0]:
+        where, param = json_path(path[:2]), path[0]
+    else:
+        return ApiError(400, too_deep_message("the request body"), None, "invalid_json")
+    return ApiError(400, too_deep_message(where), param)
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -329,6 +353,8 @@ def _tools(body: dict) -> tuple[Tool, ...]:
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
+        if isinstance(params, dict):
+            _check_depth(params, f"{where}.function.parameters", "tools")
         if not isinstance(params, dict) or params.get("type") != "object":
             raise ApiError(
                 400,

@@ -28,11 +28,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.decoding.budget import arm_json
 from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.decoding.text import render_chat
 from specexec.errors import SpecexecError
@@ -124,22 +124,23 @@ def prepare(engine: Any, req: GenRequest) -> Prepared:
     ``response_format`` constrains the answer (with ``tool_choice`` "auto" the model then cannot call a tool).
     Each tool's parameters schema must compile too.
     """
-    ids = encode(engine, req)
     tok = engine.tokenizer.tokenizer
     choice = req.tool_choice
     fmt = tl.tool_format(tl.template_text(tok)) if req.tools else None
     if req.response_format is None and not req.tools:
-        return Prepared(ids)
+        return Prepared(encode(engine, req))
 
-    def checked(c: Constraint, param: str, what: str) -> Constraint:
+    def checked(make: Callable[[], Constraint], param: str, what: str) -> Constraint:
         try:
+            c = make()
             c.check()
         except ConstraintError as e:
             raise ApiError(400, f"{what}: {e}", param) from None
         return c
 
+    # the constraints first: the chat template renders the tools' schemas, and it can take none that is refused here
     for i, t in enumerate(req.tools):
-        checked(Constraint.json_schema(t.parameters), "tools", f"tools[{i}].function.parameters cannot be used")
+        checked(lambda: Constraint.json_schema(t.parameters), "tools", f"tools[{i}].function.parameters cannot be used")
     parse = fmt if choice is not None and choice.mode != "none" else None
     if choice is not None and choice.forced:
         if fmt is None:
@@ -151,15 +152,18 @@ def prepare(engine: Any, req: GenRequest) -> Prepared:
             )
         added = tok.get_added_vocab() if hasattr(tok, "get_added_vocab") else {}
         grammar = tl.forced_grammar(fmt, req.tools, choice.name, req.parallel_tool_calls, added.get)
-        c = checked(Constraint.grammar(grammar), "tools", "the tools' grammar does not compile")
-        return Prepared(ids, c, "tools", parse)
+        c = checked(lambda: Constraint.grammar(grammar), "tools", "the tools' grammar cannot be used")
+        return Prepared(encode(engine, req), c, "tools", parse)
     rf = req.response_format
     if rf is None:
-        return Prepared(ids, None, None, parse)
-    c = Constraint.json() if rf.schema is None else Constraint.json_schema(rf.schema)
-    return Prepared(
-        ids, checked(c, "response_format", "response_format's schema cannot be used"), "response_format", parse
+        return Prepared(encode(engine, req), None, None, parse)
+    schema = rf.schema
+    c = checked(
+        lambda: Constraint.json() if schema is None else Constraint.json_schema(schema),
+        "response_format",
+        "response_format.json_schema.schema cannot be used",
     )
+    return Prepared(encode(engine, req), c, "response_format", parse)
 
 
 class TokenTexts:
@@ -392,6 +396,10 @@ class Worker:
                 if job.logprobs is not None:
                     sent = self._send_logprobs(job, g.logprobs, sent, len(g.tokens))
                 job.emit("text", piece)
+        except ConstraintError as e:  # the grammar failed part-way (a limit hit): an error event ends the answer
+            if job.constraint is None:
+                raise
+            raise ApiError(400, f"{job.constraint_param}: {e}", job.constraint_param) from None
         finally:
             g.close()  # a safe cancel between pieces; a no-op once the generation has ended
         result = g.result
@@ -437,7 +445,7 @@ def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
     tokens a constraint forced."""
     return {
         "method": stats.method,
-        "budget": arm_json(stats.budget),
+        "budget": stats.budget.json() if stats.budget is not None else None,
         "budget_auto": bool(stats.budget_auto),
         "gamma": stats.gamma,
         "steps": int(stats.steps),

@@ -560,6 +560,22 @@ def test_notice_when_load_lowered_the_max_budget(capsys):
         (lambda d: ("--grammar", _write(d / "g.lark", "start: nowhere")), "--grammar: the grammar does not compile"),
         (lambda d: ("--regex", "(a"), "--regex: the regular expression does not compile"),
         (lambda d: ("--regex", "a", "--grammar", _write(d / "ok.gbnf", 'root ::= "a"')), "cannot be combined"),
+        # past what the compiler can take: refused by the limits (decoding.constraint), never a crash or a bug report
+        (
+            lambda d: ("--json-schema", _write(d / "deep.json", DEEP_SCHEMA)),
+            "--json-schema: the JSON schema nests more",
+        ),
+        (
+            lambda d: ("--json-schema", _write(d / "huge.json", HUGE_SCHEMA)),
+            "--json-schema: the JSON schema is 6,400,034 bytes",
+        ),
+        (lambda d: ("--regex", "(a|aa)*a{1000000}"), "--regex: the regular expression repeats a piece 1,000,000"),
+        (lambda d: ("--regex", "x" * 70_000), "--regex: the regular expression is 70,000 bytes"),
+        (lambda d: ("--grammar", _write(d / "deep.gbnf", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000)), "--grammar"),
+        (
+            lambda d: ("--grammar", _write(d / "big.lark", "start: " + "|".join(f'"w{i}"' for i in range(60_000)))),
+            "--grammar: the grammar is",
+        ),
     ],
 )
 def test_generate_bad_constraint_before_loading(no_load, tmp_path, make, pattern):
@@ -567,6 +583,27 @@ def test_generate_bad_constraint_before_loading(no_load, tmp_path, make, pattern
     result = _run("generate", *make(tmp_path))
     _one_error_line(result, pattern)
     assert result.exit_code == 2
+
+
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+HUGE_SCHEMA = json.dumps({"type": "object", "properties": {f"p{i:06}": {"type": "integer"} for i in range(200_000)}})
+
+
+def test_generate_grammar_failing_part_way_is_one_line(models, monkeypatch):
+    """A grammar that fails part-way through the answer (a limit of llguidance's hit at some step; simulated: the
+    engine's stream raises as the decode loop does then): the text so far stays printed, then one error line
+    naming the flag, exit 2."""
+    from specexec.decoding.constraint import ConstraintError
+    from specexec.decoding.engine import Engine
+
+    def stream(self, *args, **kwargs):
+        yield "t10 t11"
+        raise ConstraintError("the regular expression failed part-way through the answer: lexer error: too many")
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    result = _generate(models, "--regex", "t1[0-9]( t1[0-9])*", "--context", "512")
+    _one_error_line(result, "--regex: the regular expression failed part-way through the answer")
+    assert result.exit_code == 2 and result.stdout == "t10 t11\n"
 
 
 def _write(path: Path, text: str) -> str:

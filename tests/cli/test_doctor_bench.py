@@ -448,3 +448,65 @@ def test_doctor_plans_a_self_derived_draft(tmp_path):
     assert any("self-derived draft (the target's own weights) in nf4" in n for n in big.notes), big.notes
     alone = recommend(str(t), _system(80, 256), context=4096)
     assert 0 < big.resident_layers < alone.resident_layers
+
+
+def test_doctor_shows_the_cached_probes_and_remeasures_them(tmp_path, monkeypatch):
+    from specexec import doctor, quiet
+    from specexec.loading import cpu_probe
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    busy = {"now": True}
+    monkeypatch.setattr(quiet, "sample", quiet.simulated(lambda: busy["now"]))
+    runs: list[str] = []
+
+    def fake(kind: str, ms: dict):  # a probe's figures without timing anything
+        return lambda *a, **kw: runs.append(kind) or ms
+
+    one = {"1": 4.0, "32": 8.0}
+    monkeypatch.setattr(cpu_probe, "measure", fake("dtype", {"fp32": one, "bf16": one, "bf16_transposed": {}}))
+    monkeypatch.setattr(
+        cpu_probe, "measure_orientation", fake("orient", {"linear": {"2": 1.0}, "transposed": {"2": 2.0}})
+    )
+    formats = {"dense": {"1": 4.0, "8": 8.0}, "q4": {"1": 1.0, "8": 3.0}}
+    monkeypatch.setattr(cpu_probe, "measure_target", fake("target", formats))
+    monkeypatch.setattr(cpu_probe, "measure_formats", fake("draft", formats))
+    monkeypatch.setattr(cpu_probe, "target_formats", lambda: ("q4",))
+    monkeypatch.setattr(cpu_probe, "draft_formats", lambda: ("q4",))
+    cpu_probe.choose_target(ModelConfig.from_hf(LLAMA2_70B))
+    assert runs == ["dtype", "target"]
+
+    result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q"])
+    assert result.exit_code == 0, result.output
+    assert (
+        "cached measurements" in result.stdout
+        and "target format (provisional)" in result.stdout
+        and "busy" in result.stdout
+    )
+    report = json.loads(runner.invoke(app, ["doctor", "--disk-mb", "0", "--json"]).stdout)
+    kinds = {p["kind"]: p for p in report["probes"]}
+    assert set(kinds) == {"cpu dtype", "cpu target format"} and kinds["cpu target format"]["provisional"]
+    assert kinds["cpu target format"]["measured_at"] > 0 and kinds["cpu target format"]["load"]["busy"]
+
+    (tmp_path / "costs").mkdir()
+    (tmp_path / "costs" / "abc.json").write_text("{}")
+    assert "pass costs" in {p.kind for p in doctor.probes()}
+    busy["now"] = False
+    result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--remeasure"])  # no target: dropped
+    assert result.exit_code == 0, result.output
+    assert "dropped 2 cached CPU probe(s) and 1 pass-cost file(s)" in result.stdout.replace("\n", " ")
+    assert doctor.probes() == [] and runs == ["dtype", "target"]
+
+    # with a target on a CPU: its probes (and its auto draft's) measured right away, on the quiet machine
+    line = doctor.remeasure("qwen2.5-coder-1.5b", gpu=False)  # not downloaded: configs/models.toml's shapes
+    assert "measured now: target q4, draft q4" in line and "provisional" not in line, line
+    assert runs[2:] == ["dtype", "target", "orient", "dtype", "draft", "orient"]
+    fresh = doctor.probes()
+    assert {p.kind for p in fresh} == {"cpu dtype", "cpu matmuls", "cpu target format", "cpu draft format"}
+    assert not any(p.provisional for p in fresh)
+
+
+def test_doctor_remeasure_of_an_unknown_model_is_one_error_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    result = runner.invoke(app, ["doctor", "--disk-mb", "0", "-q", "--remeasure", "--target", "no-such-alias"])
+    assert result.exit_code != 0 and result.output.strip().startswith("error:"), result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -22,10 +22,10 @@ import torch
 from scipy import stats
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.decoding import sampling
 from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.decoding.engine import Engine
 from specexec.loading.checkpoint import load_model, load_tokenizer
+from specexec.steps import sampling
 from tests.conftest import FAMILIES, make_noisy_copy, make_tiny
 
 CPU = torch.device("cpu")
@@ -197,6 +197,90 @@ def test_bad_constraints_raise_one_clear_error(make):
     assert "\n" not in str(err.value) and len(str(err.value)) < 400
 
 
+DEEP = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+
+
+def _nested(n: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _chain(n: int) -> dict:
+    """A schema whose $defs refer to each other in a chain of ``n``: llguidance's compiler recurses once per link
+    (on an 8 MB stack ~1,000 links end the process with a stack overflow)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Constraint.json_schema(DEEP), "nests more than 100 levels deep"),  # text: before json.loads
+        (lambda: Constraint.json_schema(_nested(1000)), "nests more than 100"),  # a dict: before json.dumps
+        (
+            lambda: Constraint.json_schema({"properties": {f"p{i}": {"type": "integer"} for i in range(40_000)}}),
+            r"is [0-9,]+ bytes; at most 1,048,576",
+        ),
+        (lambda: Constraint.regex("a{1000000}").check(), "repeats a piece 1,000,000 times"),
+        (lambda: Constraint.regex("(a|aa)*" + "b" * 70_000).check(), "is 70,007 bytes; at most 65,536"),
+        (lambda: Constraint.grammar('start: x\nx: "a" ~ 50000').check(), "repeats a piece 50,000 times"),
+        (lambda: Constraint.grammar("start: " + "|".join(f'"w{i}"' for i in range(40_000))).check(), "bytes"),
+        (lambda: Constraint.json_schema(_chain(15_000)).check(), "bytes"),
+    ],
+)
+def test_constraints_past_the_limits_are_refused_quickly(make, message):
+    """Too deep, too large, too slow to compile: one clear error, before llguidance spends time (or stack) on it."""
+    with pytest.raises(ConstraintError, match=message) as err:
+        make()
+    assert "\n" not in str(err.value)
+
+
+def test_long_chains_compile_on_the_compile_stack():
+    """A chain of $refs / rules that would overflow a thread's usual stack compiles (on the compile thread's)."""
+    Constraint.json_schema(_chain(3000)).check()
+    rules = "\n".join(f'r{i}: r{i + 1} "x"' for i in range(5000))
+    Constraint.grammar(f'start: r0\n{rules}\nr5000: "a"').check()
+
+
+def test_too_deep_names_the_path():
+    from specexec.decoding.constraint import json_path, too_deep
+
+    body = json.dumps({"model": "m", "tools": [{"x": 1}, {"function": {"parameters": "@"}}]})
+    body = body.replace('"@"', '{"a": [' * 60 + "1" + "]}" * 60)
+    path = too_deep(body, 100)
+    assert json_path(path[:4]) == "tools[1].function.parameters" and path[4:6] == ["a", 0]
+    assert too_deep(body, 200) is None and too_deep('"{[{["', 1) is None  # brackets inside strings do not count
+
+
+def test_a_grammar_failing_part_way_raises_a_clear_error(monkeypatch):
+    """A mask step that runs out of llguidance's lexer fuel part-way through an answer (the fuel lowered through
+    PARSER_LIMITS, so a small grammar hits it): the forced prefix is produced, then one clear ConstraintError."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from specexec.decoding import constraint as cm
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    monkeypatch.setitem(cm.PARSER_LIMITS, "step_lexer_fuel", 100)
+    state = cm.GrammarState(
+        Constraint.regex("abcdefgh[ab]*a[ab]{10}"), cm.grammar_tokenizer(hf, 257, [256]), 257, [256]
+    )
+    committed: list[int] = []
+    with pytest.raises(ConstraintError, match="failed part-way through the answer: lexer error") as err:
+        for _ in range(20):
+            forced = state.forced(1) or [ord("a")]
+            state.commit(forced)
+            committed += forced
+    assert bytes(committed).startswith(b"abcdefgh") and "\n" not in str(err.value)
+
+
 def test_engine_refuses_a_bad_constraint_before_generating(engines):
     e = engines["llama"]
     with pytest.raises(ConstraintError, match="JSON schema"):
@@ -284,3 +368,88 @@ def test_constrained_sampling_follows_the_constrained_distribution(sampler, samp
     # a negative control: the unconstrained target's answers fall outside the constrained support
     free = Counter(tuple(e.generate(prompt, 3, sampling_cfg=replace(samp, seed=s)).tokens) for s in range(50))
     assert any(k not in P for k in free)
+
+
+# -- limits hit on speculative branches -------------------------------------------------------------------------------
+# with the lexer fuel at 200, the branch into c… runs out of fuel a few bytes in; the branch into d… never does
+BRANCHY = r"ab(c[ab]*a[ab]{10}|d[0-9]{3})"
+BRANCHY_FUEL = 200
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def byte_engine(root: Path) -> Engine:
+    target = make_tiny(root / "target", "llama", vocab=257, seed=3)
+    byte_tokenizer().save_pretrained(target)
+    draft = make_noisy_copy(target, root / "draft", 0.1)
+    return Engine(
+        load_model(target, CPU, torch.float32),
+        load_tokenizer(target),
+        load_model(draft, CPU, torch.float32),
+        context=512,
+    )
+
+
+def test_a_limit_hit_on_a_draft_branch_drops_the_branch_not_the_answer(monkeypatch):
+    """A tree with a branch into the expensive alternative (out of fuel part-way) and one into the cheap one:
+    the expensive branch is dead from the node where the limit is hit (its subtree with it), the cheap one
+    stands, and the committed matcher is untouched: its masks along the cheap path are a fresh matcher's, and
+    the answer finishes."""
+    from specexec.decoding import constraint as cm
+
+    monkeypatch.setitem(cm.PARSER_LIMITS, "step_lexer_fuel", BRANCHY_FUEL)
+    gt = cm.grammar_tokenizer(byte_tokenizer(), 257, [256])
+    state = cm.GrammarState(Constraint.regex(BRANCHY), gt, 257, [256])
+    fresh = cm.GrammarState(Constraint.regex(BRANCHY), gt, 257, [256])
+    assert state.forced(8) == list(b"ab")
+    state.commit(list(b"ab"))
+    fresh.commit(list(b"ab"))
+    bad, good = b"c" + b"a" * 16, b"d123"
+    tokens = [ord("b")] + list(bad) + list(good)
+    parents = [-1] + list(range(len(bad))) + [0] + list(range(len(bad) + 1, len(bad) + len(good)))
+    keep, bits = state.tree_masks(tokens, parents)
+    chain = keep[1 : len(bad) + 1]
+    assert not all(chain) and chain[0], chain  # the branch dies part-way…
+    dead = chain.index(False)
+    assert not any(chain[dead:])  # …with its subtree
+    assert all(keep[len(bad) + 1 :])  # the cheap branch stands
+    assert state.speculative_failures >= 1 and not state.matcher.is_error()
+    for t in good:  # the committed matcher is a fresh one's: same masks, no error
+        _, a = state.tree_masks([t], [-1])
+        _, b = fresh.tree_masks([t], [-1])
+        assert (a == b).all()
+        state.commit([t])
+        fresh.commit([t])
+    assert state.done() and state.allowed([[]])[0, 256]
+
+
+def test_a_limit_on_the_committed_path_fails_as_plain_decoding_does(monkeypatch, tmp_path):
+    """The committed path's limit: AR and the speculative methods stop with the same one clean error at the
+    same token (what they streamed before it equal)."""
+    from specexec.decoding import constraint as cm
+
+    monkeypatch.setitem(cm.PARSER_LIMITS, "step_lexer_fuel", 100)
+    e = byte_engine(tmp_path)
+    c = Constraint.regex("[ab]*a[ab]{10}")  # the mask after a few free tokens runs out of fuel
+
+    def run(**kw):
+        out = ""
+        with pytest.raises(ConstraintError, match="failed part-way through the answer") as err:
+            for piece in e.stream("x", 40, constraint=c, **kw):
+                out += piece
+        return out, str(err.value)
+
+    ref = run(method="ar")
+    assert ref[0], ref
+    for kw in METHODS.values():
+        assert run(**kw) == ref, kw

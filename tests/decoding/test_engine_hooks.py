@@ -13,6 +13,7 @@ from specexec.decoding.engine import Cancelled, Engine, StepInfo
 from specexec.decoding.text import ChatTemplateError, encode_text, render_chat
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import NGramConfig
+from specexec.steps.record import Arm
 from tests.conftest import make_noisy_copy, make_tiny
 
 CPU = torch.device("cpu")
@@ -101,9 +102,9 @@ def test_on_step_once_per_step_with_consistent_totals(engine, reference, name):
     assert sum(s.draft_s for s in seen) == pytest.approx(st.draft_s)
     assert sum(s.target_s for s in seen) == pytest.approx(st.target_s)
     assert sum(s.tree_size for s in seen) / st.steps == pytest.approx(st.mean_tree_size)
-    budgets: dict[int, int] = {}
+    budgets: dict[Arm, int] = {}
     for s in seen:
-        budgets[s.budget] = budgets.get(s.budget, 0) + 1
+        budgets[s.arm] = budgets.get(s.arm, 0) + 1
     assert budgets == st.budgets
     assert all(s.draft_s >= 0 and s.target_s > 0 for s in seen)
     if name == "ar":

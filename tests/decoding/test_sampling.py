@@ -39,13 +39,14 @@ import torch
 from scipy import stats
 
 from specexec.config import ChainConfig, SamplingConfig, TreeConfig
-from specexec.decoding import accept, sampling
+from specexec.decoding import accept
 from specexec.decoding.engine import Engine
-from specexec.decoding.tree import Tree
 from specexec.decoding.verify import walk
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, Proposal, TreeDraft
 from specexec.propose.chain import draft_choice
+from specexec.steps import sampling
+from specexec.steps.tree import Tree
 from tests.conftest import make_noisy_copy, make_tiny
 
 CPU = torch.device("cpu")

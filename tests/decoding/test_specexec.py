@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specexec.config import ChainConfig, TreeConfig
-from specexec.decoding.costs import GrowCost
 from specexec.decoding.engine import Engine
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, TreeDraft
+from specexec.steps.rules import GrowCost
 from tests.conftest import FAMILIES
 
 CPU = torch.device("cpu")
@@ -209,18 +209,19 @@ def test_early_stop_keeps_exact_budget(noisy_pairs, budget):
 
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_early_stop_in_the_engine_is_exact(engines, early_stop):
-    from specexec.decoding.budget import FixedBudget, StepCosts
+    from specexec.policy import FixedBudget, StepCosts
+    from specexec.steps.record import Arm
 
     e = engines["llama"]
     tree = TreeConfig.fixed(32, early_stop=early_stop)
     for ids in PROMPTS:
         ref = _ar(e, ids, 40)
         e.reset()
-        costs = StepCosts(pass_s=10.0, target_s={32: 1e-3})  # passes look costly: stop as soon as full
-        r = e.generate(ids, 40, method="specexec", tree=tree, policy=FixedBudget(32, costs))
+        costs = StepCosts(pass_s=10.0, target_s={Arm("tree", 32): 1e-3})  # passes look costly: stop as soon as full
+        r = e.generate(ids, 40, method="specexec", tree=tree, policy=FixedBudget(Arm("tree", 32), costs))
         assert r.tokens == ref
         assert (r.stats.early_stops > 0) == early_stop, r.stats
-        assert costs.target_s[32] != 1e-3, "the loop feeds the measured step costs back"
+        assert costs.target_s[Arm("tree", 32)] != 1e-3, "the loop feeds the measured step costs back"
 
 
 def test_the_default_tree_config_is_the_command_lines_default():

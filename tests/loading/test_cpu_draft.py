@@ -229,10 +229,11 @@ def test_bf16_orientation_rule_keeps_results(bf16_engines, transposed):
     """Either bf16 orientation (the probe picks per machine) gives the same greedy output for spec and AR."""
     e = bf16_engines["llama"]
     was = cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16))
+    fp32 = cpu_transposed(torch.zeros(9, 4))  # what this machine's probe measured for fp32
     set_cpu_transposed(torch.bfloat16, transposed)
     try:
         assert cpu_transposed(torch.zeros(9, 4, dtype=torch.bfloat16)) == transposed
-        assert cpu_transposed(torch.zeros(9, 4))  # fp32 keeps its measured rule
+        assert cpu_transposed(torch.zeros(9, 4)) == fp32  # fp32 keeps its measured rule
         e.reset()
         ref = e.generate(PROMPTS[1], 16, method="ar").tokens
         e.reset()
@@ -393,3 +394,139 @@ def test_probe_survives_a_corrupt_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_probe, "REPEATS", 1)
     assert cpu_probe.probe(_mid_cfg(), repeats=1) is not None
     assert json.loads((tmp_path / cpu_probe.CACHE_FILE).read_text())
+
+
+# ---------------------------------------------------------------------------------------------- a busy first run
+
+# the draft-format probe beside a compiler (one-row ms per layer: 4-bit 43 against dense fp32 7) and on the quiet
+# machine (0.45 against 1.94), as a first run recorded them; int8 never clearly faster
+BUSY_MS = {"dense": {"1": 7.0, "8": 9.0}, "int8": {"1": 8.0, "8": 12.0}, "q4": {"1": 43.0, "8": 50.0}}
+QUIET_MS = {"dense": {"1": 1.94, "8": 3.0}, "int8": {"1": 1.8, "8": 3.5}, "q4": {"1": 0.45, "8": 2.5}}
+
+
+def _machine(monkeypatch, tmp_path, busy: dict[str, bool]) -> list[bool]:
+    """A cache home and a CPU whose load is ``busy["now"]``: the load source and the format probe's figures
+    follow it. Returns the list of loads each measurement ran under."""
+    from specexec import quiet
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_probe, "choose_dtype", lambda cfg: torch.float32)
+    monkeypatch.setattr(cpu_probe, "draft_formats", lambda: ("int8", "q4"))
+    monkeypatch.setattr(quiet, "sample", quiet.simulated(lambda: busy["now"]))
+    runs: list[bool] = []
+
+    def fake(shapes, dtype, formats, rows=cpu_probe.INT8_ROWS, repeats=cpu_probe.REPEATS, before=None, target=True):
+        runs.append(busy["now"])
+        return BUSY_MS if busy["now"] else QUIET_MS
+
+    monkeypatch.setattr(cpu_probe, "measure_formats", fake)
+    return runs
+
+
+def _draft_entry() -> cpu_probe.FormatProbe:
+    (entry,) = [e for e in cpu_probe.entries() if isinstance(e, cpu_probe.FormatProbe)]
+    return entry
+
+
+def _big_cfg() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=1000, hidden_size=1024, intermediate_size=4096, num_layers=2, num_heads=8, num_kv_heads=8,
+        head_dim=128,
+    )  # fmt: skip
+
+
+def test_a_busy_first_run_does_not_leave_later_runs_slower(tmp_path, monkeypatch):
+    cfg = _big_cfg()
+    busy = {"now": False}
+    _machine(monkeypatch, tmp_path / "reference", busy)
+    quiet_first = cpu_probe.choose_draft(cfg)  # what a first run on the quiet machine picks
+    assert quiet_first == (torch.float32, "q4") and not _draft_entry().provisional
+
+    busy["now"] = True
+    runs = _machine(monkeypatch, tmp_path / "home", busy)
+    assert cpu_probe.choose_draft(cfg) == (torch.float32, "dense")  # fooled, as in the issue ...
+    entry = _draft_entry()
+    assert entry.provisional and entry.load["busy"] and entry.measured_at > 0  # ... but only provisionally
+    assert "provisional" in cpu_probe.entry_line(entry) and "busy" in cpu_probe.entry_line(entry)
+
+    assert cpu_probe.choose_draft(cfg) == (torch.float32, "dense") and runs == [True, True]  # still busy: kept
+    assert _draft_entry() == entry
+
+    busy["now"] = False  # a later start on a quiet machine measures again, and its choice replaces the busy one
+    assert cpu_probe.choose_draft(cfg) == quiet_first and runs == [True, True, False]
+    final = _draft_entry()
+    assert not final.provisional and final.fmt == "q4" and not final.load["busy"]
+    busy["now"] = True  # a quiet measurement is final: not measured again, busy or not
+    assert cpu_probe.choose_draft(cfg) == quiet_first and runs == [True, True, False]
+
+
+def test_entries_from_before_load_was_recorded_are_measured_again(tmp_path, monkeypatch):
+    runs = _machine(monkeypatch, tmp_path, {"now": False})
+    cpu_probe.choose_draft(_big_cfg())
+    data = json.loads((tmp_path / cpu_probe.CACHE_FILE).read_text())
+    old = {
+        k: {f: v for f, v in e.items() if f not in ("provisional", "load", "measured_at", "stale")}
+        for k, e in data.items()
+    }
+    (tmp_path / cpu_probe.CACHE_FILE).write_text(json.dumps(old))
+    assert "before load was recorded" in cpu_probe.entry_line(_draft_entry())
+    cpu_probe.choose_draft(_big_cfg())
+    assert runs == [False, False] and _draft_entry().measured_at > 0
+
+
+def test_a_run_time_pass_that_contradicts_the_probe_marks_it_stale(tmp_path, monkeypatch):
+    from specexec import quiet
+    from specexec.formats.q4 import Q4Linear
+    from specexec.model.transformer import ResidentLayers
+
+    cfg = _big_cfg()
+    busy = {"now": False}
+    runs = _machine(monkeypatch, tmp_path, busy)
+    cpu_probe.choose_draft(cfg)
+    entry = _draft_entry()
+    # a whole one-row pass: both layers' linears and the head, priced per weight as the layer's
+    layers = 2 + 1000 * 1024 / sum(o * i for o, i in cpu_probe.layer_shapes(cfg))
+    assert entry.pass_s["q4"] == pytest.approx(0.45e-3 * layers, rel=1e-3)
+    expected = entry.pass_s["q4"]
+    assert not cpu_probe.contradicts(entry, expected * 1.4) and not cpu_probe.contradicts(entry, expected / 1.4)
+    assert cpu_probe.contradicts(entry, expected * 1.6) and cpu_probe.contradicts(entry, expected / 1.6)
+
+    class Draft:  # what check_pass reads of a loaded model: its config, dtype and layer weights
+        def __init__(self, w2: object, dtype: torch.dtype = torch.float32) -> None:
+            self.cfg, self.dtype, self.layers = cfg, dtype, ResidentLayers([{"w2": w2}])
+
+    q4_draft = Draft(object.__new__(Q4Linear))
+    assert cpu_probe.weight_format(q4_draft) == "q4"
+    assert cpu_probe.check_pass(q4_draft, "draft", expected * 1.2) == []  # agrees
+    with quiet.watch(quiet.simulated(True)) as w:
+        pass
+    assert cpu_probe.check_pass(q4_draft, "draft", expected * 3, w.load) == []  # a busy run time says nothing
+    assert cpu_probe.check_pass(q4_draft, "target", expected * 3) == []  # not the target's probe
+    assert len(cpu_probe.check_pass(q4_draft, "draft", expected * 3)) == 1
+    assert "ran in" in _draft_entry().stale and "stale" in cpu_probe.entry_line(_draft_entry())
+
+    busy["now"] = True  # the next start measures again, even busy (the stale figures were contradicted) ...
+    assert cpu_probe.choose_draft(cfg) == (torch.float32, "dense") and runs == [False, True]
+    assert _draft_entry().provisional and not _draft_entry().stale  # ... and keeps that provisional
+    busy["now"] = False
+    assert cpu_probe.choose_draft(cfg) == (torch.float32, "q4") and runs == [False, True, False]
+
+
+def test_the_busy_rules():
+    from specexec import quiet
+
+    def load(waited_ns: int, loadavg: float | None, cpu: float = 1.0, cores: int = 4) -> quiet.Load:
+        a = quiet.Sample(0.0, 0.0, {1: (0, 0)}, 0.0)
+        b = quiet.Sample(1.0, cpu, {1: (10**9, waited_ns), 2: (10**9, waited_ns)}, loadavg)
+        return quiet.load_between(a, b, cores)
+
+    assert not load(0, 1.0).busy  # our own core only
+    assert not load(int(0.3e9), 1.0).busy  # waited 23% of what we asked for: within the margin
+    assert load(int(0.4e9), 1.0).busy and "waited" in load(int(0.4e9), 1.0).reasons()[0]  # 29%
+    assert not load(0, 2.0).busy and load(0, 2.1).busy  # other work on 1 of 4 cores, then more
+    assert not load(0, 3.0, cpu=2.0).busy  # our own two busy cores are not other work
+    assert not quiet.load_between(quiet.Sample(0.0, 0.0), quiet.Sample(1.0, 0.5), 2).busy  # nothing known
+    with quiet.watch() as w:  # the real sources read without error (whatever this machine's load)
+        sum(range(1000))
+    assert w.load.wall_s > 0 and w.load.cores >= 1
+    assert quiet.load_between(quiet.sample(), quiet.sample(), quiet.cores()).cores == quiet.cores()

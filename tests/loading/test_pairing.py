@@ -327,7 +327,7 @@ def test_chain_sampling_with_a_limited_draft_is_the_targets_distribution(samplin
 
 def test_limited_draft_renormalises_its_sampling_distribution(sampling_pair):
     """The draft's q is its softmax over the allowed ids alone: zero on the excluded ones, summing to one."""
-    from specexec.decoding import sampling
+    from specexec.steps import sampling
 
     d_model = limit_draft(load_model(sampling_pair[1], CPU, torch.float32), torch.tensor(EXCLUDED))
     plain = load_model(sampling_pair[1], CPU, torch.float32)

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 from specexec import api
 from specexec.cli import app
 from specexec.config import ChainConfig, TreeConfig
-from specexec.decoding.tree import Tree
 from specexec.errors import OutOfMemory, SpecexecError
 from specexec.loading import memory
 from specexec.loading.checkpoint import load_model, read_config
 from specexec.model import sizes
 from specexec.model.kv_cache import KVCache
 from specexec.model.transformer import ModelConfig
+from specexec.steps.tree import Tree
 from tests.conftest import make_tiny
 
 CPU = torch.device("cpu")
@@ -266,7 +266,7 @@ def test_load_lowers_the_auto_max_budget_until_the_streamed_plan_fits(pair, tmp_
     eng = api.load(str(pair[0]), str(pair[1]), device="cpu", dtype="fp32", context=128, offload=off, tree=tree)
     assert eng.max_tree == 256 and asked[0] > asked[-1]
     r = eng.generate([5, 6, 7], 6, method="specexec", tree=tree)  # capped: the auto tree never exceeds 256
-    assert r.stats.new_tokens == 6 and all(b <= 256 for b in r.stats.budgets)
+    assert r.stats.new_tokens == 6 and all(b.size <= 256 for b in r.stats.budgets)
     eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig.fixed(256))
     with pytest.raises(SpecexecError, match="budget.512 exceeds the largest tree"):
         eng.generate([5, 6, 7], 4, method="specexec", tree=TreeConfig.fixed(512))
@@ -315,4 +315,4 @@ def test_cuda_load_lowers_the_max_budget_under_a_real_vram_cap(pair, tmp_path):
     want = eng.generate(prompt, 24, method="ar").tokens
     r = eng.generate(prompt, 24, method="specexec", tree=tree)
     assert r.tokens == want
-    assert all(b <= eng.max_tree for b in r.stats.budgets)
+    assert all(b.size <= eng.max_tree for b in r.stats.budgets)

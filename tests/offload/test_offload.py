@@ -535,8 +535,8 @@ def test_auto_draft_precision_falls_back_to_what_fits(monkeypatch, tiny3, tmp_pa
     _fake_ram(monkeypatch, available_gb=100, total_gb=128)
     off = OffloadConfig(mode="ram", target_dtype="bf16", cache_dir=tmp_path)
     cfg = read_config(tiny3)
-    base = make_plan(  # what the target alone needs streamed (a ring of 2) on an unlimited GPU
-        Resources(device="cpu", ram_total=int(128e9), ram_available=int(100e9)),
+    base = make_plan(  # what the target alone needs streamed (a ring of 2) on an unlimited GPU, reservations included
+        Resources(device="cuda", vram_free=10**13, ram_total=int(128e9), ram_available=int(100e9)),
         PlanModel(cfg, torch.bfloat16, max_tokens=16),
         off,
     )

@@ -20,6 +20,7 @@ from specexec.config import SamplingConfig, TreeConfig
 from specexec.decoding.engine import Engine
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.propose import DraftModel, StepContext, TreeDraft, captured, fixed_grow
+from specexec.steps.record import Arm
 from tests.model.test_graphs import static_engine
 from tests.propose.test_fixed_grow import PROMPTS, _same_tree
 
@@ -183,10 +184,10 @@ def test_a_sampled_step_runs_no_captured_level(draft, stand_in_graphs):
         cfg = TreeConfig.fixed(4, max_beams=8, max_branch=4, max_depth=12, grow=mode, early_stop=False)
         td = TreeDraft(DraftModel(draft, 512), cfg)
         td.begin(seq)
-        props[mode] = td.propose(seq, StepContext(samp=samp, gen=None, budget=4, seed=3))
+        props[mode] = td.propose(seq, StepContext(samp=samp, gen=None, arm=Arm("tree", 4), seed=3))
         assert td.draft.level_space is None
         if mode == "captured":
-            td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=4))
+            td.propose(seq, StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 4)))
             assert td.draft.level_space is not None
     _same_tree(props["ahead"].tree, props["captured"].tree, "captured")
     assert (props["captured"].passes, props["captured"].beams) == (props["ahead"].passes, props["ahead"].beams)

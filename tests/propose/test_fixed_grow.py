@@ -16,11 +16,12 @@ import torch
 
 from specexec.config import SamplingConfig, TreeConfig
 from specexec.decoding.engine import Engine
-from specexec.decoding.sampling import logprobs as sample_logprobs
 from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
 from specexec.model import transformer
 from specexec.propose import DraftModel, NGramConfig, StepContext, TreeDraft
+from specexec.steps.record import Arm
+from specexec.steps.sampling import logprobs as sample_logprobs
 from tests.conftest import FAMILIES
 from tests.decoding.test_specexec import _engine
 
@@ -171,7 +172,7 @@ def test_fixed_levels_stop_early_where_the_dynamic_growth_does(drafts, family):
     """The cost-based early stop: "captured" stops at the same level as the dynamic growth with the same costs (the
     same tree, passes and flag) with still one device read a level; "ahead" decides a level late, so it runs at
     most one pass more. Costs from cheap to dear passes, so some growths stop early and some do not."""
-    from specexec.decoding.costs import GrowCost
+    from specexec.steps.rules import GrowCost
 
     model = drafts[family]
     stopped = []
@@ -289,7 +290,7 @@ def test_a_lazy_draft_reads_the_prompt_at_its_first_proposal(drafts):
     model = drafts["llama"]
     seq = [5, 9, 17, 33, 4, 60, 61, 62, 63, 12, 40, 7]
     cfg = TreeConfig.fixed(8, max_beams=4, max_branch=4, max_depth=4, early_stop=False)
-    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=8)
+    ctx = StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 8))
     eager, lazy = TreeDraft(DraftModel(model, 64), cfg), TreeDraft(DraftModel(model, 64), cfg, lazy=True)
     eager.begin(seq)
     lazy.begin(seq)

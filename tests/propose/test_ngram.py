@@ -9,12 +9,19 @@ import pytest
 import torch
 
 from specexec.config import NGRAM_LEN_GPU, NGRAM_NODES_CPU, NGRAM_NODES_GPU, SamplingConfig, TreeConfig
-from specexec.decoding.budget import SHRINK_STEPS, AdaptiveBudget, AutoBudget
 from specexec.decoding.engine import Engine, default_ngram
-from specexec.decoding.loop import StepInfo
 from specexec.errors import ConfigError
 from specexec.loading.checkpoint import load_model, load_tokenizer
+from specexec.policy import DEFAULT, AdaptiveBudget, AutoBudget
 from specexec.propose import NGramConfig, NGramDraft, Proposal, StepContext
+from specexec.steps.record import PLAIN, Arm, StepInfo
+
+A = Arm.parse  # an arm by its label: 0 plain, -g a chain of g, b a tree of b
+
+
+def _arms(*labels: int) -> tuple[Arm, ...]:
+    return tuple(A(x) for x in labels)
+
 
 CPU = torch.device("cpu")
 
@@ -59,7 +66,7 @@ def test_continuations_and_trie():
     conts = ng.continuations(seq)
     # the suffix [1, 2] occurred three times before; most recent first, distinct continuations only
     assert conts == [(2, [3, 7, 5, 1]), (2, [4, 8, 1, 2]), (2, [3, 9, 1, 2])]
-    prop = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=64))
+    prop = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 64)))
     tree = prop.tree
     tree.check()  # parents precede children, depths, monotone scores, ancestry
     toks, par = tree.n_tokens.tolist(), tree.n_parents.tolist()
@@ -67,9 +74,9 @@ def test_continuations_and_trie():
     first = sorted(toks[i] for i in range(1, tree.size) if par[i] == 0)
     assert first == [3, 4], "one trie branch per distinct first token (shared prefixes merged)"
     assert tree.size - 1 == 4 + 4 + 3  # [3,7,5,1] + [4,8,1,2] + [3,9,1,2] sharing the node 3
-    small = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, budget=3))
+    small = ng.propose(seq, StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 3)))
     assert small.tree.size - 1 == 3, "the budget caps the trie's nodes"
-    assert ng.propose([1, 2, 3], StepContext(samp=SamplingConfig(), gen=None, budget=64)).tree.size == 1
+    assert ng.propose([1, 2, 3], StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 64))).tree.size == 1
 
 
 def test_the_scores_follow_what_the_target_accepts_within_a_few_steps():
@@ -77,7 +84,7 @@ def test_the_scores_follow_what_the_target_accepts_within_a_few_steps():
     under half within three steps, so trimming stops verifying them; accepted matches raise them again."""
     ng = NGramDraft(CPU, NGramConfig(min_ngram=2, max_ngram=3, max_len=4))
     seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2]
-    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=64)
+    ctx = StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 64))
 
     def top(prop):  # the best first node's score as a probability
         return float(prop.tree.n_logp[1:].exp().max())
@@ -103,13 +110,13 @@ def test_a_new_text_starts_from_what_lookup_measured_on_the_earlier_ones():
     """Texts whose matches all missed make the next text's first lookup verify fewer rows (trimmed at what a row
     costs) than an engine's first text does; texts that try nothing drift back to the first text's prior, so lookup
     is tried again; texts whose matches are taken raise it."""
-    from specexec.decoding.costs import Trim
     from specexec.propose.ngram import PRIOR_ACC, LookupRecord
+    from specexec.steps.rules import Trim
 
     cfg = NGramConfig(min_ngram=2, max_ngram=3, max_len=6)
     seq = [1, 2, 3, 9, 4, 5, 6, 1, 2]
     trim = Trim(rate=20.0, verify_s=lambda n: [0.05 + 0.01 * k for k in range(n)])  # a row: a fifth of a token
-    ctx = StepContext(samp=SamplingConfig(), gen=None, budget=64, trim=trim)
+    ctx = StepContext(samp=SamplingConfig(), gen=None, arm=Arm("tree", 64), trim=trim)
     record = LookupRecord()
 
     def first_rows(text_misses: bool) -> int:
@@ -280,40 +287,38 @@ def test_cpu_auto_policy_is_exact(engine, samp):
 
 def _feed(policy, arm, tokens, seconds, n=1):
     for _ in range(n):
-        policy.update(StepInfo(budget=arm, tree_logp=(), emitted=tokens, draft_s=0.0, target_s=seconds, passes=0))
+        policy.update(StepInfo(arm=arm, tree_logp=(), emitted=tokens, draft_s=0.0, target_s=seconds, passes=0))
 
 
 def test_adaptive_policy_follows_measured_rates():
-    p = AdaptiveBudget((0, 8, 32), explore_every=4)
-    assert p.choose() == 0  # nothing measured, no prior: the cheapest arm first
-    _feed(p, 0, 1, 1.0, 2)  # 1 tok/s
-    assert p.choose() == 8, "an untried neighbour of the best arm is tried once it has a measurement"
-    _feed(p, 8, 3, 1.5)  # 2 tok/s
+    p = AdaptiveBudget(_arms(0, 8, 32), config=replace(DEFAULT, explore_every=4))
+    assert p.choose() == A(0)  # nothing measured, no prior: the cheapest arm first
+    _feed(p, A(0), 1, 1.0, 2)  # 1 tok/s
+    assert p.choose() == A(8), "an untried neighbour of the best arm is tried once it has a measurement"
+    _feed(p, A(8), 3, 1.5)  # 2 tok/s
     picks = [p.choose() for _ in range(3)]
-    assert picks.count(8) >= 2
-    _feed(p, 32, 2, 4.0)  # 0.5 tok/s
-    _feed(p, 8, 3, 1.5, 3)
-    # measured rates, pulled toward plain decoding's by SHRINK_STEPS steps of it (few steps are weak evidence
-    # against it)
-    k = SHRINK_STEPS
-    assert p.rate(8) == pytest.approx((4 * 2.0 + k * 1.0) / (4 + k))
-    assert p.rate(32) == pytest.approx((0.5 + k * 1.0) / (1 + k))
+    assert picks.count(A(8)) >= 2
+    _feed(p, A(32), 2, 4.0)  # 0.5 tok/s
+    _feed(p, A(8), 3, 1.5, 3)
+    # measured rates: each arm's EMA of tokens over its EMA of seconds
+    assert p.rate(A(8)) == pytest.approx(2.0)
+    assert p.rate(A(32)) == pytest.approx(0.5)
     # the text changes: arm 8 starts failing; exploration notices and the policy moves to arm 0
     for _ in range(40):
         a = p.choose()
-        _feed(p, a, 1 if a else 1, 2.0 if a else 1.0)
-    assert p.choose() == 0 or p.history[-5:].count(0) >= 3
+        _feed(p, a, 1, 2.0 if a != PLAIN else 1.0)
+    assert p.choose() == A(0) or p.history[-5:].count(PLAIN) >= 3
 
 
 def test_adaptive_policy_prior_orders_untried_arms():
-    p = AdaptiveBudget((0, 4, 16), prior=lambda a: {0: 1.0, 4: 3.0, 16: 2.0}[a])
-    assert p.choose() == 4
+    p = AdaptiveBudget(_arms(0, 4, 16), prior=lambda a: {A(0): 1.0, A(4): 3.0, A(16): 2.0}[a])
+    assert p.choose() == A(4)
 
 
 def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, tmp_path, monkeypatch):
     """The cost-model auto budget (a GPU's) measures pass costs once per machine and model pair: a second engine
     reuses the cached file; step costs far from it make the engine measure again before the next generation."""
-    from specexec.decoding.budget import drifted, interp
+    from specexec.policy import drifted, interp
 
     monkeypatch.setattr(Engine, "_measured_policy", lambda self: False)  # the GPU's policy, on this CPU
     target, draft = noisy_pairs["llama"]
@@ -337,8 +342,8 @@ def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, t
     assert policy.target_s == g1.policy.target_s, "the cached costs were reused"
     for _ in range(10):  # steps that take 3x what the start-up measurement said
         b = policy.choose()
-        slow = 3 * interp(policy.target_s, b + 1)
-        policy.update(StepInfo(budget=b, tree_logp=(), emitted=1, draft_s=0.0, target_s=slow, passes=0))
+        slow = 3 * interp(policy.target_s, b.size + 1)
+        policy.update(StepInfo(arm=b, tree_logp=(), emitted=1, draft_s=0.0, target_s=slow, passes=0))
     assert drifted(policy)
     g3 = e2.stream([5, 6, 7], 10, method="specexec", tree=tree)
     list(g3)
@@ -350,7 +355,7 @@ def test_auto_budget_costs_are_cached_and_measured_again_on_drift(noisy_pairs, t
 def test_costs_measured_by_other_code_are_measured_again(noisy_pairs, tmp_path, monkeypatch):
     """The CPU policy's pass costs are cached per machine and model, and per version of the package's code: costs a
     former version measured (another kernel: a pass may cost half as much, and differently by size) are not read."""
-    import specexec.decoding.budget as budget
+    import specexec.policy.cache as cache
 
     target, draft = noisy_pairs["llama"]
     tree = TreeConfig(auto=True, max_budget=32)
@@ -363,7 +368,7 @@ def test_costs_measured_by_other_code_are_measured_again(noisy_pairs, tmp_path, 
 
     first = run()
     assert first and run() == first, "measured once, then read from the cache"
-    monkeypatch.setattr(budget, "code_version", lambda: "another version")
+    monkeypatch.setattr(cache, "code_version", lambda: "another version")
     again = run()
     assert len(again) == 2 * len(first) and set(first) < set(again), "measured again, in files of their own"
 
@@ -391,7 +396,7 @@ def test_measured_policy_is_kept_across_generations(engine):
 
 def _scored_tree(logps):
     """A chain-free tree: every node a child of the root, with the given cumulative log-probs."""
-    from specexec.decoding.tree import Tree
+    from specexec.steps.tree import Tree
 
     t = Tree(1, len(logps) + 1, CPU)
     t.append([0] * len(logps), list(range(2, 2 + len(logps))), [1] * len(logps), list(logps))
@@ -401,7 +406,7 @@ def _scored_tree(logps):
 def _measured(policy: AdaptiveBudget, tokens_per_s: int) -> None:
     """Feed ``policy`` one step outside its arms that emitted ``tokens_per_s`` tokens in a second: the rate it
     measured, what a second of verification is worth to it."""
-    policy.update(StepInfo(budget=10**6, tree_logp=(), emitted=tokens_per_s, draft_s=0.0, target_s=1.0, passes=0))
+    policy.update(StepInfo(arm=A(10**6), tree_logp=(), emitted=tokens_per_s, draft_s=0.0, target_s=1.0, passes=0))
 
 
 def _trimmed(policy: AdaptiveBudget, logps) -> Proposal:
@@ -412,26 +417,26 @@ def _trimmed(policy: AdaptiveBudget, logps) -> Proposal:
 
 
 def test_trim_keeps_the_nodes_worth_their_verification_time():
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
     logps = [math.log(p) for p in (0.9, 0.6, 0.3, 0.05, 0.02, 0.01)]
     steep = VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})  # a compute-bound verifier: 0.1 s per extra token
-    p = AdaptiveBudget((0, 4), verify=steep)
+    p = AdaptiveBudget(_arms(0, 4), verify=steep)
     assert p.trim_rule() is None and _trimmed(p, logps).trimmed == 0, "no measured rate yet: nothing is trimmed"
     _measured(p, 1)  # a second is worth one token: a node pays when its chance beats 0.1
     prop = _trimmed(p, logps)
     assert prop.trimmed == 3 and prop.tree.size == 4
     assert sorted(prop.tree.n_logp[1:].exp().tolist(), reverse=True) == pytest.approx([0.9, 0.6, 0.3])
     prop.tree.check()
-    flat = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 64: 1.0}))  # a streamed verifier: every node is free
+    flat = AdaptiveBudget(_arms(0, 4), verify=VerifyCosts({1: 1.0, 64: 1.0}))  # a streamed verifier: every node is free
     _measured(flat, 1)
     prop = _trimmed(flat, logps)
     assert prop.trimmed == 0 and prop.tree.size == 7
-    dear = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 2: 3.0}))  # one more token costs 2 s: plain AR
+    dear = AdaptiveBudget(_arms(0, 4), verify=VerifyCosts({1: 1.0, 2: 3.0}))  # one more token costs 2 s: plain AR
     _measured(dear, 1)
     prop = _trimmed(dear, logps)
     assert prop.trimmed == 6 and prop.tree.size == 1
-    few = AdaptiveBudget((0, 4), verify=VerifyCosts(seconds={1: 1.0}))  # no prior, one size measured: no trim
+    few = AdaptiveBudget(_arms(0, 4), verify=VerifyCosts(seconds={1: 1.0}))  # no prior, one size measured: no trim
     _measured(few, 1)
     assert few.trim_rule() is None and _trimmed(few, logps).trimmed == 0
 
@@ -439,9 +444,9 @@ def test_trim_keeps_the_nodes_worth_their_verification_time():
 def test_trimming_keeps_the_lookup_nodes_boundary():
     """A trimmed proposal still knows which of its nodes are prompt-lookup ones (``merged_at``), so the stats count
     the tokens they carried; with every lookup node trimmed away it has none."""
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
-    rule = AdaptiveBudget((0, 4), verify=VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}))
+    rule = AdaptiveBudget(_arms(0, 4), verify=VerifyCosts({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0}))
     _measured(rule, 1)
     # nodes 1-3 the draft's, 4-6 lookup nodes; the best three are 1, 4 and 2
     prop = Proposal(_scored_tree([math.log(p) for p in (0.9, 0.3, 0.05, 0.6, 0.02, 0.01)]), merged_at=4)
@@ -453,31 +458,44 @@ def test_trimming_keeps_the_lookup_nodes_boundary():
     assert only_draft.tree.size == 4 and only_draft.merged_at == 0
 
 
-def test_a_texts_first_lookup_bet_is_bounded_by_what_the_answer_may_lose():
-    """A text's first lookup bet on a plain step is priced by the acceptance lookup measured on earlier texts, which
-    a new text may not share: at its worst (the target takes none of its nodes) it may add no more seconds to the
-    step than the answer's loss share. The bets after it are priced by what the text's own bets measured."""
-    from specexec.decoding.budget import LOSS_SHARE, VerifyCosts
+def test_every_lookup_bet_is_paid_from_the_answers_loss_budget():
+    """Every prompt-lookup bet on a plain step is a bet the answer pays for, from the one loss budget its tries and
+    explorations share: at its worst (the target takes none of its nodes) a bet may add no more seconds to the step
+    than the budget has left; a miss charges the budget what it lost against one-row steps, and a hit credits it
+    what it won."""
+    from specexec.policy import VerifyCosts
 
     v = VerifyCosts({1: 0.05, 2: 0.06, 4: 0.08, 8: 0.14, 16: 0.27, 32: 0.41, 64: 0.6})
-    p = AdaptiveBudget((0,), verify=v)
-    p.update(StepInfo(budget=0, tree_logp=(), emitted=1, draft_s=0.0, target_s=0.05, passes=0, size=1))
+    p = AdaptiveBudget(_arms(0), verify=v)
+    p.update(StepInfo(arm=A(0), tree_logp=(), emitted=1, draft_s=0.0, target_s=0.05, passes=0, size=1))
     logps = [(i + 1) * math.log(0.95) for i in range(40)]  # a confident 40-token continuation
+    assert p.choose(left=64) == A(0)
+    rule = p.trim_rule()
+    assert rule is not None
     unbounded = Proposal(_scored_tree(logps))
-    unbounded.trim(replace(p.trim_rule(), max_extra_s=math.inf))
-    assert p.choose(left=64) == 0
+    unbounded.trim(replace(rule, max_extra_s=math.inf))
+    first = rule.max_extra_s
+    assert first == pytest.approx(DEFAULT.loss_share * (0.05 + 64 * 0.05))
     kept = _trimmed(p, logps).tree.size - 1
-    worst = v.at(kept + 1) - v.at(1)
-    assert 1 <= kept < unbounded.tree.size - 1
-    assert worst <= LOSS_SHARE * (0.05 + 64 * 0.05)
-    hit = StepInfo(budget=0, tree_logp=(), emitted=kept + 1, draft_s=0.0, target_s=v.at(kept + 1), passes=0)
-    p.update(replace(hit, size=kept + 1))
-    assert p.choose(left=64 - kept - 1) == 0
-    assert _trimmed(p, logps).tree.size - 1 > kept, "the text's own bet measured: the next is not capped"
+    assert 1 <= kept < unbounded.tree.size - 1 and v.at(kept + 1) - v.at(1) <= first
+    # the target takes none of them: the bet lost its rows' seconds beyond a one-row step
+    p.update(StepInfo(arm=A(0), tree_logp=(), emitted=1, draft_s=0.0, target_s=v.at(kept + 1), passes=0, size=kept + 1))
+    assert p.choose(left=63) == A(0)
+    rule = p.trim_rule()
+    assert rule is not None
+    after_miss = rule.max_extra_s
+    assert after_miss < first - 0.5 * (v.at(kept + 1) - v.at(1)), "the miss was charged to the budget"
+    assert _trimmed(p, logps).tree.size - 1 < kept, "the next bet is capped by what is left"
+    # the target takes every node of a bet: it won more than one-row steps would have, and the budget gets it back
+    n = 4
+    p.update(StepInfo(arm=A(0), tree_logp=(), emitted=n + 1, draft_s=0.0, target_s=v.at(n + 1), passes=0, size=n + 1))
+    assert p.choose(left=63 - n - 1) == A(0)
+    rule = p.trim_rule()
+    assert rule is not None and rule.max_extra_s > after_miss, "the hit credited the budget"
 
 
 def test_verify_costs_learn_and_never_decrease_with_size():
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
     v = VerifyCosts({1: 1.0, 16: 2.0})
     assert v.at(8) == pytest.approx(1.0 + 7 / 15)
@@ -486,19 +504,23 @@ def test_verify_costs_learn_and_never_decrease_with_size():
     v.update(16, 4.0)  # a size measured online uses its own measurement
     assert v.at(16) == pytest.approx(4.0) and v.at(1) == pytest.approx(3.0)
     assert v.curve(16) == sorted(v.curve(16)), "a bigger pass never looks cheaper"
-    p = AdaptiveBudget((0, 4), verify=v)
-    p.update(StepInfo(budget=4, tree_logp=(), emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
+    p = AdaptiveBudget(_arms(0, 4), verify=v)
+    p.update(StepInfo(arm=A(4), tree_logp=(), emitted=3, draft_s=0.5, target_s=1.0, passes=2, size=5))
     rule = p.trim_rule()
     assert rule is not None and rule.rate == pytest.approx(2.0) and 5 in v.seconds
 
 
 def test_exploration_steps_are_trimmed_as_the_best_arm_is():
     """An arm is measured as it would run: exploring it verifies no more than choosing it would."""
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
-    p = AdaptiveBudget((0, 4, 16), explore_every=2, verify=VerifyCosts({1: 1.0, 2: 3.0}))
-    _feed(p, 0, 1, 1.0, 3)
-    _feed(p, 4, 1, 2.0, 3)  # arm 0 is the best
+    p = AdaptiveBudget(
+        _arms(0, 4, 16),
+        config=replace(DEFAULT, explore_every=2),
+        verify=VerifyCosts({1: 1.0, 2: 3.0}),
+    )
+    _feed(p, A(0), 1, 1.0, 3)
+    _feed(p, A(4), 1, 2.0, 3)  # arm 0 is the best
     logps = [math.log(0.5)] * 3
     trimmed = []
     for _ in range(6):
@@ -511,22 +533,22 @@ def test_exploration_steps_are_trimmed_as_the_best_arm_is():
 @pytest.mark.parametrize("left, explored", [(4, False), (100, True)])
 def test_an_exploration_runs_only_if_its_worst_step_fits_the_answer(left, explored):
     """An exploration is a bet the answer pays for: an arm whose measured step, emitting a single token, would lose
-    more than the answer's loss share (5% of its expected time) is not explored near the end of a short answer, and
-    is with a long one ahead."""
-    p = AdaptiveBudget((0, 4), explore_every=2)
-    _feed(p, 0, 1, 1.0, 3)  # plain decoding: a token a second
-    _feed(p, 4, 2, 3.0, 3)  # arm 4: 3 s a step, 0.67 tokens a second; at worst 2 s lost
+    more than the answer's loss share (``loss_share`` of its expected time) is not explored near the end of a short
+    answer, and is with a long one ahead."""
+    p = AdaptiveBudget(_arms(0, 4), config=replace(DEFAULT, explore_every=2))
+    _feed(p, A(0), 1, 1.0, 3)  # plain decoding: a token a second
+    _feed(p, A(4), 2, 3.0, 3)  # arm 4: 3 s a step, 0.67 tokens a second; at worst 2 s lost
     picks = [p.choose(left=left) for _ in range(6)]
-    assert any(a == 4 for a in picks) == explored, picks
+    assert any(a == A(4) for a in picks) == explored, picks
 
 
 def test_trimmed_proposals_stay_exact(engine):
     """An auto CPU policy that trims (a steep verification curve) still reproduces AR, and does trim."""
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     ar = engine.generate(prompt, 40, method="ar").tokens
-    pol = AdaptiveBudget((0, 4, 16), verify=VerifyCosts({1: 0.001, 2: 0.002, 8: 0.02, 64: 0.2}))
+    pol = AdaptiveBudget(_arms(0, 4, 16), verify=VerifyCosts({1: 0.001, 2: 0.002, 8: 0.02, 64: 0.2}))
     _measured(pol, 300)
     r = engine.generate(prompt, 40, method="specexec", tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ar
@@ -537,16 +559,16 @@ def test_trimmed_proposals_stay_exact(engine):
 def test_chain_arms_of_the_cpu_policy_are_exact(engine, samp):
     """Negative arms are chains of the draft's argmax (sampling: its coupled draws), verified by the tree walk: the
     same tokens as AR for the same seed, also when sampling, and the policy really ran them."""
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
     for ids in (_prompt(engine), [40, 41, 42]):
         engine.reset()
         ref = engine.generate(ids, 40, method="ar", sampling_cfg=samp).tokens
         engine.reset()
-        pol = AdaptiveBudget((-3, -2), verify=VerifyCosts({1: 1.0, 64: 1.0}))
+        pol = AdaptiveBudget(_arms(-3, -2), verify=VerifyCosts({1: 1.0, 64: 1.0}))
         r = engine.generate(ids, 40, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
         assert r.tokens == ref
-        assert set(r.stats.budgets) <= {-3, -2} and r.stats.draft_passes > 0
+        assert set(r.stats.budgets) <= set(_arms(-3, -2)) and r.stats.draft_passes > 0
 
 
 def test_chain_stop_weighs_the_next_token_against_its_pass():
@@ -554,7 +576,7 @@ def test_chain_stop_weighs_the_next_token_against_its_pass():
     verification or draft pass ends it sooner, and no cost is guessed beyond the measured curve."""
     import math
 
-    from specexec.decoding.costs import ChainStop
+    from specexec.steps.rules import ChainStop
 
     flat = [0.5] * 8  # verify seconds by size: every extra token free
     cheap = ChainStop(pass_s=0.05, verify_s=flat)
@@ -573,25 +595,25 @@ def test_chain_stop_weighs_the_next_token_against_its_pass():
 def test_chain_arms_stop_per_token_and_stay_exact(engine):
     """Once a pass cost is measured the policy hands chain arms a ChainStop: chains end early where the draft is
     unsure (early_stops counts them), and the tokens are still AR's."""
-    from specexec.decoding.budget import VerifyCosts
-    from specexec.decoding.costs import ChainStop
+    from specexec.policy import VerifyCosts
+    from specexec.steps.rules import ChainStop
 
-    pol = AdaptiveBudget((-6,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
-    assert pol.grow_cost(-6) is None  # nothing measured yet: full chains
+    pol = AdaptiveBudget(_arms(-6), verify=VerifyCosts({1: 0.01, 64: 0.01}))
+    assert pol.grow_cost(A(-6)) is None  # nothing measured yet: full chains
     prompt = _prompt(engine)
     engine.reset()
     ref = engine.generate(prompt, 48, method="ar").tokens
     engine.reset()
     r = engine.generate(prompt, 48, method="specexec", tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ref
-    stop = pol.grow_cost(-6)
+    stop = pol.grow_cost(A(-6))
     assert isinstance(stop, ChainStop) and len(stop.verify_s) == 8
     assert r.stats.early_stops > 0 and r.stats.draft_passes < 6 * r.stats.steps
 
 
 def test_chain_stop_leaves_to_a_following_continuation():
     """A chain whose next token an n-gram continuation proposes anyway (``covered``) is worth fewer passes."""
-    from specexec.decoding.costs import ChainStop
+    from specexec.steps.rules import ChainStop
 
     cheap = ChainStop(pass_s=0.05, verify_s=[0.5] * 8)
     sure = [math.log(0.95)]
@@ -618,16 +640,16 @@ def test_chain_arms_run_on_along_ngram_continuations_exactly(engine, samp):
     the chain's draft tokens + 1 (the continuation ran on past the chain at no draft cost), the chain stops
     earlier once costs are known, and the tokens are AR's for the same seed, greedy or sampled (at a temperature
     low enough that the sampled text follows the cycle too: a hot sample of a tiny random model does not repeat)."""
-    from specexec.decoding.budget import VerifyCosts
+    from specexec.policy import VerifyCosts
 
     prompt = _prompt(engine)
     engine.reset()
     ref = engine.generate(prompt, 48, method="ar", sampling_cfg=samp).tokens
     engine.reset()
-    pol = AdaptiveBudget((-2,), verify=VerifyCosts({1: 0.01, 64: 0.01}))
+    pol = AdaptiveBudget(_arms(-2), verify=VerifyCosts({1: 0.01, 64: 0.01}))
     r = engine.generate(prompt, 48, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ref
-    assert set(r.stats.budgets) == {-2}
+    assert set(r.stats.budgets) == {A(-2)}
     assert max(r.stats.accepted_hist) > 3, r.stats.accepted_hist  # a chain of 2 + the bonus token is 3 at most
 
 
@@ -640,7 +662,7 @@ def test_coupled_chains_when_sampling(tiny_models, tmp_path):
     prompt = [5, 6, 7]
     ref = eng.generate(prompt, 40, method="ar", sampling_cfg=samp).tokens
     eng.reset()
-    pol = AdaptiveBudget((-3,))  # no costs known: full chains of 3
+    pol = AdaptiveBudget(_arms(-3))  # no costs known: full chains of 3
     r = eng.generate(prompt, 40, method="specexec", sampling_cfg=samp, tree=TreeConfig(auto=True), policy=pol)
     assert r.tokens == ref
     full = {k: v for k, v in r.stats.accepted_hist.items()}
@@ -650,7 +672,7 @@ def test_coupled_chains_when_sampling(tiny_models, tmp_path):
 def test_coupling_raises_acceptance_over_the_argmax():
     """The coupled draw matches the target's Gumbel-max draw more often than the draft's argmax does, for a draft
     close to the target (deterministic: fixed logits, seeds 0..1999)."""
-    from specexec.decoding import sampling
+    from specexec.steps import sampling
 
     gen = torch.Generator().manual_seed(0)
     p_logits = torch.randn(64, 50, generator=gen) * 2.0
@@ -700,6 +722,6 @@ def test_auto_budget_times_the_draft_through_its_own_passes(noisy_pairs, tmp_pat
 
 def test_a_catch_up_pass_is_not_charged_to_the_arm():
     """The seconds a lagging draft spent catching up are the steps' before it: the arm is rated on the rest."""
-    p = AdaptiveBudget((0, -2))
-    p.update(StepInfo(budget=-2, tree_logp=(), emitted=3, draft_s=1.5, target_s=0.5, passes=2, catch_up_s=1.0))
-    assert p.summary()[-2]["seconds"] == pytest.approx(1.0)
+    p = AdaptiveBudget(_arms(0, -2))
+    p.update(StepInfo(arm=A(-2), tree_logp=(), emitted=3, draft_s=1.5, target_s=0.5, passes=2, catch_up_s=1.0))
+    assert p.summary()[A(-2)]["seconds"] == pytest.approx(1.0)

@@ -529,6 +529,66 @@ def test_bad_structured_requests_are_400_and_the_server_keeps_serving(client, li
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def _deep(n: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * n + '{"type": "string"}' + "}}" * n
+
+
+def test_schemas_past_the_limits_are_400_naming_the_field(live):
+    """Too deep for json.loads (1,000 nested objects), deeper than the limit, larger than the limit: a 400 whose
+    message names the field (OpenAI's error envelope), never a 500; the server keeps serving."""
+
+    def bad(body: str) -> dict:
+        r = httpx.post(live.url + "/v1/chat/completions", content=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error", err
+        return err
+
+    head = '{"model": "tiny", "max_tokens": 4, "messages": ' + json.dumps(ASK)
+    for n in (1000, 200):  # past json.loads' recursion; past MAX_SCHEMA_DEPTH only
+        rf = '{"type": "json_schema", "json_schema": {"name": "s", "schema": ' + _deep(n) + "}}"
+        err = bad(head + ', "response_format": ' + rf + "}")
+        assert err["param"] == "response_format", err
+        assert err["message"].startswith("response_format.json_schema.schema nests more than 100 levels"), err
+        tool = '{"type": "function", "function": {"name": "f", "parameters": ' + _deep(n) + "}}"
+        err = bad(head + ', "tools": [' + json.dumps(ADD) + ", " + tool + "]}")
+        assert err["param"] == "tools", err
+        assert err["message"].startswith("tools[1].function.parameters nests more than 100 levels"), err
+    huge = {"type": "object", "properties": {f"p{i:05}": {"type": "integer"} for i in range(40_000)}}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": huge}}
+    err = bad(json.dumps({"model": "tiny", "messages": ASK, "response_format": rf}))
+    assert err["message"].startswith("response_format.json_schema.schema cannot be used: the JSON schema is"), err
+    assert "at most 1,048,576 are allowed" in err["message"] and err["param"] == "response_format"
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+def test_a_grammar_failing_part_way_ends_the_stream_with_an_error_event(live, monkeypatch):
+    """A mask step out of llguidance's lexer fuel part-way through a streamed answer (the fuel lowered through
+    PARSER_LIMITS so a small pattern hits it): the text so far, then one error event in OpenAI's envelope naming
+    the field, then [DONE]; not a dropped connection. Not streamed: a 400."""
+    from specexec.decoding import constraint as cm
+
+    monkeypatch.setitem(cm.PARSER_LIMITS, "step_lexer_fuel", 100)
+    schema = {"type": "string", "pattern": "^[xy]{24}[ab]*a[ab]{10}$"}  # free text, then the costly part
+    body = chat_body(
+        model="tiny",
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]", lines
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    err = events[-1]["error"]
+    assert err["param"] == "response_format" and err["type"] == "invalid_request_error", err
+    assert "failed part-way through the answer" in err["message"], err
+    text = "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"])
+    assert len(text) > 1 and set(text[1:]) <= set("xy"), text  # the steps before the failing one
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "failed part-way" in r.json()["error"]["message"], r.text
+
+
 def _calls(message) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
 

@@ -28,6 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from specexec.decoding.engine import Result, Stats
 from specexec.server import ServerConfig, create_app
+from specexec.steps.record import Arm
 from tests.server.test_server import LiveServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -48,7 +49,7 @@ class FakeGeneration:
         self.engine, self.ids, self.max_new = engine, ids, max_new
         self.tokens: list[int] = []
         self.result: Result | None = None
-        self.stats = Stats(method="specexec", budget=64)
+        self.stats = Stats(method="specexec", budget=Arm("tree", 64))
         for key, value in engine.stats_fields.items():  # what the test wants the stats to say
             setattr(self.stats, key, value)
         self._it = self._run()

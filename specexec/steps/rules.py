@@ -1,7 +1,7 @@
 """What a draft pass and a verified token are worth: the rules a proposer weighs while it builds a step's proposal.
 
-The budget policy (:mod:`specexec.decoding.budget`) measures the costs and hands these rules to the proposer through
-:class:`~specexec.propose.base.StepContext`; the proposer applies them to its own tree. This module imports neither
+The budget policy (:mod:`specexec.policy`) measures the costs and hands these rules to the proposer through
+:class:`~specexec.steps.proposal.StepContext`; the proposer applies them to its own tree. This module imports neither
 side, so both can import it.
 
 All three rules compare a step's expected tokens E with its seconds T: E = 1 + the sum of the proposal's path

@@ -1,22 +1,33 @@
-"""The proposer protocol and the proposal it returns (see :mod:`specexec.propose`)."""
+"""The proposer protocol, the step context it gets and the proposal it returns (see :mod:`specexec.propose`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from specexec.config import SamplingConfig
-from specexec.decoding.costs import ChainStop, GrowCost, Trim
-from specexec.decoding.tree import Tree
-
-if TYPE_CHECKING:
-    from specexec.decoding.constraint import GrammarState
+from specexec.steps.record import PLAIN, Arm
+from specexec.steps.rules import ChainStop, GrowCost, Trim
+from specexec.steps.tree import Tree
 
 RULES = ("tree", "chain")
+
+
+class Grammar(Protocol):
+    """What a proposer asks of a constrained generation's grammar
+    (:class:`specexec.decoding.constraint.GrammarState`, at the state after the committed sequence)."""
+
+    def mask_logits(self, logits: Tensor, paths: Sequence[Sequence[int]]) -> Tensor:
+        """``logits`` (R, V') with the tokens the grammar forbids after ``paths[r]`` set to -inf."""
+        ...
+
+    def forced(self, limit: int, path: Sequence[int] = ()) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after ``path``."""
+        ...
 
 
 @dataclass
@@ -25,7 +36,7 @@ class StepContext:
 
     samp: SamplingConfig
     gen: torch.Generator | None  # the generation's generator (chain sampling draws from it); None when greedy
-    budget: int  # tree proposers: nodes to propose (the policy's choice); chain: gamma
+    arm: Arm  # what to propose (the policy's choice): its kind and size (tree proposers: nodes; chain: gamma)
     # the early stop: a GrowCost for a tree, a ChainStop for a chain (None: grow the whole budget)
     cost: GrowCost | ChainStop | None = None
     trim: Trim | None = None  # which of a "tree"-rule proposal's nodes are worth verifying (None: all of them)
@@ -36,7 +47,7 @@ class StepContext:
     walk: bool = False
     # a constrained generation's grammar, at the state after ``seq`` (the sequence ``propose`` gets): a draft masks
     # its logits with ``constraint.mask_logits`` at every node it expands, so it proposes only allowed tokens
-    constraint: GrammarState | None = None
+    constraint: Grammar | None = None
 
 
 @dataclass
@@ -53,7 +64,7 @@ class Proposal:
     passes: int = 0  # draft forwards spent on this proposal
     beams: list[int] = field(default_factory=list)  # tokens per draft pass
     stopped_early: bool = False  # tree growth ended by the early-stop rule
-    budget: int = 0  # the size the policy asked for
+    arm: Arm = PLAIN  # what the policy asked for
     source: str = ""  # which proposer made it (its commit tells its own proposals from delegated ones)
     merged_at: int = 0  # nodes [merged_at, size) are prompt-lookup (n-gram) nodes, not the draft's; 0: none
     trimmed: int = 0  # nodes :meth:`trim` dropped as not worth their verification time
@@ -116,7 +127,7 @@ class Proposer(Protocol):
         """A generation starts from committed ``seq`` (its last token pending): keep what is cached of it."""
 
     def propose(self, seq: list[int], ctx: StepContext) -> Proposal:
-        """Candidates below the pending token ``seq[-1]``, sized by ``ctx.budget`` and trimmed by ``ctx.trim``."""
+        """Candidates below the pending token ``seq[-1]``, sized by ``ctx.arm`` and trimmed by ``ctx.trim``."""
 
     def commit(self, proposal: Proposal, path: list[int], seq: list[int]) -> None:
         """After acceptance: ``path`` (tree nodes, root first) was accepted and ``seq`` is the committed sequence now
