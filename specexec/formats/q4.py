@@ -104,6 +104,28 @@ def dequantize_blocks(packed: Tensor, k: int) -> Tensor:
     return vals.reshape(n, k)
 
 
+Q4_K_BYTES = 144  # bytes of a GGUF Q4_K block of 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, nibbles
+
+
+def from_q4_k(blocks: Tensor, k: int) -> Tensor:
+    """A GGUF Q4_K tensor's blocks, rows (n, k / 256 * 144) uint8, as packed super-blocks of this format, losslessly:
+    Q4_K is this format's super-block of 8 sub-blocks (value ``d * sc * q - dmin * m``, ``sc`` and ``m`` 6-bit) with
+    the sub-scales and minimums packed into 12 bytes and the nibbles in the same order, so the repack unpacks the
+    12 bytes into 8 uint8 sub-scales and 8 int8 sub-minimums ``-m`` and copies the rest. Every value and every
+    integer of the kernel's dot product is then the file's (:func:`dequantize_blocks` equals ``gguf``'s
+    dequantization bit for bit)."""
+    if k % 256:
+        raise ValueError(f"Q4_K rows hold a multiple of 256 values, not {k}")
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 256, Q4_K_BYTES)
+    sm = b[..., 4:16].to(torch.int16).reshape(n, -1, 3, 4)
+    d, m, md = sm[..., 0, :], sm[..., 1, :], sm[..., 2, :]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), -1)  # (n, super-blocks, 8): gguf's get_scale_min
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), -1)
+    scales = torch.cat((sc.to(torch.uint8), (-mn).to(torch.int8).view(torch.uint8)), -1)
+    return torch.cat((b[..., :4], scales, b[..., 16:]), -1).reshape(n, -1).contiguous()
+
+
 class Q4Linear:
     """A linear weight (out, in) in 4 bits (see the module docstring), on the CPU.
 
@@ -116,6 +138,13 @@ class Q4Linear:
         self.shape = (int(w.shape[0]), int(w.shape[1]))
         self.ns = sub_blocks(self.shape[1])
         self.packed = quantize(w)
+
+    @classmethod
+    def from_blocks(cls, packed: Tensor, shape: tuple[int, int]) -> Q4Linear:
+        """A weight of ``shape`` from packed rows already in this format (e.g. :func:`from_q4_k`'s)."""
+        if packed.shape != (shape[0], row_bytes(shape[1])) or packed.dtype != torch.uint8:
+            raise ValueError(f"packed rows {tuple(packed.shape)} do not hold a {shape} 4-bit weight")
+        return cls._from(packed.contiguous(), shape)
 
     @classmethod
     def _from(cls, packed: Tensor, shape: tuple[int, int]) -> Q4Linear:

@@ -358,34 +358,53 @@ def _owned(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Tensor]]]:
+def iter_layers(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, q4: bool = False
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (i, layer weights on CPU in ``dtype``) one layer at a time, q/k/v and gate/up fused (Phi-3 stores
     them fused); every tensor is its own aligned copy (see :func:`_owned`).
 
     A GGUF conversion made with ``layers_in_gguf`` gives its layers from the GGUF
     (:class:`specexec.loading.convert.GgufLayers`): the same values, in the same storage dtype, as a full
-    conversion's safetensors."""
+    conversion's safetensors.
+
+    ``q4``: the four linears (:data:`INT8_KEYS`) come as 4-bit :class:`~specexec.formats.q4.Q4Linear` weights, the
+    rest as above. Where the checkpoint is a GGUF conversion that still finds its GGUF
+    (:func:`specexec.loading.convert.gguf_blocks`), a part stored there as Q4_K is the file's own blocks, repacked
+    losslessly (:func:`specexec.formats.q4.from_q4_k`: its values are the GGUF's, not rounded through the fp16 copy
+    and quantized again); every other part is quantized from its stored values as :func:`quantize_weight` does. A
+    fused weight is its parts' packed rows one after another: the format quantizes each row on its own, so a part's
+    rows are the same whether quantized alone or fused."""
     from specexec.loading import convert
 
     shards: _Shards | convert.GgufLayers = convert.GgufLayers(path) if convert.layers_in_gguf(path) else _Shards(path)
+    blocks = convert.gguf_blocks(path) if q4 else None
+    taken = [0, 0]  # linear tensors taken from the GGUF's Q4_K blocks, and all of them
     gemma = cfg.sandwich_norm
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         g = lambda n: shards.get(p + n).to(dtype)  # noqa: E731  (only into torch.cat, which copies)
         o = lambda n: _owned(shards.get(p + n), dtype)  # noqa: E731
+
+        def linear(*names: str) -> Any:
+            """The linear weight made of the tensors ``names`` (rows one after another)."""
+            if q4:
+                return _q4_linear(shards, blocks, [p + n for n in names], taken)
+            return o(names[0]) if len(names) == 1 else torch.cat([g(n) for n in names])
+
         fused = shards.has(p + "self_attn.qkv_proj.weight")
         w = {
             "attn_norm": o("input_layernorm.weight"),
-            "wqkv": o("self_attn.qkv_proj.weight") if fused else torch.cat(
-                [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]
+            "wqkv": linear("self_attn.qkv_proj.weight") if fused else linear(
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"
             ),
-            "wo": o("self_attn.o_proj.weight"),
+            "wo": linear("self_attn.o_proj.weight"),
             # Gemma's post_attention_layernorm normalizes the attention's output; its MLP norm is pre_feedforward
             "mlp_norm": o("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"),
-            "w13": o("mlp.gate_up_proj.weight") if shards.has(p + "mlp.gate_up_proj.weight") else torch.cat(
-                [g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]
+            "w13": linear("mlp.gate_up_proj.weight") if shards.has(p + "mlp.gate_up_proj.weight") else linear(
+                "mlp.gate_proj.weight", "mlp.up_proj.weight"
             ),
-            "w2": o("mlp.down_proj.weight"),
+            "w2": linear("mlp.down_proj.weight"),
         }  # fmt: skip
         if cfg.qkv_bias:
             w["bqkv"] = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
@@ -395,6 +414,34 @@ def iter_layers(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tu
             w["post_attn_norm"] = o("post_attention_layernorm.weight")
             w["post_mlp_norm"] = o("post_feedforward_layernorm.weight")
         yield i, w
+    if blocks is not None:
+        log.info("4-bit layers: %d of %d linear tensors are the GGUF's own Q4_K blocks", *taken)
+
+
+def _q4_linear(shards: Any, blocks: Any, names: list[str], taken: list[int]) -> Any:
+    """A :class:`~specexec.formats.q4.Q4Linear` of the tensors ``names``' rows one after another: a tensor the GGUF
+    (``blocks``, a :class:`~specexec.loading.convert.GgufLayers`, or None) stores as Q4_K in rows of whole blocks
+    is its blocks repacked, losslessly; any other is quantized from its stored values (in fp32, as
+    :func:`quantize_weight`). ``taken``: [tensors taken from blocks, tensors] counted up."""
+    from specexec.formats import q4
+
+    packed: list[Tensor] = []
+    rows, cols = 0, set[int]()
+    for name in names:
+        if blocks is not None and blocks.has(name) and blocks.qtype(name) == "Q4_K":
+            k = blocks.tensors[name].cols
+            part = q4.from_q4_k(blocks.blocks(name), k)
+            taken[0] += 1
+        else:
+            w = shards.get(name)
+            k, part = int(w.shape[1]), q4.quantize(w.float())
+            del w
+        packed.append(part)
+        rows, cols = rows + int(part.shape[0]), cols | {k}
+        taken[1] += 1
+    if len(cols) != 1:
+        raise SpecexecError(f"{', '.join(names)}: rows of different widths {sorted(cols)} cannot be one weight")
+    return q4.Q4Linear.from_blocks(packed[0] if len(packed) == 1 else torch.cat(packed), (rows, cols.pop()))
 
 
 def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -483,7 +530,8 @@ def load_model(
     kernel). ``nf4`` (drafts): every linear and the lm_head as bitsandbytes NF4
     (:class:`specexec.formats.nf4.NF4Linear`).
     ``fmt``: the weight format by name, dense | int8 | nf4 | q4 (a CPU target's 4-bit weights,
-    :class:`~specexec.formats.q4.Q4Linear`); it replaces the two flags. An untied embedding stays
+    :class:`~specexec.formats.q4.Q4Linear`; from a GGUF conversion whose GGUF is at hand, the layer tensors stored
+    as Q4_K are the file's own blocks: :func:`iter_layers`); it replaces the two flags. An untied embedding stays
     dense. ``int8_kernel``: the int8 weights' kernel (a CPU target's: ``int8pack``, weight-only, computing in
     ``dtype``; None: the device's default, a draft's).
     Activations, norms, biases and the KV cache stay in ``dtype``.
@@ -514,11 +562,14 @@ def load_model(
         glob.lm_head = SubsetHead(glob.lm_head, head_ids.cpu(), cfg.vocab_size)
     if layers is None:
         loaded = []
-        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32):
+        # a q4 model's linears come 4-bit already (from a GGUF's own Q4_K blocks where it has them)
+        for _, w in iter_layers(path, cfg, dtype if fmt in ("dense", "nf4") else torch.float32, q4=fmt == "q4"):
             if fmt != "dense":
                 loaded.append(
                     {
-                        k: quantize_weight(t, fmt, device, dtype, int8_kernel)
+                        k: t
+                        if not isinstance(t, Tensor)
+                        else quantize_weight(t, fmt, device, dtype, int8_kernel)
                         if k in INT8_KEYS
                         else t.to(device, dtype)
                         for k, t in w.items()

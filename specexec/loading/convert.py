@@ -31,7 +31,9 @@ sizes, modification times) and each layer tensor's reading plan. :class:`GgufLay
 from the GGUF through the same chunked dequantization, un-permutation and norm shift, rounded through the storage
 dtype (fp16), so the NF4 layer cache built from it is byte for byte the one built from a full conversion (demo
 target as NF4: 1.68 GB written in all instead of 4.30 GB, the 28 layer files identical; the layers are dequantized
-in numpy as the full conversion does).
+in numpy as the full conversion does). A full conversion writes the same plan as :data:`GGUF_SOURCE`, so a 4-bit CPU
+target can take the layer tensors stored as Q4_K from the GGUF's own blocks (:meth:`GgufLayers.blocks`, lossless)
+rather than re-quantize their fp16 copy, while the GGUF is there unchanged.
 
 Crash safety: everything is written into a hidden temporary sibling directory; the marker file
 :data:`COMPLETE_MARKER` is written last and the directory is renamed into place atomically, so a directory at
@@ -71,6 +73,13 @@ LAYERS_IN_GGUF = LAYER_SOURCE
 """In a conversion made with ``layers_in_gguf``: where the layers' weights are (the GGUF's parts, their sizes and
 modification times) and how each is read from it (:class:`GgufLayers`); the NF4 layer cache's key hashes it
 (:func:`offload.store.cache_key`)."""
+
+GGUF_SOURCE = "gguf-source.json"
+"""In a full conversion: the same reading plan as :data:`LAYERS_IN_GGUF` (the GGUF's parts, sizes and modification
+times, each layer tensor's GGUF name and un-permutation), while the safetensors hold every weight. A loader may then
+take a layer tensor's own blocks from the GGUF (a 4-bit CPU target repacks Q4_K blocks losslessly:
+:meth:`GgufLayers.blocks`) while the GGUF is there unchanged (:func:`gguf_blocks`); without it, or without this
+file (a conversion made before it was written), everything is read from the safetensors."""
 
 SHARD_BYTES = 2 * 10**9
 """Largest safetensors shard written, in bytes (a single larger tensor gets a shard of its own)."""
@@ -227,8 +236,9 @@ def gguf_to_hf_dir(
             show.stage(f"reading the config from {first.name}")
             model = _save_config(source, dtype, tmp_dir)
             plan = _plan(source, model)
+            where = LAYERS_IN_GGUF if layers_in_gguf else GGUF_SOURCE
+            _write_layer_plan(source, [t for t in plan if _is_layer(t)], dtype, tmp_dir / where)
             if layers_in_gguf:
-                _write_layer_plan(source, [t for t in plan if _is_layer(t)], dtype, tmp_dir)
                 plan = [t for t in plan if not _is_layer(t)]
             show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
             _write_weights(plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
@@ -834,15 +844,16 @@ def _part_stats(parts: list[Path]) -> list[dict[str, Any]]:
     return [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in parts]
 
 
-def _write_layer_plan(source: _Gguf, layers: list[_Tensor], dtype: torch.dtype, out_dir: Path) -> None:
-    """Write :data:`LAYERS_IN_GGUF`: the GGUF's parts (path, size, mtime) and, per layer tensor, its GGUF name and
-    what undoes llama.cpp's changes to it; ``dtype``: the storage dtype its values round through."""
+def _write_layer_plan(source: _Gguf, layers: list[_Tensor], dtype: torch.dtype, out: Path) -> None:
+    """Write the file ``out`` (:data:`LAYERS_IN_GGUF` or :data:`GGUF_SOURCE`): the GGUF's parts (path, size, mtime)
+    and, per layer tensor, its GGUF name and what undoes llama.cpp's changes to it; ``dtype``: the storage dtype its
+    values round through."""
     info = {
         "parts": _part_stats(split_parts(source.path)),
         "dtype": _dtype_name(dtype),
         "tensors": {t.hf_name: {"gguf": t.gguf_name, "heads": t.heads, "shift": t.shift} for t in layers},
     }
-    (out_dir / LAYERS_IN_GGUF).write_text(json.dumps(info, indent=2) + "\n")
+    out.write_text(json.dumps(info, indent=2) + "\n")
 
 
 def layers_in_gguf(model_dir: Path) -> bool:
@@ -850,17 +861,37 @@ def layers_in_gguf(model_dir: Path) -> bool:
     return (Path(model_dir) / LAYERS_IN_GGUF).is_file()
 
 
+def gguf_blocks(model_dir: Path) -> GgufLayers | None:
+    """A reader of the layer tensors' own blocks in the GGUF ``model_dir`` was converted from
+    (:meth:`GgufLayers.blocks`), or None: not a GGUF conversion, one made before :data:`GGUF_SOURCE` was written, or
+    a full conversion whose GGUF is gone or changed since (its safetensors then hold the weights to use; a demo
+    model's assembled GGUF is deleted once converted). A conversion without its layers has only its GGUF: a
+    changed one raises :class:`ModelFormatError`."""
+    model_dir = Path(model_dir)
+    if layers_in_gguf(model_dir):
+        return GgufLayers(model_dir)
+    if not (model_dir / GGUF_SOURCE).is_file():
+        return None
+    try:
+        return GgufLayers(model_dir, GGUF_SOURCE)
+    except (ModelFormatError, OSError, KeyError, ValueError) as err:
+        logger.info("%s: the layers are read from its safetensors, not from its GGUF's blocks (%s)", model_dir, err)
+        return None
+
+
 class GgufLayers:
     """Layer tensors by HF name, read from the GGUF of a ``layers_in_gguf`` conversion at ``model_dir``: each is
     dequantized a chunk of rows at a time into one new CPU tensor in the conversion's storage dtype (fp16), so its
     values are exactly those a full conversion stores. Same ``get``/``has`` as the safetensors reader.
 
-    A GGUF part that changed since the conversion (size or modification time) raises :class:`ModelFormatError`.
+    ``plan``: the reading plan's file in ``model_dir``, :data:`LAYERS_IN_GGUF` or a full conversion's
+    :data:`GGUF_SOURCE`. A GGUF part that changed since the conversion (size or modification time) raises
+    :class:`ModelFormatError`.
     """
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, plan: str = LAYERS_IN_GGUF) -> None:
         model_dir = Path(model_dir)
-        info = json.loads((model_dir / LAYERS_IN_GGUF).read_text())
+        info = json.loads((model_dir / plan).read_text())
         parts = [Path(p["path"]) for p in info["parts"]]
         for want in info["parts"]:
             path = Path(want["path"])
@@ -881,11 +912,41 @@ class GgufLayers:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def get(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as a new CPU tensor in the storage dtype."""
+    def _tensor(self, name: str) -> _Tensor:
         t = self.tensors.get(name)
         if t is None:
             raise ModelFormatError(f"tensor {name!r} is not among the GGUF's layer tensors")
+        return t
+
+    def qtype(self, name: str) -> str:
+        """The ggml type tensor ``name`` is stored as in the GGUF (``"Q4_K"``, ``"Q6_K"``, ``"F16"`` ...)."""
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self._tensor(name).qtype).name
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """The GGUF's own bytes of the 2-d tensor ``name``: a new uint8 tensor (rows, bytes a row) of its ggml
+        blocks, its rows in the HF order -- where llama.cpp permuted q/k rows, whole rows are moved back as
+        :func:`_tensor_chunks` moves their values, so row ``r`` holds the blocks of the converted tensor's row ``r``.
+        Read with a plain file read (see :func:`_read_rows`), never dequantized."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        t = self._tensor(name)
+        if len(t.shape) != 2 or t.shift:
+            raise ValueError(f"{name}: only a 2-d tensor stored as it is has blocks to take")
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
+        row_bytes = t.cols // block * block_bytes
+        raw = np.empty((t.rows, row_bytes), dtype=np.uint8)
+        with open(t.path, "rb") as src:
+            src.seek(t.offset)
+            if src.readinto(raw.data) != raw.nbytes:
+                raise ModelFormatError(f"truncated GGUF file {t.path}: tensor {t.gguf_name} ends past the end of it")
+        rows = _unpermute(raw, t.heads) if t.heads is not None else raw
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a new CPU tensor in the storage dtype."""
+        t = self._tensor(name)
         out = torch.empty(t.rows * t.cols, dtype=self.dtype)
         at = 0
         with open(t.path, "rb") as src:

