@@ -444,7 +444,7 @@ def test_a_busy_first_run_does_not_leave_later_runs_slower(tmp_path, monkeypatch
 
     busy["now"] = True
     runs = _machine(monkeypatch, tmp_path / "home", busy)
-    assert cpu_probe.choose_draft(cfg) == (torch.float32, "dense")  # fooled, as in the issue ...
+    assert cpu_probe.choose_draft(cfg) == (torch.float32, "dense")  # fooled, as a first run beside a compiler was ...
     entry = _draft_entry()
     assert entry.provisional and entry.load["busy"] and entry.measured_at > 0  # ... but only provisionally
     assert "provisional" in cpu_probe.entry_line(entry) and "busy" in cpu_probe.entry_line(entry)
