@@ -78,6 +78,9 @@ FLAGS: dict[str, str] = {
     "budgets": "--budgets",
     "gammas": "--gammas",
     "plot": "--plot",
+    "quality": "--quality",
+    "quality_chunk": "--quality-chunk",
+    "quality_tokens": "--quality-tokens",
     "TreeConfig.budget": "--budget",
     "TreeConfig.max_budget": "--max-budget",
     "TreeConfig.max_beams": "--max-beams",
@@ -315,7 +318,7 @@ def option(name: str) -> Any:
 
 
 def as_json() -> Any:
-    """``--json`` (generate, doctor)."""
+    """``--json`` (generate, doctor, bench)."""
     return typer.Option(False, "--json", help="Print exactly one JSON object on stdout.")
 
 

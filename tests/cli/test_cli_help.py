@@ -59,6 +59,8 @@ OWN_ADVANCED = {
     "--gammas",
     "--num-prompts",
     "--plot",
+    "--quality-chunk",
+    "--quality-tokens",
     "--grammar",
     "--regex",
 }
