@@ -63,6 +63,7 @@ def load(
     draft_vocab: int | None = None,
     share_prefix: bool = True,
     invariant: bool = True,
+    prefix_cache_bytes: int | None = None,
 ) -> Engine:
     """Load a target and an optional draft into an :class:`~specexec.decoding.engine.Engine`.
 
@@ -106,9 +107,14 @@ def load(
             logits are bit-identical whatever pass computes them, so every method's greedy output is the target's
             plain greedy decoding token for token and a request gives the same text every time. False: the
             fastest kernel for each pass's shape (for benchmarks; output may then differ at near-ties).
+        prefix_cache_bytes: the budget of the prefix cache across conversations: snapshots (in host RAM) of
+            committed keys and values another prompt would drop, restored for a later prompt that shares their
+            prefix (:mod:`specexec.model.prefix_store`); None: min(1 GiB, 10% of the available RAM); 0: off.
     """
     if context < 8:
         raise ConfigError("context", context, "must be >= 8 tokens")
+    if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+        raise ConfigError("prefix_cache_bytes", prefix_cache_bytes, "must be >= 0 (0: no prefix cache)")
     tree = tree or TreeConfig()
     home = Path(cache_dir).expanduser() if cache_dir is not None else None
     if offload is not None and home is not None and offload.cache_dir is None:
@@ -147,6 +153,7 @@ def load(
         share_prefix=share_prefix,
         max_tree=mem.tree_cap,
         invariant=invariant,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     if d_model is not None and d_dt is not None:  # what the chat banner names (--draft-dtype auto may choose)
         engine.draft_weights = mem.draft_fmt if mem.draft_fmt != "dense" else str(d_dt).removeprefix("torch.")
@@ -431,6 +438,7 @@ class ModelOptions:
     cache_dir: Path | None = None  # specexec's cache root; None: $SPECEXEC_HOME, else ~/.cache/specexec
     draft_vocab: int | None = None  # the draft's head: N frequent ids, 0: all; None: load's default
     invariant: bool = True  # shape-invariant target passes (False: fastest kernels, for benchmarks)
+    prefix_cache_bytes: int | None = None  # the prefix cache's budget across conversations (None: load's default)
     draft_choice: str | None = None  # how draft="auto" chose the draft: the line the command line shows
 
 
@@ -466,4 +474,5 @@ def load_engine(
             cache_dir=opts.cache_dir,
             draft_vocab=opts.draft_vocab,
             invariant=opts.invariant,
+            prefix_cache_bytes=opts.prefix_cache_bytes,
         )

@@ -100,6 +100,7 @@ FLAGS: dict[str, str] = {
     "OffloadConfig.cache_dir": "--cache-dir",
     "cache_dir": "--cache-dir",
     "disk_mb": "--disk-mb",
+    "prefix_cache_gb": "--prefix-cache-gb",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import typer
 
 from specexec.cli import options as o
 from specexec.cli.common import guarded, setup_logging
-from specexec.errors import ConfigError, SpecexecError
+from specexec.errors import ConfigError, SpecexecError, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ def serve(
     max_body_kb: int = typer.Option(
         4096, "--max-body-kb", help="Largest request body accepted (KiB); more: 413.", rich_help_panel=o.ADVANCED
     ),
+    prefix_cache_gb: float | None = typer.Option(
+        None,
+        "--prefix-cache-gb",
+        help="RAM for snapshots of other conversations' prompt keys/values, restored when a request resumes one "
+        "(GB; default: min(1 GiB, 10% of the available RAM); 0: off).",
+        rich_help_panel=o.ADVANCED,
+    ),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) and a web chat
     page at /.
@@ -62,6 +70,7 @@ def serve(
         from specexec import api
         from specexec.server import Defaults, ServerConfig, create_app
 
+        prefix_bytes = prefix_cache_bytes(prefix_cache_gb)  # before model_options: no draft lookup for a bad value
         tree = s.tree_config()
         chain = s.chain_config()
         samp = s.sampling_config()
@@ -74,6 +83,7 @@ def serve(
             raise ConfigError(
                 "max_body_kb", max_body_kb, "must be >= 1", f"--max-body-kb must be >= 1, got {max_body_kb}"
             )
+        model = replace(model, prefix_cache_bytes=prefix_bytes)
         name = served_model_name or default_model_name(s.target)
         config = ServerConfig(
             model_name=name,
@@ -123,6 +133,16 @@ def serve(
         log.info("server stopped after %.0f s", time.perf_counter() - t0)
 
     guarded(run, s.verbose)
+
+
+def prefix_cache_bytes(gb: float | None) -> int | None:
+    """``--prefix-cache-gb`` -> the engine's ``prefix_cache_bytes`` (None: its default)."""
+    if gb is None:
+        return None
+    check_finite("prefix_cache_gb", gb)
+    if gb < 0:
+        raise ConfigError("prefix_cache_gb", gb, "must be >= 0 (0: no prefix cache)")
+    return int(gb * 1e9)
 
 
 def default_model_name(target: str) -> str:

@@ -9,6 +9,8 @@ tree of ``budget`` draft tokens, arXiv 2406.02532; with n-gram branches merged i
 
 The committed sequence persists between calls: a new request that extends it (the next chat turn) only
 prefills the new suffix -- the longest common prefix of the old and new token ids is reused in both caches.
+Across conversations, a prefix cache (:mod:`specexec.model.prefix_store`) keeps snapshots of committed states
+that a new prompt would otherwise drop, and restores the one sharing the longest prefix with the next prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import torch
 
 from specexec import quiet
@@ -31,6 +34,8 @@ from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import cpu_probe, invariance
 from specexec.loading.checkpoint import TokenizerInfo
 from specexec.model import sizes
+from specexec.model.kv_cache import common_prefix
+from specexec.model.prefix_store import PrefixStore
 from specexec.model.transformer import Transformer
 from specexec.policy import AdaptiveBudget, BudgetPolicy, PolicyState, measure_costs
 from specexec.propose import (
@@ -58,6 +63,16 @@ def weights_tag(model: Transformer) -> str:
     neither a dense bf16 one nor an fp32 one does): its output layer's class and kernel."""
     head = model.globals.lm_head
     return f"{type(head).__name__}:{getattr(head, 'kernel', '')}"
+
+
+PREFIX_CACHE_MAX = 1 << 30  # the default prefix cache budget: at most 1 GiB ...
+PREFIX_CACHE_SHARE = 0.10  # ... and at most this share of the RAM available when the engine starts
+
+
+def default_prefix_cache_bytes() -> int:
+    """The prefix cache's default budget: min(1 GiB, 10% of the available RAM), where its snapshots live (host
+    RAM for a GPU engine too)."""
+    return int(min(PREFIX_CACHE_MAX, PREFIX_CACHE_SHARE * psutil.virtual_memory().available))
 
 
 def default_ngram(tree: TreeConfig, device: torch.device) -> NGramConfig | None:
@@ -267,6 +282,8 @@ class Engine:
     ``invariant``: run the target's passes shape-invariant (:mod:`specexec.loading.invariance`), so every method's
     greedy output is the target's plain greedy decoding token for token; False: the fastest kernel for each
     pass's shape (for benchmarks; output may then differ at near-ties).
+    ``prefix_cache_bytes``: the budget of the prefix cache across conversations
+    (:mod:`specexec.model.prefix_store`; snapshots in host RAM); None: :func:`default_prefix_cache_bytes`; 0: off.
     """
 
     def __init__(
@@ -282,7 +299,10 @@ class Engine:
         share_prefix: bool = True,
         max_tree: int | None = None,
         invariant: bool = True,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
+        if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+            raise ConfigError("prefix_cache_bytes", prefix_cache_bytes, "must be >= 0 (0: no prefix cache)")
         if context > target.cfg.max_position_embeddings:
             log.warning(
                 "context %d exceeds the model's max_position_embeddings %d", context, target.cfg.max_position_embeddings
@@ -299,6 +319,8 @@ class Engine:
         self.context = context
         self.state: TargetState | None = None
         self.draft_model: DraftModel | None = None
+        budget = default_prefix_cache_bytes() if prefix_cache_bytes is None else prefix_cache_bytes
+        self.prefix_cache = PrefixStore(budget)  # snapshots of committed states other prompts dropped
         self._tree_room = 0
         self._draft_room = 0
         # what the budget policies measured and learnt (costs, rates), kept across generations
@@ -322,6 +344,54 @@ class Engine:
     def target_cache(self):
         return self.state.cache if self.state else None
 
+    def prefix_cache_info(self) -> dict[str, Any]:
+        """The prefix cache across conversations: ``entries``, ``bytes`` held, ``budget_bytes`` (0: off), ``hits``
+        (generations that restored a snapshot) and ``restored_tokens`` (prompt tokens they did not recompute)."""
+        return self.prefix_cache.info()
+
+    # -- the prefix cache across conversations --------------------------------------------------------------------
+    def _save_live(self) -> None:
+        """Snapshot the live committed state into the prefix cache (before something drops it): the target's
+        entries, and the draft's when it keeps its own (a draft sharing the target's prefix copies it again)."""
+        st = self.state
+        if st is None or not self.prefix_cache.enabled or st.t_len == 0:
+            return
+        tokens = st.seq[: st.t_len]
+        dm = self.draft_model
+        own = dm is not None and dm.prefix is None
+        d_len = common_prefix(dm.tokens, tokens) if dm is not None and own else 0
+        self.prefix_cache.save(tokens, st.cache, dm.cache if dm is not None and own else None, d_len)
+
+    def _forget_live(self) -> None:
+        """Forget the live committed sequence (the prefix cache's snapshots stay)."""
+        if self.state:
+            self.state.reset()
+        if self.draft_model:
+            self.draft_model.reset()
+
+    def _restore(self, ids: list[int]) -> int:
+        """Before adopting ``ids``: when a snapshot shares more of ``ids[:-1]`` than the live caches do, copy its
+        entries into them. Returns the tokens restored beyond what the live target cache already shared."""
+        st = self.state
+        store = self.prefix_cache
+        if st is None or not len(store):
+            return 0
+        need = ids[:-1]
+        snap, n = store.best(need)
+        live = common_prefix(st.seq[: st.t_len], need)
+        if snap is None or n <= live:
+            return 0
+        snap.restore(st.cache, n)
+        st.seq, st.t_len = list(need[:n]), n
+        dm = self.draft_model
+        if dm is not None and dm.prefix is None:
+            m = min(n, snap.draft_len)
+            if m > common_prefix(dm.tokens, need):
+                snap.restore_draft(dm.cache, m)
+                dm.adopt_restored(need[:m])
+        store.used(snap, n - live)
+        return n - live
+
     # -- capacity -----------------------------------------------------------------------------------------------
     def _ensure_room(self, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
@@ -331,6 +401,7 @@ class Engine:
         draft_room = room + tree.largest + tree.max_beams
         if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:
             return
+        self._save_live()  # the new caches start empty
         if self.state is None or room > self._tree_room:
             self._tree_room = room
             self.state = None  # free the old cache before allocating the new one
@@ -374,13 +445,12 @@ class Engine:
             return
         self.policies.switch_mode(on)
         self.invariance = invariance.apply(self.target, on, home=self._home())
+        self.prefix_cache.clear()  # computed by the other mode's kernels: not what this mode would compute
 
     def reset(self) -> None:
-        """Forget the committed sequence (the caches' contents become unused)."""
-        if self.state:
-            self.state.reset()
-        if self.draft_model:
-            self.draft_model.reset()
+        """Forget the committed sequence and the prefix cache's snapshots: the next generation starts cold."""
+        self._forget_live()
+        self.prefix_cache.clear()
 
     # -- public API ---------------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -452,6 +522,12 @@ class Engine:
             ngram = ngram or NGramConfig()
         elif method in ("specexec", "heads") and ngram is None:
             ngram = default_ngram(tree, self.target.device)
+        st = self.state
+        if st is not None and common_prefix(st.seq[: st.t_len], ids[:-1]) < st.t_len:
+            # another conversation: adopting ``ids`` drops the live state's tail. The snapshot ``ids`` will resume
+            # becomes the most recently used first, so saving the live state does not evict it
+            self.prefix_cache.touch_best(ids[:-1])
+            self._save_live()
         self._ensure_room(tree, chain, ngram)
         samp = sampling_cfg or SamplingConfig()
         if logprobs is not None and not 0 <= logprobs <= 20:
@@ -461,6 +537,7 @@ class Engine:
         proposer, chosen = self._plan(method, tree, chain, ngram, stats, constrained=constraint is not None)
         policy = policy or chosen
         assert self.state is not None
+        stats.restored_tokens = self._restore(ids)
         self.state.adopt(ids)
         return Generation(
             self,
@@ -526,7 +603,7 @@ class Engine:
         x vocabulary bytes at a time) in the engine's pass dtype; with shape-invariant passes (the default) each
         position's logits are bit-identical to the ones plain decoding computes there, whatever ``chunk``.
         ``logits``: keep the scored rows' logits too. At most :attr:`context` ids. The passes use the target's
-        KV cache: the committed sequence is forgotten (the next generation prefills its prompt again).
+        KV cache: the committed sequence is forgotten (saved to the prefix cache first, when it has one).
         """
         ids = self.encode(text, chat)
         if len(ids) > self.context:
@@ -537,7 +614,8 @@ class Engine:
             raise ConfigError("chunk", chunk, "must be >= 1")
         if max(ids) >= self.target.cfg.vocab_size or min(ids) < 0:
             raise SpecexecError("token ids out of the model's vocabulary")
-        self.reset()
+        self._save_live()
+        self._forget_live()
         assert self.state is not None
         dev = self.target.device
         x = torch.tensor(ids, device=dev)
@@ -644,7 +722,7 @@ class Engine:
     def _pass_prior(self, draft: bool) -> dict[int, float]:
         """The target's pass seconds at a few small sizes (what trimming a proposal weighs), or the draft's (what its
         catch-ups cost), measured once per machine and model (cached by the policies). Uses the caches as scratch:
-        drops the prefix cache."""
+        the live committed state is saved to the prefix cache, then dropped."""
         assert self.state is not None
         dm = self.draft_model
         model = dm.model if draft and dm is not None else self.target
@@ -652,6 +730,7 @@ class Engine:
 
         def measure(sizes: Sequence[int]) -> dict[int, float]:
             assert self.state is not None
+            self._save_live()  # the passes below use the caches as scratch
             if draft and dm is not None:  # the draft's own passes, as its steps run them
                 timer, capacity = pass_timer(dm.model, dm.cache, dm.forward), dm.usable
             else:
@@ -659,7 +738,7 @@ class Engine:
             with quiet.watch() as seen:
                 timer(1, 1)  # warm-up
                 points = {n: timer(n, 2) for n in sizes if n <= capacity}
-            self.reset()
+            self._forget_live()
             if model.device.type == "cpu" and 1 in points:  # a quiet one-row pass checks the format probe's figures
                 cpu_probe.check_pass(model, "draft" if draft else "target", points[1], seen.load)
             return points
@@ -692,9 +771,10 @@ class Engine:
     def _measure_costs(self, tree: TreeConfig) -> tuple[dict[int, float], dict[int, float]]:
         """Time a few target passes (tree sizes) and draft passes (beam counts) for the cost model.
 
-        Uses the caches as scratch, so the prefix cache is dropped.
+        Uses the caches as scratch: the live committed state is saved to the prefix cache first, then dropped.
         """
         assert self.draft_model is not None and self.state is not None
+        self._save_live()  # the passes below use the caches as scratch
         t_time = pass_timer(self.target, self.state.cache)
         # the draft's own passes (graphed on a GPU): timing its model eagerly overstates what its graphed steps take
         # several times over, and the drift check would then measure again every generation
@@ -702,5 +782,5 @@ class Engine:
         t_time(1, 1)  # warm-up
         d_time(1, 1)
         t_s, d_s = measure_costs(lambda n: t_time(n, 1), lambda n: d_time(n, 2), tree.max_budget, tree.max_beams)
-        self.reset()
+        self._forget_live()
         return t_s, d_s

@@ -8,11 +8,13 @@ never rebuilt with ``cat``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share: the cached positions of one that the other can keep."""
     n = 0
     for x, y in zip(a, b):

@@ -175,6 +175,11 @@ class DraftModel:
     def reset(self) -> None:
         self._tokens = []
 
+    def adopt_restored(self, tokens: list[int]) -> None:
+        """The cache's slots [0, len(tokens)) now hold ``tokens``' entries (copied in from a prefix-cache
+        snapshot)."""
+        self._tokens = list(tokens)
+
     def keep_prefix(self, seq: list[int]) -> None:
         """Keep the cached entries that are a prefix of ``seq[:-1]`` (the pending last token is never cached)."""
         keep = common_prefix(self._tokens, seq[:-1])

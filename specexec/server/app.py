@@ -99,6 +99,13 @@ VENDOR_FILES = {
 }
 
 
+def prefix_cache(engine: Any) -> dict[str, Any]:
+    """/health's ``prefix_cache``: the engine's snapshots across conversations (entries, bytes, budget, hits),
+    read without waiting for the worker; nothing for an engine without one."""
+    info = getattr(engine, "prefix_cache_info", None)
+    return {"prefix_cache": info()} if callable(info) else {}
+
+
 def page_html() -> str:
     """The web chat page shipped in the package (static/index.html)."""
     return resources.files("specexec.server").joinpath("static/index.html").read_text(encoding="utf-8")
@@ -206,6 +213,7 @@ def create_app(
                 "waiting": w.waiting,
                 "queue": config.queue,
                 "context": state.engine.context,
+                **prefix_cache(state.engine),
             }
         )
 

@@ -441,8 +441,8 @@ class Worker:
 
 
 def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
-    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens, steps, and the
-    tokens a constraint forced."""
+    """The ``specexec`` extension object: method, budget, tokens/step, tokens/s, prefill tokens (and restored ones),
+    steps, and the tokens a constraint forced."""
     return {
         "method": stats.method,
         "budget": stats.budget.json() if stats.budget is not None else None,
@@ -453,6 +453,8 @@ def stats_ext(stats: Any, wall_s: float) -> dict[str, Any]:
         "tokens_per_step": round(float(stats.tokens_per_step), 4),
         "tokens_per_s": round(float(stats.tokens_per_s), 3),
         "prefill_tokens": int(stats.prefill_tokens),
+        # of the cached prompt tokens: those restored from the prefix cache's snapshot of another conversation
+        "restored_tokens": int(getattr(stats, "restored_tokens", 0)),
         "forced_tokens": int(getattr(stats, "forced_tokens", 0)),  # constrained: tokens the grammar wrote itself
         "wall_s": round(wall_s, 4),
     }

@@ -100,6 +100,7 @@ class Stats:
     wall_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens actually processed (the rest came from the prefix cache)
+    restored_tokens: int = 0  # of the rest: those restored from a snapshot of another conversation's prefix
     costs_s: float = 0.0  # auto budget: one-time cost measurement (excluded from wall_s)
     budget: Arm | None = None  # specexec: the budget (auto: the one chosen most often)
     # specexec: arm -> steps (in JSON by label: "-3" a chain of 3, "8" a tree of 8, "heads:4" a head tree)

@@ -244,6 +244,16 @@ def test_checked_before_loading(no_load, command, case):
 
 
 @pytest.mark.parametrize(
+    "value, pattern",
+    [("-1", "--prefix-cache-gb must be >= 0 (0: no prefix cache), got -1"), ("nan", "must be a finite number")],
+)
+def test_serve_prefix_cache_checked_before_loading(no_load, value, pattern):
+    result = _run("serve", "--prefix-cache-gb", value)
+    _one_error_line(result, pattern)
+    assert result.exit_code == 2
+
+
+@pytest.mark.parametrize(
     "args, pattern",
     [
         (("--num-prompts", "0"), "--num-prompts must be >= 1, got 0"),

@@ -56,6 +56,7 @@ OWN_ADVANCED = {
     "--queue",
     "--served-model-name",
     "--max-body-kb",
+    "--prefix-cache-gb",
     "--gammas",
     "--num-prompts",
     "--plot",

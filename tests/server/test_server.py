@@ -162,6 +162,16 @@ def test_health_models_and_page(live):
     assert httpx.get(live.url + "/v1/nope").json()["error"]["code"] == "not_found"
 
 
+def test_health_reports_the_prefix_cache(live, client):
+    """Two conversations: the first one's state is saved when the second drops it; /health counts it."""
+    for prompt in ("t10 t11 t12 t13 t14", "t50 t51 t52"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    live.wait_idle()
+    info = httpx.get(live.url + "/health").json()["prefix_cache"]
+    assert info["entries"] >= 1 and 0 < info["bytes"] <= info["budget_bytes"]
+    assert set(info) == {"entries", "bytes", "budget_bytes", "hits", "restored_tokens"}
+
+
 def test_chat_greedy_equals_generate_chat(client, ref):
     r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=24, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
@@ -496,10 +506,13 @@ def test_second_turn_prefills_only_the_new_tokens(client, ref):
     new = len(ids2) - held
     assert new == len(render_chat(tok, [{"role": "user", "content": "t20 t21"}])) + 1  # "t6" + the new message
     # the engine's cache holds turn 1 but its last answer token (generated, never fed back); the prefill feeds that
-    # token and the new ones but the last (which the first decode step processes): nothing of turn 1 is recomputed
-    assert ext(second)["prefill_tokens"] == new
-    assert second.usage.prompt_tokens_details.cached_tokens == held - 1
-    assert ext(first)["prefill_tokens"] >= len(ids1) - 1 - 2  # turn 1 itself was mostly new
+    # token and the new ones but the last (which the first decode step processes): nothing of turn 1 is recomputed.
+    # A snapshot of an earlier conversation (the prefix cache) may hold a few of the new tokens too
+    restored = ext(second)["restored_tokens"]
+    assert ext(second)["prefill_tokens"] == new - restored and restored < new
+    assert second.usage.prompt_tokens_details.cached_tokens == held - 1 + restored
+    # turn 1 itself was mostly new to the live cache (an earlier request's snapshot may have held it)
+    assert ext(first)["prefill_tokens"] + ext(first)["restored_tokens"] >= len(ids1) - 1 - 2
     assert second.choices[0].message.content == ref.generate(ids2, 8, tree=TREE).text
 
 
