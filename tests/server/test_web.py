@@ -384,12 +384,12 @@ def test_stats_line_names_the_proposal_in_words(browser, site, fake):
     from selenium.webdriver.common.by import By
 
     cases = [
-        ({"budget": -6}, "draft chain of 6"),
-        ({"budget": 64}, "tree of 64"),
-        ({"budget": -3, "budget_auto": True}, "auto: mostly draft chain of 3"),
-        ({"method": "ar", "budget": 0}, "plain decoding"),
-        ({"method": "ngram", "budget": 16}, "prompt lookup"),
-        ({"method": "chain", "budget": 4, "gamma": 4}, "draft chain of 4"),
+        ({"budget": Arm("chain", 6)}, "draft chain of 6"),
+        ({"budget": Arm("tree", 64)}, "tree of 64"),
+        ({"budget": Arm("chain", 3), "budget_auto": True}, "auto: mostly draft chain of 3"),
+        ({"method": "ar", "budget": Arm("plain")}, "plain decoding"),
+        ({"method": "ngram", "budget": Arm("tree", 16)}, "prompt lookup"),
+        ({"method": "chain", "budget": Arm("tree", 4), "gamma": 4}, "draft chain of 4"),
     ]
     fake.script, fake.delay = ["fine"], 0.01
     _open(browser, site)
