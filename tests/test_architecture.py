@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("specexec.propose",),
     ("specexec.policy",),
     ("specexec.decoding",),
-    ("specexec.api", "specexec.chat", "specexec.bench", "specexec.doctor"),
+    ("specexec.api", "specexec.chat", "specexec.bench", "specexec.doctor", "specexec.quality"),
     ("specexec.server",),
     ("specexec.cli",),
 ]
