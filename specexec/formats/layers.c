@@ -3,8 +3,9 @@
    Per layer: RMSNorm, the fused q/k/v product (+ bias), rotate-half RoPE on queries and keys, the keys and values
    written into the cache at the pass's slots, attention (attn_rows, attn.c), the output product added to the
    residual, RMSNorm, the fused gate/up product, silu(gate) * up, the down product added to the residual. The
-   products are q4_matmul (q4.c). A pass of a small model spends as much time between its products (a dozen torch
-   operations per layer, each a Python call) as in them; here they cost nothing. Every row's arithmetic is a fixed
+   products are block_matmul (q4.c and q6k.c over a weight's parts). A pass of a small model spends as much time
+   between its products (a dozen torch operations per layer, each a Python call) as in them; here they cost
+   nothing. Every row's arithmetic is a fixed
    sequence of fp32 operations that depends only on that row (the products and attention are row-invariant too),
    so a row's result is the same in any pass. */
 #include <math.h>
@@ -12,7 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out);
+int q4_matmul_ld(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out,
+                 int64_t ldo);
+int q6k_matmul(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *out, int64_t ldo);
 void attn_rows(const float *q, int64_t P, int64_t H, int64_t KVH, int64_t hd, const void *keys, const void *values,
                int is_bf16, int64_t head_stride, const int64_t *idx, const int64_t *start, float scale, float cap,
                float *out);
@@ -37,8 +40,26 @@ static void rms_rows(const float *x, const float *w, int64_t T, int64_t D, float
     }
 }
 
-/* Layer weights, per layer, as addresses: attention norm, q/k/v (packed), q/k/v bias (0: none), output (packed),
-   MLP norm, gate/up (packed), down (packed). ns: the sub-blocks per super-block of the four packed weights. */
+/* out (rows, n) = x (rows, k) times a weight made of parts whose outputs sit side by side. t: the number of parts,
+   then per part its packed rows' address, its rows, its type (0: q4 with t[4] sub-blocks a super-block, 1: Q6_K)
+   and that count (specexec.formats.blocks.table). Returns 0, or -1 when a product's scratch memory cannot be
+   had. */
+int block_matmul(const int64_t *t, int64_t k, const float *x, int64_t rows, float *out) {
+    int64_t n = 0, col = 0;
+    for (int64_t p = 0; p < t[0]; p++) n += t[2 + 4 * p];
+    for (int64_t p = 0; p < t[0]; p++) {
+        const int64_t *e = t + 1 + 4 * p;
+        const uint8_t *w = (const uint8_t *)(intptr_t)e[0];
+        const int rc = e[2] ? q6k_matmul(w, e[1], k, x, rows, out + col, n)
+                            : q4_matmul_ld(w, e[1], k, (int)e[3], x, rows, out + col, n);
+        if (rc) return -1;
+        col += e[1];
+    }
+    return 0;
+}
+
+/* Layer weights, per layer, as addresses: attention norm, q/k/v, q/k/v bias (0: none), output, MLP norm, gate/up,
+   down; the four products' addresses are their block_matmul tables. */
 enum { W_ANORM, W_QKV, W_BQKV, W_O, W_MNORM, W_13, W_2, W_N };
 
 /* x (T, D) fp32, updated in place by layers [0, L). cos, sin (T, hd): RoPE tables (sin with its first half
@@ -46,7 +67,7 @@ enum { W_ANORM, W_QKV, W_BQKV, W_O, W_MNORM, W_13, W_2, W_N };
    (fp32; the same for values); row t writes slot slots[t]. Row t attends to idx[start[t] .. start[t + 1]).
    Returns 0, or -1 when scratch memory or a product's could not be allocated. */
 int q4_layers(int64_t L, int64_t T, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t F, float *x,
-              const int64_t *ptrs, const int32_t *ns, const float *cos, const float *sin, float *kc, float *vc,
+              const int64_t *ptrs, const float *cos, const float *sin, float *kc, float *vc,
               int64_t layer_stride, int64_t head_stride, const int64_t *slots, const int64_t *idx,
               const int64_t *start, float scale, float eps) {
     const int64_t nq = H * hd, nkv = KVH * hd, nqkv = nq + 2 * nkv, half = hd / 2;
@@ -59,9 +80,8 @@ int q4_layers(int64_t L, int64_t T, int64_t D, int64_t H, int64_t KVH, int64_t h
     int failed = !h || !big || !q || !att || !y;
     for (int64_t i = 0; i < L && !failed; i++) {
         const int64_t *p = ptrs + i * W_N;
-        const int32_t *n4 = ns + i * 4;
         rms_rows(x, (const float *)(intptr_t)p[W_ANORM], T, D, eps, h);
-        if (q4_matmul((const uint8_t *)(intptr_t)p[W_QKV], nqkv, D, n4[0], h, T, big)) { failed = 1; break; }
+        if (block_matmul((const int64_t *)(intptr_t)p[W_QKV], D, h, T, big)) { failed = 1; break; }
         const float *bias = (const float *)(intptr_t)p[W_BQKV];
         float *kl = kc + i * layer_stride, *vl = vc + i * layer_stride;
         #pragma omp parallel for schedule(static) if (T > 4)
@@ -84,10 +104,10 @@ int q4_layers(int64_t L, int64_t T, int64_t D, int64_t H, int64_t KVH, int64_t h
             }
         }
         attn_rows(q, T, H, KVH, hd, kl, vl, 0, head_stride, idx, start, scale, 0.f, att);
-        if (q4_matmul((const uint8_t *)(intptr_t)p[W_O], D, nq, n4[1], att, T, y)) { failed = 1; break; }
+        if (block_matmul((const int64_t *)(intptr_t)p[W_O], nq, att, T, y)) { failed = 1; break; }
         for (int64_t j = 0; j < T * D; j++) x[j] = x[j] + y[j];
         rms_rows(x, (const float *)(intptr_t)p[W_MNORM], T, D, eps, h);
-        if (q4_matmul((const uint8_t *)(intptr_t)p[W_13], 2 * F, D, n4[2], h, T, big)) { failed = 1; break; }
+        if (block_matmul((const int64_t *)(intptr_t)p[W_13], D, h, T, big)) { failed = 1; break; }
         #pragma omp parallel for schedule(static) if (T > 4)
         for (int64_t t = 0; t < T; t++) {
             const float *gu = big + t * 2 * F;
@@ -97,7 +117,7 @@ int q4_layers(int64_t L, int64_t T, int64_t D, int64_t H, int64_t KVH, int64_t h
                 m[f] = g / (1.f + expf(-g)) * gu[F + f];
             }
         }
-        if (q4_matmul((const uint8_t *)(intptr_t)p[W_2], D, F, n4[3], h, T, y)) { failed = 1; break; }
+        if (block_matmul((const int64_t *)(intptr_t)p[W_2], F, h, T, y)) { failed = 1; break; }
         for (int64_t j = 0; j < T * D; j++) x[j] = x[j] + y[j];
     }
     free(h);

@@ -1,4 +1,4 @@
-"""A pass's decoder layers in one C call, for a CPU model with 4-bit weights (``layers.c``).
+"""A pass's decoder layers in one C call, for a CPU model with block weights (4-bit, Q6_K: ``layers.c``).
 
 A small model's pass on a CPU spends about as long between its products as in them: a dozen torch operations per
 layer, each a Python call of some microseconds. :class:`NativeLayers` runs every layer of a pass in one call of the
@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from specexec.formats import native
-from specexec.formats.q4 import Q4Linear
+from specexec.formats.blocks import BLOCK_LINEARS, table
 
 WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w13", "w2")  # layers.c's order (a missing bias: 0)
+LINEARS = ("wqkv", "wo", "w13", "w2")
 
 
 class NativeLayers:
@@ -29,15 +30,14 @@ class NativeLayers:
 
     def __init__(self, cfg: Any, layers: list[Any]) -> None:
         self.cfg = cfg
-        self.keep = layers  # the weights whose addresses the table holds
-        ptrs, ns = [], []
+        self.keep = layers  # the weights whose addresses the tables hold
+        self.tables = [table(w[n]) for w in layers for n in LINEARS]  # each product's parts (block_matmul)
+        ptrs, tables = [], iter(self.tables)
         for w in layers:
             for name in WEIGHTS:
                 t = w.get(name)
-                ptrs.append(0 if t is None else (t.packed if isinstance(t, Q4Linear) else t).data_ptr())
-            ns += [w[n].ns for n in ("wqkv", "wo", "w13", "w2")]
+                ptrs.append(0 if t is None else next(tables).data_ptr() if name in LINEARS else t.data_ptr())
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64)
-        self.ns = torch.tensor(ns, dtype=torch.int32)
         self.inter = layers[0]["w2"].shape[1]
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
 
@@ -55,7 +55,7 @@ class NativeLayers:
         if c.sliding_window is not None or local_rope or c.head_dim > 1024 or c.head_dim % 2:
             return None
         for w in layers:
-            if not all(isinstance(w.get(n), Q4Linear) for n in ("wqkv", "wo", "w13", "w2")):
+            if not all(isinstance(w.get(n), BLOCK_LINEARS) for n in LINEARS):
                 return None
             if set(w) - set(WEIGHTS):
                 return None
@@ -79,7 +79,7 @@ class NativeLayers:
         slots = slots.to(torch.int64).contiguous()
         failed = native.kernel().q4_layers(
             c.num_layers, T, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.inter, out.data_ptr(),
-            self.ptrs.data_ptr(), self.ns.data_ptr(), cs.data_ptr(), sn.data_ptr(), k.data_ptr(), v.data_ptr(),
+            self.ptrs.data_ptr(), cs.data_ptr(), sn.data_ptr(), k.data_ptr(), v.data_ptr(),
             k.stride(0), k.stride(1), slots.data_ptr(), rows.idx.data_ptr(), rows.start.data_ptr(), self.scale,
             c.rms_norm_eps,
         )  # fmt: skip

@@ -1,11 +1,11 @@
 """The package's C kernels for CPUs: compiled on first use, kept under the cache home, loaded with ctypes.
 
-``q4.c`` (4-bit weights, :mod:`specexec.formats.q4`), ``attn.c`` (a pass's attention row by row,
-:func:`specexec.model.attention.native`) and ``layers.c`` (a pass's decoder layers with 4-bit weights in one call,
-:mod:`specexec.formats.layers`). They are built once per source, compiler and CPU with the system C
-compiler (``cc``, or ``$CC``) for this CPU (``-O3 -march=native``, no fast-math and no contracted multiply-adds:
-every result is a fixed sequence of operations), kept as ``<cache home>/kernels/cpu-<key>.so``, and share torch's
-OpenMP runtime (its thread count). Without a compiler :func:`available` says why; callers then keep their torch
+``q4.c`` (4-bit weights, :mod:`specexec.formats.q4`), ``q6k.c`` (GGUF Q6_K blocks, :mod:`specexec.formats.blocks`),
+``attn.c`` (a pass's attention row by row, :func:`specexec.model.attention.native`) and ``layers.c`` (a pass's decoder
+layers with block weights in one call, :mod:`specexec.formats.layers`). They are built once per source, compiler and CPU
+with the system C compiler (``cc``, or ``$CC``) for this CPU (``-O3 -march=native``, no fast-math and no contracted
+multiply-adds: every result is a fixed sequence of operations), kept as ``<cache home>/kernels/cpu-<key>.so``, and share
+torch's OpenMP runtime (its thread count). Without a compiler :func:`available` says why; callers then keep their torch
 code.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4.c", "attn.c", "layers.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("q4.c", "q6k.c", "attn.c", "layers.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 _lib: ctypes.CDLL | None = None
@@ -73,7 +73,13 @@ def _build(home: Path | None = None) -> ctypes.CDLL:
     lib.q4_matmul.restype = N
     lib.attn_rows.argtypes = [P, I, I, I, I, P, P, N, I, P, P, F, F, P]
     lib.attn_rows.restype = None
-    lib.q4_layers.argtypes = [I, I, I, I, I, I, I, P, P, P, P, P, P, P, I, I, P, P, P, F, F]
+    lib.q6k_matmul.argtypes = [P, I, I, P, I, P, I]
+    lib.q6k_matmul.restype = N
+    lib.q6k_matmul_scalar.argtypes = [P, I, I, P, I, P]
+    lib.q6k_matmul_scalar.restype = N
+    lib.block_matmul.argtypes = [P, I, P, I, P]
+    lib.block_matmul.restype = N
+    lib.q4_layers.argtypes = [I, I, I, I, I, I, I, P, P, P, P, P, P, I, I, P, P, P, F, F]
     lib.q4_layers.restype = N
     return lib
 

@@ -411,8 +411,9 @@ static void tiles_block(const uint8_t *w, int64_t o0, int64_t n, int64_t k, int 
 /* out (rows, n) = x (rows, k) fp32 times dequant(w) (n, k) transposed: x's rows quantized (q8_row), then every
    output element one thread's fixed sequence of operations, whatever rows, n or the thread count. One parallel
    region for both (a one-token step runs some hundred of these: each fork and join costs). Returns 0, or -1 when
-   the scratch memory cannot be had. */
-int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out) {
+   the scratch memory cannot be had. ldo: out's row stride (a part of a fused weight writes its columns). */
+int q4_matmul_ld(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out,
+                 int64_t ldo) {
     const int64_t sb = (int64_t)QK * ns, nsb = k / sb, nbs = k / QK, sbb = sb_bytes(ns);
     int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
     const int64_t rp = (rows + 7) / 8 * 8 + 8; /* dx's rows: whole vectors of 8 from any row group */
@@ -475,7 +476,7 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
             tiles_configure();
             #pragma omp for schedule(static)
             for (int64_t ob = 0; ob < tiled / 16; ob++)
-                if (ab) tiles_block(w, ob * 16, n, k, ns, rows, bt, bp, dx, rp, ab, out);
+                if (ab) tiles_block(w, ob * 16, ldo, k, ns, rows, bt, bp, dx, rp, ab, out);
             _tile_release();
             free(ab);
         }
@@ -498,27 +499,27 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
                 const float *d = dx + r0;
                 const int16_t *b = bs + r0 * nbs;
                 const int16_t *bwr = bw && r0 + WRT <= rows ? bw + r0 / WRT * nsb * (ns / 2) * 16 : NULL;
-                float *res = out + r0 * n + o;
+                float *res = out + r0 * ldo + o;
 #ifdef WIDE
                 if (ns % 4 == 0) {
                     switch (rt) {
-                        case 1: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 1, res, n); break;
-                        case 2: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 2, res, n); break;
-                        case 3: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 3, res, n); break;
-                        case 4: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 4, res, n); break;
-                        case 5: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 5, res, n); break;
-                        case 6: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 6, res, n); break;
-                        case 7: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 7, res, n); break;
-                        default: wide_rows(wr, ns, nsb, k, q, d, rp, b, bwr, 8, res, n); break;
+                        case 1: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 1, res, ldo); break;
+                        case 2: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 2, res, ldo); break;
+                        case 3: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 3, res, ldo); break;
+                        case 4: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 4, res, ldo); break;
+                        case 5: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 5, res, ldo); break;
+                        case 6: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 6, res, ldo); break;
+                        case 7: wide_rows(wr, ns, nsb, k, q, d, rp, b, NULL, 7, res, ldo); break;
+                        default: wide_rows(wr, ns, nsb, k, q, d, rp, b, bwr, 8, res, ldo); break;
                     }
                     continue;
                 }
 #endif
                 switch (rt) {
-                    case 1: dot_rows(wr, ns, nsb, k, q, d, rp, b, 1, res, n); break;
-                    case 2: dot_rows(wr, ns, nsb, k, q, d, rp, b, 2, res, n); break;
-                    case 3: dot_rows(wr, ns, nsb, k, q, d, rp, b, 3, res, n); break;
-                    default: dot_rows(wr, ns, nsb, k, q, d, rp, b, 4, res, n); break;
+                    case 1: dot_rows(wr, ns, nsb, k, q, d, rp, b, 1, res, ldo); break;
+                    case 2: dot_rows(wr, ns, nsb, k, q, d, rp, b, 2, res, ldo); break;
+                    case 3: dot_rows(wr, ns, nsb, k, q, d, rp, b, 3, res, ldo); break;
+                    default: dot_rows(wr, ns, nsb, k, q, d, rp, b, 4, res, ldo); break;
                 }
 #else
                 for (int r = 0; r < rt; r++) {
@@ -546,7 +547,7 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
                         acc += h2f(hd) * xd * (float)isum;
                         macc += h2f(hm) * xd * (float)imin;
                     }
-                    out[row * n + o] = acc + macc;
+                    out[row * ldo + o] = acc + macc;
                 }
 #endif
             }
@@ -562,3 +563,9 @@ int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, in
     free(bw);
     return failed ? -1 : 0;
 }
+
+int q4_matmul(const uint8_t *w, int64_t n, int64_t k, int ns, const float *x, int64_t rows, float *out) {
+    return q4_matmul_ld(w, n, k, ns, x, rows, out, n);
+}
+
+float q4_h2f(uint16_t h) { return h2f(h); }

@@ -415,33 +415,46 @@ def iter_layers(
             w["post_mlp_norm"] = o("post_feedforward_layernorm.weight")
         yield i, w
     if blocks is not None:
-        log.info("4-bit layers: %d of %d linear tensors are the GGUF's own Q4_K blocks", *taken)
+        log.info("block layers: %d of %d linear tensors are the GGUF's own Q4_K / Q6_K blocks", *taken)
 
 
 def _q4_linear(shards: Any, blocks: Any, names: list[str], taken: list[int]) -> Any:
-    """A :class:`~specexec.formats.q4.Q4Linear` of the tensors ``names``' rows one after another: a tensor the GGUF
-    (``blocks``, a :class:`~specexec.loading.convert.GgufLayers`, or None) stores as Q4_K in rows of whole blocks
-    is its blocks repacked, losslessly; any other is quantized from its stored values (in fp32, as
-    :func:`quantize_weight`). ``taken``: [tensors taken from blocks, tensors] counted up."""
+    """The CPU block weight of the tensors ``names``' rows one after another: a tensor the GGUF (``blocks``, a
+    :class:`~specexec.loading.convert.GgufLayers`, or None) stores as Q4_K is its blocks repacked losslessly, one
+    stored as Q6_K its blocks as they are (:class:`~specexec.formats.blocks.Q6KLinear`); any other is quantized
+    from its stored values to 4 bits (in fp32, as :func:`quantize_weight`). Parts of different types make a
+    :class:`~specexec.formats.blocks.Fused` weight. ``taken``: [tensors taken from blocks, tensors] counted up."""
+    from specexec.formats import blocks as fb
     from specexec.formats import q4
 
-    packed: list[Tensor] = []
-    rows, cols = 0, set[int]()
+    parts: list[Any] = []
     for name in names:
-        if blocks is not None and blocks.has(name) and blocks.qtype(name) == "Q4_K":
-            k = blocks.tensors[name].cols
-            part = q4.from_q4_k(blocks.blocks(name), k)
+        qtype = blocks.qtype(name) if blocks is not None and blocks.has(name) else None
+        if qtype in ("Q4_K", "Q6_K"):
+            part = _file_blocks(blocks, name, qtype)
             taken[0] += 1
         else:
             w = shards.get(name)
-            k, part = int(w.shape[1]), q4.quantize(w.float())
+            part = q4.Q4Linear(w.float())
             del w
-        packed.append(part)
-        rows, cols = rows + int(part.shape[0]), cols | {k}
+        parts.append(part)
         taken[1] += 1
+    cols = {p.shape[1] for p in parts}
     if len(cols) != 1:
         raise SpecexecError(f"{', '.join(names)}: rows of different widths {sorted(cols)} cannot be one weight")
-    return q4.Q4Linear.from_blocks(packed[0] if len(packed) == 1 else torch.cat(packed), (rows, cols.pop()))
+    return fb.join(parts)
+
+
+def _file_blocks(blocks: Any, name: str, qtype: str) -> Any:
+    """Tensor ``name`` of the GGUF as a CPU block weight of its own blocks (``qtype``: Q4_K or Q6_K)."""
+    from specexec.formats import blocks as fb
+    from specexec.formats import q4
+
+    k = blocks.tensors[name].cols
+    raw = blocks.blocks(name)
+    if qtype == "Q4_K":
+        return q4.Q4Linear.from_blocks(q4.from_q4_k(raw, k), (int(raw.shape[0]), k))
+    return fb.Q6KLinear(raw, (int(raw.shape[0]), k))
 
 
 def read_globals(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -496,6 +509,10 @@ def _low_bit_globals(
     shards = _Shards(path)
     tied = cfg.tie_word_embeddings or not shards.has("lm_head.weight")
     read = dtype if fmt == "nf4" else torch.float32
+    if fmt == "q4":
+        found = _global_blocks(path, tied)
+        if found is not None:
+            return Globals(embed=found[0], norm=_owned(shards.get("model.norm.weight"), dtype), lm_head=found[1])
     embed_w = shards.get("model.embed_tokens.weight")
     embed: Any
     if fmt in ("int8", "q4") and tied:
@@ -508,6 +525,20 @@ def _low_bit_globals(
         embed = _owned(embed_w, dtype).to(device)
     del embed_w
     return Globals(embed=embed, norm=_owned(shards.get("model.norm.weight"), dtype).to(device), lm_head=lm)
+
+
+def _global_blocks(path: Path, tied: bool) -> tuple[Any, Any] | None:
+    """(embedding, lm_head) of a CPU block model as the GGUF's own Q4_K / Q6_K blocks, where the conversion's GGUF
+    is at hand and stores both so (a tied model's lm_head is its embedding); else None (they are quantized from the
+    stored values). The embedding then stays in its blocks too: a lookup dequantizes the rows it reads."""
+    from specexec.loading import convert
+
+    blocks = convert.gguf_blocks(path)
+    names = ["model.embed_tokens.weight"] if tied else ["model.embed_tokens.weight", "lm_head.weight"]
+    if blocks is None or not all(blocks.has(n) and blocks.qtype(n) in ("Q4_K", "Q6_K") for n in names):
+        return None
+    embed = _file_blocks(blocks, names[0], blocks.qtype(names[0]))
+    return embed, embed if tied else _file_blocks(blocks, names[1], blocks.qtype(names[1]))
 
 
 def load_model(
@@ -582,10 +613,11 @@ def load_model(
         layers = ResidentLayers(loaded)
     model = Transformer(cfg=cfg, globals=glob, layers=layers, device=device, dtype=dtype)
     if fmt == "q4" and isinstance(layers, ResidentLayers):
-        from specexec.formats.q4 import Q4Linear, gather
+        from specexec.formats.blocks import BLOCK_LINEARS, leaves
+        from specexec.formats.q4 import gather
 
-        found = [w for i in range(cfg.num_layers) for w in layers.layer(i).values() if isinstance(w, Q4Linear)]
-        gather(found + [w for w in (glob.lm_head, glob.embed) if isinstance(w, Q4Linear)])
+        found = [w for i in range(cfg.num_layers) for w in layers.layer(i).values() if isinstance(w, BLOCK_LINEARS)]
+        gather(p for w in [*found, glob.lm_head, glob.embed] if isinstance(w, BLOCK_LINEARS) for p in leaves(w))
     release_freed_memory()
     return model
 

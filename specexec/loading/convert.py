@@ -74,12 +74,14 @@ LAYERS_IN_GGUF = LAYER_SOURCE
 modification times) and how each is read from it (:class:`GgufLayers`); the NF4 layer cache's key hashes it
 (:func:`offload.store.cache_key`)."""
 
+GLOBAL_BLOCKS = ("model.embed_tokens.weight", "lm_head.weight")  # the globals a loader may take as blocks
 GGUF_SOURCE = "gguf-source.json"
 """In a full conversion: the same reading plan as :data:`LAYERS_IN_GGUF` (the GGUF's parts, sizes and modification
-times, each layer tensor's GGUF name and un-permutation), while the safetensors hold every weight. A loader may then
-take a layer tensor's own blocks from the GGUF (a 4-bit CPU target repacks Q4_K blocks losslessly:
-:meth:`GgufLayers.blocks`) while the GGUF is there unchanged (:func:`gguf_blocks`); without it, or without this
-file (a conversion made before it was written), everything is read from the safetensors."""
+times, each layer tensor's GGUF name and un-permutation) plus the embedding and lm_head (:data:`GLOBAL_BLOCKS`),
+while the safetensors hold every weight. A loader may then take a tensor's own blocks from the GGUF (a CPU target
+runs Q4_K and Q6_K blocks as stored: :meth:`GgufLayers.blocks`) while the GGUF is there unchanged
+(:func:`gguf_blocks`); without it, or without this file (a conversion made before it was written), everything is
+read from the safetensors."""
 
 SHARD_BYTES = 2 * 10**9
 """Largest safetensors shard written, in bytes (a single larger tensor gets a shard of its own)."""
@@ -237,7 +239,9 @@ def gguf_to_hf_dir(
             model = _save_config(source, dtype, tmp_dir)
             plan = _plan(source, model)
             where = LAYERS_IN_GGUF if layers_in_gguf else GGUF_SOURCE
-            _write_layer_plan(source, [t for t in plan if _is_layer(t)], dtype, tmp_dir / where)
+            # a full conversion's plan also names the embedding and lm_head: a CPU target runs their own blocks
+            blocks = [t for t in plan if _is_layer(t) or (not layers_in_gguf and t.hf_name in GLOBAL_BLOCKS)]
+            _write_layer_plan(source, blocks, dtype, tmp_dir / where)
             if layers_in_gguf:
                 plan = [t for t in plan if not _is_layer(t)]
             show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")

@@ -549,14 +549,14 @@ def contradicts(cached: FormatProbe, measured_s: float, fmt: str | None = None) 
 
 def weight_format(model: Any) -> str:
     """A CPU model's layer weight format: ``q4``, ``int8`` or ``dense``."""
+    from specexec.formats.blocks import BLOCK_LINEARS
     from specexec.formats.int8 import Int8Linear
-    from specexec.formats.q4 import Q4Linear
     from specexec.model.transformer import ResidentLayers
 
     if not isinstance(model.layers, ResidentLayers) or not model.layers.layers:
         return "dense"
     w = model.layers.layer(0).get("w2")
-    return "q4" if isinstance(w, Q4Linear) else "int8" if isinstance(w, Int8Linear) else "dense"
+    return "q4" if isinstance(w, BLOCK_LINEARS) else "int8" if isinstance(w, Int8Linear) else "dense"
 
 
 def check_pass(model: Any, what: str, measured_s: float, load: quiet.Load | None = None) -> list[str]:

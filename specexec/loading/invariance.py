@@ -265,11 +265,11 @@ def weight_wrapper(fmt: str) -> Callable[[Tensor], Any]:
 def model_format(model: Transformer) -> str:
     """The weight format a model's invariant passes run (``int8``/``q4``: a CPU target's int8/4-bit weights; else
     ``dense``, which NF4 also is here: its invariant path dequantizes, then runs the dense product)."""
+    from specexec.formats.blocks import BLOCK_LINEARS
     from specexec.formats.int8 import Int8Linear
-    from specexec.formats.q4 import Q4Linear
 
     head = model.globals.lm_head
-    if isinstance(head, Q4Linear):
+    if isinstance(head, BLOCK_LINEARS):
         return "q4"
     return "int8" if isinstance(head, Int8Linear) and head.kernel == "int8pack" else "dense"
 

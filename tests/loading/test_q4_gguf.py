@@ -1,6 +1,7 @@
-"""A 4-bit CPU target from a GGUF takes the file's own Q4_K blocks: every layer linear tensor stored as Q4_K is, in the
-loaded model, exactly the values ``gguf`` dequantizes from the file (llama q/k rows un-permuted as the conversion
-does), where the fp16 copy re-quantized lost some; tensors of other types are quantized from the fp16 copy as before.
+"""A CPU block target from a GGUF takes the file's own Q4_K and Q6_K blocks: every linear tensor (layers, embedding,
+lm_head) stored so is, in the loaded model, exactly the values ``gguf`` dequantizes from the file (llama q/k rows
+un-permuted as the conversion does), where the fp16 copy re-quantized lost some; tensors of other types are
+quantized to 4 bits from the fp16 copy as before.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from gguf.quants import dequantize
 from offload.plan import OffloadConfig
 from specexec import api
 from specexec.formats import q4
+from specexec.formats.blocks import BLOCK_LINEARS, Q6KLinear, leaves
 from specexec.loading import convert
-from specexec.loading.checkpoint import load_model, read_config
-from specexec.model.sizes import model_weight_bytes
+from specexec.loading.checkpoint import load_model
 from tests.conftest import assert_methods_equal_ar
 from tests.loading.test_convert import Q, _permute, write_gguf
 from tests.loading.test_int8_target import LOW_BIT_METHODS
@@ -39,6 +40,8 @@ QTYPES = {
     "blk.1.attn_q.weight": Q.F16,
     "blk.1.ffn_down.weight": Q.Q6_K,
     "blk.1.ffn_up.weight": Q.Q4_K,
+    "token_embd": Q.Q4_K,
+    "output": Q.Q6_K,
 }
 # the HF parts of each fused linear, with the GGUF kind they come from
 PARTS = {
@@ -65,11 +68,11 @@ def _file_layers(path: Path, arch: str) -> dict[str, tuple[str, torch.Tensor]]:
     llama file's q/k the inverse of llama.cpp's row permutation."""
     out = {}
     for t in GGUFReader(path).tensors:
-        if not t.name.startswith("blk.") or len(t.shape) != 2:
+        if len(t.shape) != 2:
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])
         values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), np.float32)).reshape(rows, cols)
-        heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(t.name.split(".")[2])
+        heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(t.name.split(".")[-2])
         if arch == "llama" and heads is not None:
             order = _permute(np.arange(rows), heads)  # stored row r is HF row order[r]
             values = values[torch.from_numpy(np.argsort(order))]
@@ -78,9 +81,9 @@ def _file_layers(path: Path, arch: str) -> dict[str, tuple[str, torch.Tensor]]:
 
 
 def _parts(model, i: int, key: str) -> list[torch.Tensor]:
-    """The loaded 4-bit weight ``key`` of layer ``i``, dequantized, split into its HF parts."""
+    """The loaded block weight ``key`` of layer ``i``, dequantized, split into its HF parts."""
     w = model.layers.layer(i)[key]
-    assert isinstance(w, q4.Q4Linear)
+    assert isinstance(w, BLOCK_LINEARS)
     sizes = [
         {"attn_q": HEADS, "attn_k": KV_HEADS, "attn_v": KV_HEADS}[kind] * (HIDDEN // HEADS)
         if key == "wqkv"
@@ -103,35 +106,43 @@ def converted(request, tmp_path_factory) -> tuple[str, Path, Path, Path]:
     return arch, gguf_path, conv, old
 
 
-def test_q4_k_layers_are_the_files_blocks_and_the_rest_is_as_before(converted):
-    """Every Q4_K layer tensor's values in the loaded 4-bit model equal gguf's dequantization of the file bit for
-    bit (un-permuted for llama); every other part is today's quantization of the fp16 copy; the sizes are the same
-    (memory plans hold)."""
+def _raw(w) -> torch.Tensor:
+    """The bytes a block weight holds, its parts' one after another."""
+    return torch.cat([p.packed.flatten() for p in leaves(w)])
+
+
+def test_k_quant_tensors_are_the_files_blocks_and_the_rest_is_as_before(converted):
+    """Every Q4_K and Q6_K tensor's values in the loaded CPU model (layers, embedding, lm_head) equal gguf's
+    dequantization of the file bit for bit (un-permuted for llama), Q6_K kept in its own blocks; every other part is
+    today's 4-bit quantization of the fp16 copy."""
     arch, gguf_path, conv, old = converted
     assert convert.gguf_blocks(conv) is not None and convert.gguf_blocks(old) is None
     file = _file_layers(gguf_path, arch)
     new, before = load_model(conv, CPU, torch.float32, fmt="q4"), load_model(old, CPU, torch.float32, fmt="q4")
-    taken = 0
+    taken = {"Q4_K": 0, "Q6_K": 0}
     for i in range(2):
         for key, parts in PARTS.items():
-            assert new.layers.layer(i)[key].packed.shape == before.layers.layer(i)[key].packed.shape
             for (kind, _), got, was in zip(parts, _parts(new, i, key), _parts(before, i, key)):
                 qtype, want = file[f"blk.{i}.{kind}.weight"]
-                if qtype == "Q4_K":
+                if qtype in taken:
                     assert torch.equal(got, want), (i, kind)
                     assert not torch.equal(was, want)  # the fp16 copy quantized again is another weight
-                    taken += 1
+                    taken[qtype] += 1
                 else:
                     assert torch.equal(got, was), (i, kind, qtype)
+        assert isinstance(leaves(new.layers.layer(i)["wqkv"])[-1], Q6KLinear)  # v
         for k in ("attn_norm", "mlp_norm", *(("bqkv",) if arch == "qwen2" else ())):
             assert torch.equal(new.layers.layer(i)[k], before.layers.layer(i)[k])
-    assert taken == 9
-    assert torch.equal(new.globals.lm_head.dequantize(), before.globals.lm_head.dequantize())
-    assert torch.equal(new.globals.embed.dequantize() if arch == "llama" else new.globals.embed,
-                       before.globals.embed.dequantize() if arch == "llama" else before.globals.embed)  # fmt: skip
-    held = sum(new.layers.layer(i)[k].nbytes() for i in range(2) for k in PARTS)
-    assert held == sum(before.layers.layer(i)[k].nbytes() for i in range(2) for k in PARTS)
-    assert model_weight_bytes(read_config(conv), "q4", 4) == model_weight_bytes(read_config(old), "q4", 4)
+    assert taken == {"Q4_K": 9, "Q6_K": 3}
+    assert isinstance(new.globals.lm_head, Q6KLinear)
+    assert torch.equal(new.globals.lm_head.dequantize(), file["output.weight"][1])
+    ids = torch.tensor([0, 7, 200])
+    assert torch.equal(new.globals.embed.rows(ids), file["token_embd.weight"][1][ids])
+    for i in range(2):
+        for key in PARTS:
+            w = new.layers.layer(i)[key]
+            x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(i))
+            assert torch.equal(w.linear(x), torch.cat([p.linear(x) for p in leaves(w)], 1))  # fused = its parts
 
 
 def test_a_conversion_without_layers_gives_the_same_q4_layers(converted, tmp_path):
@@ -141,7 +152,7 @@ def test_a_conversion_without_layers_gives_the_same_q4_layers(converted, tmp_pat
     a, b = load_model(meta, CPU, torch.float32, fmt="q4"), load_model(conv, CPU, torch.float32, fmt="q4")
     for i in range(2):
         for key in PARTS:
-            assert torch.equal(a.layers.layer(i)[key].packed, b.layers.layer(i)[key].packed), (i, key)
+            assert torch.equal(_raw(a.layers.layer(i)[key]), _raw(b.layers.layer(i)[key])), (i, key)
 
 
 def test_a_gguf_gone_or_changed_loads_the_fp16_copy_as_before(tmp_path):
@@ -158,7 +169,8 @@ def test_a_gguf_gone_or_changed_loads_the_fp16_copy_as_before(tmp_path):
     for key in PARTS:
         assert torch.equal(changed.layers.layer(0)[key].packed, gone.layers.layer(0)[key].packed)
     assert not torch.equal(changed.layers.layer(0)["w2"].packed, want.layers.layer(0)["w2"].packed)
-    assert torch.equal(changed.layers.layer(0)["wqkv"].packed[-128:], want.layers.layer(0)["wqkv"].packed[-128:])
+    assert torch.equal(changed.layers.layer(0)["wo"].packed, gone.layers.layer(0)["wo"].packed)
+    assert isinstance(changed.globals.lm_head, q4.Q4Linear) and isinstance(want.globals.lm_head, Q6KLinear)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -1,0 +1,197 @@
+/* A CPU linear on GGUF Q6_K blocks as the file stores them, with 8-bit activations (specexec.formats.q6k).
+
+   A block holds 256 values in 210 bytes: ql[128] (the low 4 bits), qh[64] (the high 2 bits), 16 int8 sub-scales
+   (one per 16 values, in order), fp16 d. Value i of half h (128 values) at position p = 32 g + l (g < 4, l < 32):
+   low nibble of ql[64 h + l + 32 (g & 1)] for g < 2, its high nibble for g >= 2; high bits (qh[32 h + l] >> 2 g) & 3;
+   q = low | high << 4 in 0..63; the value is d * sc[8 h + p / 16] * (q - 32).
+   Activations: each row quantized by blocks of 256 to int8 with one fp32 scale (absmax / 127), plus the int16 sum
+   of every 16 values.
+
+   A block's product is one exact integer, the scheme of llama.cpp's Q6_K x Q8_K dot product: isum = sum over the
+   16 sub-blocks of sc * (q . a) - 32 * sc * (the sub-block's activation sum). An output element is then
+   acc += (d * xd) * isum over the blocks in order, fp32 multiplies and adds: every path (scalar, AVX2) computes
+   exactly that, so a row's result never depends on the pass it is in, its row count or the threads. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define QB 256 /* values a block */
+#define BB 210 /* bytes a block */
+#define RT6 4  /* activation rows sharing one unpacked weight block */
+#define OT6 16 /* weight rows a thread takes past every group of rows */
+#define PF6 1680 /* bytes of a weight row prefetched ahead (8 blocks) */
+
+float q4_h2f(uint16_t h);
+
+/* Row r of x (rows, k) -> int8 values qa (rows, k), block scales dx (rows, k / 256), sums of 16 bs (rows, k / 16). */
+static void q8k_row(const float *x, int64_t r, int64_t k, int8_t *qa, float *dx, int16_t *bs) {
+    const int64_t nb = k / QB;
+    for (int64_t s = 0; s < nb; s++) {
+        const float *v = x + r * k + s * QB;
+        float amax = 0.f;
+        for (int j = 0; j < QB; j++) { float a = fabsf(v[j]); if (a > amax) amax = a; }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < QB / 16; j++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) {
+                const int q = (int)nearbyintf(v[j * 16 + i] * id);
+                qa[r * k + s * QB + j * 16 + i] = (int8_t)q;
+                sum += q;
+            }
+            bs[r * (k / 16) + s * 16 + j] = (int16_t)sum;
+        }
+        dx[r * nb + s] = d;
+    }
+}
+
+/* sum over the 16 sub-blocks of sc * (the activation sum): exact in any order */
+static inline int32_t q6_imin(const int8_t *sc, const int16_t *b) {
+    int32_t m = 0;
+    for (int j = 0; j < 16; j++) m += (int32_t)sc[j] * b[j];
+    return m;
+}
+
+#ifdef __AVX2__
+static inline int32_t hsum256(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Rows 0 .. R - 1 (of qa, dx, bs at row strides k, nb, k / 16) against one weight row; R constant once inlined. */
+static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int64_t nb, int64_t k, const int8_t *qa,
+                                                          const float *dx, const int16_t *bs, const int R, float *res,
+                                                          int64_t ldo) {
+    float acc[RT6] = {0.f, 0.f, 0.f, 0.f};
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+    for (int64_t s = 0; s < nb; s++) {
+        const uint8_t *blk = wr + s * BB;
+        _mm_prefetch((const char *)(blk + PF6), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 192), _MM_HINT_T0);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        uint16_t hd;
+        memcpy(&hd, blk + 208, 2);
+        const float d = q4_h2f(hd);
+        __m256i isum[RT6];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+            for (int g = 0; g < 4; g++) {
+                /* int16 lanes 0-7 hold values 0-15 of the 32 (sub-scale 2g), lanes 8-15 values 16-31 (2g + 1) */
+                const int j = 8 * h + 2 * g;
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+                for (int r = 0; r < R; r++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * k + s * QB + 128 * h + 32 * g));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], a), scv));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int32_t tot = hsum256(isum[r]) - 32 * q6_imin(sc, bs + r * (k / 16) + s * 16);
+            acc[r] += d * dx[r * nb + s] * (float)tot;
+        }
+    }
+    for (int r = 0; r < R; r++) res[r * ldo] = acc[r];
+}
+#endif
+
+/* one row against one weight row, in plain C: the same integers and the same float steps */
+static void q6_row_scalar(const uint8_t *wr, int64_t nb, int64_t k, const int8_t *qa, const float *dx,
+                          const int16_t *bs, float *res) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < nb; s++) {
+        const uint8_t *blk = wr + s * BB, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192), *a = qa + s * QB;
+        uint16_t hd;
+        memcpy(&hd, blk + 208, 2);
+        int32_t tot = 0;
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t lb = ql[64 * h + l + 32 * (g & 1)];
+                    const int q = ((g < 2 ? lb : lb >> 4) & 15) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
+                    const int p = 128 * h + 32 * g + l;
+                    tot += (int32_t)sc[p / 16] * q * a[p];
+                }
+        tot -= 32 * q6_imin(sc, bs + s * 16);
+        acc += q4_h2f(hd) * dx[s] * (float)tot;
+    }
+    *res = acc;
+}
+
+/* out (rows, ldo; columns [0, n)) = x (rows, k) fp32 times dequant(w) (n, k) transposed, w: n rows of k / 256
+   Q6_K blocks. Returns 0, or -1 when the scratch memory cannot be had. */
+int q6k_matmul(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *out, int64_t ldo) {
+    const int64_t nb = k / QB;
+    int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
+    int16_t *bs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(rows * (k / 16)));
+    if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, bs);
+        #pragma omp for schedule(static)
+        for (int64_t ot = 0; ot < n; ot += OT6)
+            for (int64_t r0 = 0; r0 < rows; r0 += RT6) {
+                const int rt = rows - r0 < RT6 ? (int)(rows - r0) : RT6;
+                const int8_t *q = qa + r0 * k;
+                const float *dd = dx + r0 * nb;
+                const int16_t *b = bs + r0 * (k / 16);
+                for (int64_t o = ot; o < n && o < ot + OT6; o++) {
+                    const uint8_t *wr = w + o * nb * BB;
+                    float *res = out + r0 * ldo + o;
+#ifdef __AVX2__
+                    switch (rt) {
+                        case 1: q6_rows(wr, nb, k, q, dd, b, 1, res, ldo); break;
+                        case 2: q6_rows(wr, nb, k, q, dd, b, 2, res, ldo); break;
+                        case 3: q6_rows(wr, nb, k, q, dd, b, 3, res, ldo); break;
+                        default: q6_rows(wr, nb, k, q, dd, b, 4, res, ldo); break;
+                    }
+#else
+                    for (int r = 0; r < rt; r++)
+                        q6_row_scalar(wr, nb, k, q + r * k, dd + r * nb, b + r * (k / 16), res + r * ldo);
+#endif
+                }
+            }
+    }
+    free(qa);
+    free(dx);
+    free(bs);
+    return 0;
+}
+
+/* The scalar path, for tests on machines whose compiler takes the vector one: the same function of the same
+   integers. */
+int q6k_matmul_scalar(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *out) {
+    const int64_t nb = k / QB;
+    int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
+    int16_t *bs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(rows * (k / 16)));
+    if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
+    for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, bs);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < n; o++)
+            q6_row_scalar(w + o * nb * BB, nb, k, qa + r * k, dx + r * nb, bs + r * (k / 16), out + r * n + o);
+    free(qa);
+    free(dx);
+    free(bs);
+    return 0;
+}
