@@ -27,8 +27,9 @@
 
 float q4_h2f(uint16_t h);
 
-/* Row r of x (rows, k) -> int8 values qa (rows, k), block scales dx (rows, k / 256), sums of 16 bs (rows, k / 16). */
-static void q8k_row(const float *x, int64_t r, int64_t k, int8_t *qa, float *dx, int16_t *bs) {
+/* Row r of x (rows, k) -> int8 values qa (rows, k), block scales dx (block s of row r at s * rp + r), sums of 16
+   bs (rows, k / 16). */
+static void q8k_row(const float *x, int64_t r, int64_t k, int8_t *qa, float *dx, int64_t rp, int16_t *bs) {
     const int64_t nb = k / QB;
     for (int64_t s = 0; s < nb; s++) {
         const float *v = x + r * k + s * QB;
@@ -44,7 +45,7 @@ static void q8k_row(const float *x, int64_t r, int64_t k, int8_t *qa, float *dx,
             }
             bs[r * (k / 16) + s * 16 + j] = (int16_t)sum;
         }
-        dx[r * nb + s] = d;
+        dx[s * rp + r] = d;
     }
 }
 
@@ -56,18 +57,26 @@ static inline int32_t q6_imin(const int8_t *sc, const int16_t *b) {
 }
 
 #ifdef __AVX2__
-static inline int32_t hsum256(__m256i v) {
+static inline int32_t hsum256(__m256i v) { /* integer sums: exact in any order */
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
 }
 
-/* Rows 0 .. R - 1 (of qa, dx, bs at row strides k, nb, k / 16) against one weight row; R constant once inlined. */
+/* lane r: the sum of the 8 lanes of v[r] (r < 4) */
+static inline __m128i sums4(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+
+/* Rows 0 .. R - 1 (of qa and bs at row strides k and k / 16; dx: block s of row r at s * rp + r) against one
+   weight row; R constant once inlined. */
 static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int64_t nb, int64_t k, const int8_t *qa,
-                                                          const float *dx, const int16_t *bs, const int R, float *res,
-                                                          int64_t ldo) {
-    float acc[RT6] = {0.f, 0.f, 0.f, 0.f};
+                                                          const float *dx, int64_t rp, const int16_t *bs, const int R,
+                                                          float *res, int64_t ldo) {
+    float acc1 = 0.f;
+    __m128 acc = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
     for (int64_t s = 0; s < nb; s++) {
         const uint8_t *blk = wr + s * BB;
@@ -79,8 +88,13 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int
         uint16_t hd;
         memcpy(&hd, blk + 208, 2);
         const float d = q4_h2f(hd);
+        /* -32 sc times the activation sums, started in the integer sum: madd pairs sub-blocks 2i, 2i + 1 */
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i isum[RT6];
-        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; r++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(bs + r * (k / 16) + s * 16));
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, b), 5));
+        }
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -103,17 +117,23 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
-            const int32_t tot = hsum256(isum[r]) - 32 * q6_imin(sc, bs + r * (k / 16) + s * 16);
-            acc[r] += d * dx[r * nb + s] * (float)tot;
+        if (R == 1) {
+            acc1 += d * dx[s * rp] * (float)hsum256(isum[0]);
+        } else { /* the rows' totals, then the float step for all of them at once (lane r: row r) */
+            for (int r = R; r < RT6; r++) isum[r] = _mm256_setzero_si256();
+            const __m128 xd = _mm_loadu_ps(dx + s * rp);
+            acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), xd), _mm_cvtepi32_ps(sums4(isum))));
         }
     }
-    for (int r = 0; r < R; r++) res[r * ldo] = acc[r];
+    if (R == 1) { res[0] = acc1; return; }
+    float out[RT6];
+    _mm_storeu_ps(out, acc);
+    for (int r = 0; r < R; r++) res[r * ldo] = out[r];
 }
 #endif
 
 /* one row against one weight row, in plain C: the same integers and the same float steps */
-static void q6_row_scalar(const uint8_t *wr, int64_t nb, int64_t k, const int8_t *qa, const float *dx,
+static void q6_row_scalar(const uint8_t *wr, int64_t nb, const int8_t *qa, const float *dx, int64_t rp,
                           const int16_t *bs, float *res) {
     float acc = 0.f;
     for (int64_t s = 0; s < nb; s++) {
@@ -131,7 +151,7 @@ static void q6_row_scalar(const uint8_t *wr, int64_t nb, int64_t k, const int8_t
                     tot += (int32_t)sc[p / 16] * q * a[p];
                 }
         tot -= 32 * q6_imin(sc, bs + s * 16);
-        acc += q4_h2f(hd) * dx[s] * (float)tot;
+        acc += q4_h2f(hd) * dx[s * rp] * (float)tot;
     }
     *res = acc;
 }
@@ -139,35 +159,35 @@ static void q6_row_scalar(const uint8_t *wr, int64_t nb, int64_t k, const int8_t
 /* out (rows, ldo; columns [0, n)) = x (rows, k) fp32 times dequant(w) (n, k) transposed, w: n rows of k / 256
    Q6_K blocks. Returns 0, or -1 when the scratch memory cannot be had. */
 int q6k_matmul(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *out, int64_t ldo) {
-    const int64_t nb = k / QB;
+    const int64_t nb = k / QB, rp = (rows + RT6 - 1) / RT6 * RT6;
     int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
+    float *dx = (float *)calloc((size_t)(rp * nb), sizeof(float));
     int16_t *bs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(rows * (k / 16)));
     if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, bs);
+        for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, rp, bs);
         #pragma omp for schedule(static)
         for (int64_t ot = 0; ot < n; ot += OT6)
             for (int64_t r0 = 0; r0 < rows; r0 += RT6) {
                 const int rt = rows - r0 < RT6 ? (int)(rows - r0) : RT6;
                 const int8_t *q = qa + r0 * k;
-                const float *dd = dx + r0 * nb;
+                const float *dd = dx + r0;
                 const int16_t *b = bs + r0 * (k / 16);
                 for (int64_t o = ot; o < n && o < ot + OT6; o++) {
                     const uint8_t *wr = w + o * nb * BB;
                     float *res = out + r0 * ldo + o;
 #ifdef __AVX2__
                     switch (rt) {
-                        case 1: q6_rows(wr, nb, k, q, dd, b, 1, res, ldo); break;
-                        case 2: q6_rows(wr, nb, k, q, dd, b, 2, res, ldo); break;
-                        case 3: q6_rows(wr, nb, k, q, dd, b, 3, res, ldo); break;
-                        default: q6_rows(wr, nb, k, q, dd, b, 4, res, ldo); break;
+                        case 1: q6_rows(wr, nb, k, q, dd, rp, b, 1, res, ldo); break;
+                        case 2: q6_rows(wr, nb, k, q, dd, rp, b, 2, res, ldo); break;
+                        case 3: q6_rows(wr, nb, k, q, dd, rp, b, 3, res, ldo); break;
+                        default: q6_rows(wr, nb, k, q, dd, rp, b, 4, res, ldo); break;
                     }
 #else
                     for (int r = 0; r < rt; r++)
-                        q6_row_scalar(wr, nb, k, q + r * k, dd + r * nb, b + r * (k / 16), res + r * ldo);
+                        q6_row_scalar(wr, nb, q + r * k, dd + r, rp, b + r * (k / 16), res + r * ldo);
 #endif
                 }
             }
@@ -186,10 +206,10 @@ int q6k_matmul_scalar(const uint8_t *w, int64_t n, int64_t k, const float *x, in
     float *dx = (float *)malloc(sizeof(float) * (size_t)(rows * nb));
     int16_t *bs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(rows * (k / 16)));
     if (!qa || !dx || !bs) { free(qa); free(dx); free(bs); return -1; }
-    for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, bs);
+    for (int64_t r = 0; r < rows; r++) q8k_row(x, r, k, qa, dx, rows, bs);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < n; o++)
-            q6_row_scalar(w + o * nb * BB, nb, k, qa + r * k, dx + r * nb, bs + r * (k / 16), out + r * n + o);
+            q6_row_scalar(w + o * nb * BB, nb, qa + r * k, dx + r, rows, bs + r * (k / 16), out + r * n + o);
     free(qa);
     free(dx);
     free(bs);
