@@ -124,16 +124,17 @@ def load(
         choice = pairing.choose_draft(target, home)
         log.info("%s", choice.line)
         draft = choice.draft
+    from_blocks = _layers_in_gguf(offload, draft, dev, dtype)
     use_heads = draft == HEADS_DRAFT
     if use_heads:
         draft = None
-    found = _find(target, draft, progress, home, layers_in_gguf=_layers_in_gguf(offload, draft))
+    found = _find(target, draft, progress, home, layers_in_gguf=from_blocks)
     limit = found.target_cfg.max_position_embeddings
     if context > limit:
         log.warning("context capped at the model's %d positions (was %d)", limit, context)
         context = limit
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
-    t_fmt, t_dt = _target_format(found.target_cfg, dtype, dev, offload)
+    t_fmt, t_dt = _target_format(found.target_cfg, dtype, dev, offload, found.target)
     mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree, t_fmt, t_dt)
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = _load_draft(found, dev, d_dt, mem, draft_vocab)
@@ -198,11 +199,23 @@ class _Found:
     paired: pairing.Pairing | None = None  # the ids the draft never proposes (None: a self draft or none)
 
 
-def _layers_in_gguf(offload: Any, draft: str | None) -> bool:
-    """Whether a GGUF target converts without its layers: an NF4 target is quantized from the GGUF's blocks, with
-    no 16-bit copy of its layers on disk. A self draft (the target's layers in low bit, loaded by the dense loader)
-    keeps the copy."""
-    return offload is not None and offload.target_dtype == "nf4" and draft != SELF_DRAFT
+def _layers_in_gguf(offload: Any, draft: str | None, dev: torch.device, dtype: str) -> bool:
+    """Whether a GGUF target converts without its layers, embedding and lm_head (no 16-bit copy on disk): an NF4
+    target is quantized from the GGUF's blocks, and a CPU target whose weights are left to ``auto`` or ``q4``
+    runs the file's own blocks where the C kernels build (its layers read from the file at load). A self draft or
+    heads (which read the target's 16-bit weights) keep the copy."""
+    if draft in (SELF_DRAFT, HEADS_DRAFT):
+        return False
+    want = offload.target_dtype if offload is not None else "auto"
+    if want == "nf4":
+        return True
+    if dev.type != "cpu" or want not in ("auto", "q4") or dtype not in ("auto", "fp32"):
+        return False
+    if offload is not None and offload.mode in ("ram", "ssd"):
+        return False
+    from specexec.formats import native
+
+    return native.available() is None
 
 
 def _find(target: str, draft: str | None, progress: bool, home: Path | None, layers_in_gguf: bool = False) -> _Found:
@@ -237,13 +250,15 @@ def _draft_format(
     return draft_format(draft_dtype, dtype, dev, found.draft_cfg, found.self_draft)
 
 
-def _target_format(cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any) -> tuple[str, torch.dtype | None]:
+def _target_format(
+    cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any, path: Path | None = None
+) -> tuple[str, torch.dtype | None]:
     """(weight format, compute dtype) of a resident target: ``int8`` weights computing in bf16 (a CPU's
-    ``int8pack`` kernel) or ``q4`` weights computing in fp32 (our 4-bit CPU kernel) when asked
-    (``OffloadConfig.target_dtype``), or, with both the target dtype and the
-    compute dtype ``auto`` on a CPU, where this machine runs them clearly faster
-    (:func:`specexec.loading.cpu_probe.choose_target`); else ``dense`` in the resolved dtype (None: a streamed or
-    NF4 target, whose offload plan decides)."""
+    ``int8pack`` kernel) or ``q4`` weights computing in fp32 (our block kernels) when asked
+    (``OffloadConfig.target_dtype``), or, with both the target dtype and the compute dtype ``auto`` on a CPU: ``q4``
+    for a GGUF conversion (at ``path``) whose GGUF is at hand (the file's own blocks), else a low-bit format where
+    this machine runs it clearly faster (:func:`specexec.loading.cpu_probe.choose_target`); else ``dense`` in the
+    resolved dtype (None: a streamed or NF4 target, whose offload plan decides)."""
     want = offload.target_dtype if offload is not None else "auto"
     if want in ("int8", "q4"):
         from specexec.loading import cpu_probe
@@ -268,8 +283,12 @@ def _target_format(cfg: ModelConfig, dtype: str, dev: torch.device, offload: Any
     if _offloaded(offload, dev):
         return "dense", None
     if want == "auto" and dev.type == "cpu" and dtype == "auto":
-        from specexec.loading import cpu_probe
+        from specexec.formats import native
+        from specexec.loading import convert, cpu_probe
 
+        if path is not None and native.available() is None and convert.gguf_blocks(path) is not None:
+            cpu_probe.orientation(cfg, torch.float32)
+            return "q4", torch.float32  # a GGUF's own blocks: the file's quality, its bytes
         fmt, dt = cpu_probe.choose_target(cfg)
         cpu_probe.orientation(cfg, dt)
         return fmt, dt
@@ -337,7 +356,13 @@ def _plan_memory(
             t_weights += len(plan.resident) * plan.layer_bytes + plan.ram_need
     else:
         t_isz = (t_dt or resolve_dtype(dtype, dev, t_cfg)).itemsize
-        t_weights = sizes.stored_weights(found.target).resident_bytes(t_isz, t_cfg, t_fmt)
+        stored = sizes.stored_weights(found.target)
+        from specexec.loading import convert
+
+        if convert.layers_in_gguf(found.target):  # its safetensors hold the small tensors only
+            embed = t_cfg.vocab_size * t_cfg.hidden_size  # the largest tensor
+            stored = sizes.StoredWeights(numel={"F16": sizes.param_count(t_cfg)}, largest=embed)
+        t_weights = stored.resident_bytes(t_isz, t_cfg, t_fmt)
     d_weights = draft_bytes(d_fmt)
     memory.check_engine(
         t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
@@ -454,7 +479,7 @@ def load_engine(
     draft = opts.draft
     if draft == pairing.AUTO:  # the command line resolves auto before (and says which); other callers here
         draft = pairing.choose_draft(opts.target, opts.cache_dir).draft
-    from_blocks = _layers_in_gguf(opts.offload, draft)
+    from_blocks = _layers_in_gguf(opts.offload, draft, parse_device(opts.device), opts.dtype)
     t_path = hub.resolve(opts.target, progress=progress, home=opts.cache_dir, layers_in_gguf=from_blocks)
     if draft in (SELF_DRAFT, HEADS_DRAFT):
         d_path = draft  # the target's own weights in low bit, or heads on it: nothing to resolve

@@ -296,7 +296,11 @@ class _Shards:
     """
 
     def __init__(self, path: Path) -> None:
+        from specexec.loading import convert
+
         self.path = path
+        # a conversion without its layers reads them, its embedding and lm_head from its GGUF
+        self.gguf = convert.GgufLayers(path) if convert.layers_in_gguf(path) else None
         self.where: dict[str, tuple[Path, int, dict[str, Any]]] = {}
         for f in sorted(path.glob("*.safetensors")):
             base, header = _read_header(f)
@@ -313,6 +317,8 @@ class _Shards:
     def get(self, name: str) -> Tensor:
         """``name`` as a new CPU tensor in its stored dtype, in the allocator's (64-byte aligned) memory."""
         entry = self.where.get(name)
+        if entry is None and self.gguf is not None and self.gguf.has(name):
+            return self.gguf.get(name)
         if entry is None:
             raise SpecexecError(f"{self.path}: tensor {name!r} missing from the checkpoint")
         f, base, info = entry
@@ -336,7 +342,7 @@ class _Shards:
         return buf.view(dtype).reshape(shape)
 
     def has(self, name: str) -> bool:
-        return name in self.where
+        return name in self.where or (self.gguf is not None and self.gguf.has(name))
 
 
 def _check_sizes(path: Path) -> None:
@@ -368,18 +374,16 @@ def iter_layers(
     (:class:`specexec.loading.convert.GgufLayers`): the same values, in the same storage dtype, as a full
     conversion's safetensors.
 
-    ``q4``: the four linears (:data:`INT8_KEYS`) come as 4-bit :class:`~specexec.formats.q4.Q4Linear` weights, the
-    rest as above. Where the checkpoint is a GGUF conversion that still finds its GGUF
-    (:func:`specexec.loading.convert.gguf_blocks`), a part stored there as Q4_K is the file's own blocks, repacked
-    losslessly (:func:`specexec.formats.q4.from_q4_k`: its values are the GGUF's, not rounded through the fp16 copy
-    and quantized again); every other part is quantized from its stored values as :func:`quantize_weight` does. A
-    fused weight is its parts' packed rows one after another: the format quantizes each row on its own, so a part's
-    rows are the same whether quantized alone or fused."""
+    ``q4``: the four linears (:data:`INT8_KEYS`) come as CPU block weights, the rest as above. Where the checkpoint
+    is a GGUF conversion that still finds its GGUF (:func:`specexec.loading.convert.gguf_blocks`), a part stored
+    there as Q4_K or Q6_K is the file's own blocks (:func:`_q4_linear`: its values are the GGUF's, not rounded
+    through the fp16 copy and quantized again); every other part is quantized to 4 bits from its stored values. A
+    fused weight's parts are quantized row by row, so a part's rows are the same whether alone or fused."""
     from specexec.loading import convert
 
-    shards: _Shards | convert.GgufLayers = convert.GgufLayers(path) if convert.layers_in_gguf(path) else _Shards(path)
+    shards = _Shards(path)
     blocks = convert.gguf_blocks(path) if q4 else None
-    taken = [0, 0]  # linear tensors taken from the GGUF's Q4_K blocks, and all of them
+    taken = [0, 0]  # linear tensors taken from the GGUF's blocks, and all of them
     gemma = cfg.sandwich_norm
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

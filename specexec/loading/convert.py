@@ -239,11 +239,13 @@ def gguf_to_hf_dir(
             model = _save_config(source, dtype, tmp_dir)
             plan = _plan(source, model)
             where = LAYERS_IN_GGUF if layers_in_gguf else GGUF_SOURCE
-            # a full conversion's plan also names the embedding and lm_head: a CPU target runs their own blocks
-            blocks = [t for t in plan if _is_layer(t) or (not layers_in_gguf and t.hf_name in GLOBAL_BLOCKS)]
-            _write_layer_plan(source, blocks, dtype, tmp_dir / where)
+            # the plan also names the embedding and lm_head: a CPU target runs their own blocks, and a conversion
+            # without its layers reads them from the GGUF too (it writes only the small tensors)
+            from_gguf = [t for t in plan if _is_layer(t) or t.hf_name in GLOBAL_BLOCKS]
+            _write_layer_plan(source, from_gguf, dtype, tmp_dir / where)
             if layers_in_gguf:
-                plan = [t for t in plan if not _is_layer(t)]
+                planned = {t.hf_name for t in from_gguf}
+                plan = [t for t in plan if t.hf_name not in planned]
             show.stage(f"writing {_dtype_name(dtype)} safetensors to {out_dir}")
             _write_weights(plan, dtype, tmp_dir, show.tensors(len(plan)), on_tensor)
         _check_layout(tmp_dir)

@@ -78,15 +78,17 @@ def test_nf4_cache_from_the_gguf_equals_the_one_from_the_fp16_copy(case, tmp_pat
 
 
 def test_layers_read_from_the_gguf_are_those_of_the_fp16_copy(tmp_path):
-    """Every layer tensor, in the storage dtype, and iter_layers' fused layers at any compute dtype."""
+    """Every layer tensor, the embedding and the lm_head, in the storage dtype, and iter_layers' fused layers at any
+    compute dtype."""
     gguf_path = tmp_path / "m.gguf"
     write_gguf(gguf_path, **CASES["llama"])  # type: ignore[arg-type]
     copy = convert.gguf_to_hf_dir(gguf_path, tmp_path / "copy", progress=False)
     meta = convert.gguf_to_hf_dir(gguf_path, tmp_path / "meta", progress=False, layers_in_gguf=True)
     reader, shards = convert.GgufLayers(meta), checkpoint._Shards(copy)
     layer_names = [n for n in shards.where if n.startswith("model.layers.")]
-    assert sorted(reader.tensors) == sorted(layer_names)
-    for name in layer_names:
+    read = layer_names + [n for n in convert.GLOBAL_BLOCKS if n in shards.where]  # embedding and lm_head too
+    assert sorted(reader.tensors) == sorted(read)
+    for name in read:
         assert torch.equal(reader.get(name), shards.get(name)) and reader.get(name).dtype == torch.float16
     cfg = checkpoint.read_config(meta)
     for dtype in (torch.float32, torch.bfloat16):

@@ -15,12 +15,13 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from safetensors import safe_open
 
 from offload.plan import OffloadConfig
 from specexec import api
 from specexec.formats import q4
 from specexec.formats.blocks import BLOCK_LINEARS, Q6KLinear, leaves
-from specexec.loading import convert
+from specexec.loading import convert, hub
 from specexec.loading.checkpoint import load_model
 from tests.conftest import assert_methods_equal_ar
 from tests.loading.test_convert import Q, _permute, write_gguf
@@ -187,3 +188,36 @@ def test_greedy_speculation_on_a_q4_gguf_target_equals_its_ar(arch, tmp_path):
     _, want = _file_layers(target, arch)["blk.0.attn_k.weight"]
     assert torch.equal(_parts(e.target, 0, "wqkv")[1], want)
     assert_methods_equal_ar(e, ([5, 9, 17, 33, 4], [3, 60, 61, 62, 63, 12, 40]), LOW_BIT_METHODS, n=16)
+
+
+def test_a_cpu_gguf_target_keeps_no_16_bit_copy_and_runs_the_files_blocks(tmp_path):
+    """`--target FILE.gguf` on a CPU with the weights left to auto: the conversion writes the tokenizer, config and
+    small tensors only (layers, embedding and lm_head stay in the file), the target runs the file's blocks, and
+    every method gives its greedy AR tokens."""
+    target = _write(tmp_path / "t" / "t.gguf", "qwen2")
+    draft = tmp_path / "d" / "d.gguf"
+    draft.parent.mkdir()
+    write_gguf(draft, arch="qwen2", layers=1, seed=1, qkv_bias=True)
+    home = tmp_path / "home"
+    e = api.load(str(target), str(draft), device="cpu", context=128, progress=False, cache_dir=home)
+    assert e.target_weights == "q4"
+    conv = hub.converted_gguf_dir(target, home, layers_in_gguf=True)
+    assert convert.layers_in_gguf(conv)
+    stored = {n for f in conv.glob("*.safetensors") for n in safe_open(f, "pt").keys()}
+    assert stored == {"model.norm.weight"}
+    file = _file_layers(target, "qwen2")
+    assert torch.equal(e.target.globals.lm_head.dequantize(), file["output.weight"][1])
+    assert torch.equal(_parts(e.target, 1, "w2")[0], file["blk.1.ffn_down.weight"][1])  # Q6_K
+    assert_methods_equal_ar(e, ([5, 9, 17, 33, 4], [3, 60, 61, 62, 63, 12, 40]), LOW_BIT_METHODS, n=16)
+
+
+def test_a_conversion_without_its_weights_loads_dense_as_the_full_one(converted, tmp_path):
+    """Asked for dense weights, a conversion without its layers, embedding and lm_head reads them from the GGUF:
+    the same values the full conversion stores."""
+    arch, gguf_path, conv, _ = converted
+    meta = convert.gguf_to_hf_dir(gguf_path, tmp_path / "meta", progress=False, layers_in_gguf=True)
+    a, b = load_model(meta, CPU, torch.float32), load_model(conv, CPU, torch.float32)
+    assert torch.equal(a.globals.embed, b.globals.embed) and torch.equal(a.globals.lm_head, b.globals.lm_head)
+    for i in range(2):
+        for key, w in b.layers.layer(i).items():
+            assert torch.equal(a.layers.layer(i)[key], w), (i, key)
