@@ -202,7 +202,8 @@ class _Found:
 def _layers_in_gguf(offload: Any, draft: str | None, dev: torch.device, dtype: str) -> bool:
     """Whether a GGUF target converts without its layers, embedding and lm_head (no 16-bit copy on disk): an NF4
     target is quantized from the GGUF's blocks, and a CPU target whose weights are left to ``auto`` or ``q4``
-    runs the file's own blocks where the C kernels build (its layers read from the file at load). A self draft or
+    runs the file's own blocks (its layers read from the file at load; without a C compiler, ``auto`` reads them
+    into the format the CPU probe picks). A self draft or
     heads (which read the target's 16-bit weights) keep the copy."""
     if draft in (SELF_DRAFT, HEADS_DRAFT):
         return False
@@ -211,11 +212,7 @@ def _layers_in_gguf(offload: Any, draft: str | None, dev: torch.device, dtype: s
         return True
     if dev.type != "cpu" or want not in ("auto", "q4") or dtype not in ("auto", "fp32"):
         return False
-    if offload is not None and offload.mode in ("ram", "ssd"):
-        return False
-    from specexec.formats import native
-
-    return native.available() is None
+    return offload is None or offload.mode not in ("ram", "ssd")
 
 
 def _find(target: str, draft: str | None, progress: bool, home: Path | None, layers_in_gguf: bool = False) -> _Found:
@@ -286,7 +283,7 @@ def _target_format(
         from specexec.formats import native
         from specexec.loading import convert, cpu_probe
 
-        if path is not None and native.available() is None and convert.gguf_blocks(path) is not None:
+        if path is not None and convert.gguf_blocks(path) is not None and native.available() is None:
             cpu_probe.orientation(cfg, torch.float32)
             return "q4", torch.float32  # a GGUF's own blocks: the file's quality, its bytes
         fmt, dt = cpu_probe.choose_target(cfg)

