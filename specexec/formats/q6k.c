@@ -9,8 +9,8 @@
 
    A block's product is one exact integer, the scheme of llama.cpp's Q6_K x Q8_K dot product: isum = sum over the
    16 sub-blocks of sc * (q . a) - 32 * sc * (the sub-block's activation sum). An output element is then
-   acc += (d * xd) * isum over the blocks in order, fp32 multiplies and adds: every path (scalar, AVX2) computes
-   exactly that, so a row's result never depends on the pass it is in, its row count or the threads. */
+   acc += (d * xd) * isum over the blocks in order, fp32 multiplies and adds: every path (scalar, AVX2, AVX-512 with
+   8 rows sharing each unpacked block) computes exactly that, so a row's result never depends on the pass it is in, its row count or the threads. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +21,12 @@
 
 #define QB 256 /* values a block */
 #define BB 210 /* bytes a block */
-#define RT6 4  /* activation rows sharing one unpacked weight block */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WIDE6 1 /* groups of 8 rows take 64 values a register (wide6_rows) */
+#define RT6 8   /* activation rows sharing one unpacked weight block */
+#else
+#define RT6 4
+#endif
 #define OT6 16 /* weight rows a thread takes past every group of rows */
 #define PF6 1680 /* bytes of a weight row prefetched ahead (8 blocks) */
 
@@ -132,6 +137,79 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int
 }
 #endif
 
+#ifdef WIDE6
+/* lane r (r < 8): the sum of the 16 lanes of v[r] */
+static inline __m256i sums8(const __m512i *v) {
+    __m256i y[8];
+    for (int r = 0; r < 8; r++) y[r] = _mm256_add_epi32(_mm512_castsi512_si256(v[r]), _mm512_extracti64x4_epi64(v[r], 1));
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]), _mm256_hadd_epi32(y[2], y[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(y[4], y[5]), _mm256_hadd_epi32(y[6], y[7]));
+    /* a: rows 0-3 in each 128-bit half, b: rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* q6_rows for up to 8 rows with 512-bit registers: a register holds 64 values (4 sub-blocks); u8 x s8 pairs summed
+   to int16 (maddubs), times the sub-scales and summed into int32 lanes (madd). */
+static inline __attribute__((always_inline)) void wide6_rows(const uint8_t *wr, int64_t nb, int64_t k,
+                                                             const int8_t *qa, const float *dx, int64_t rp,
+                                                             const int16_t *bs, const int R, float *res, int64_t ldo) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+    /* the high bits of values 0-31 sit at shift 0 of qh, of 32-63 at shift 2 (and 4, 6 for 64-95, 96-127) */
+    const __m512i shA = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i shB = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    /* int16 lane i of a product covers values 2i, 2i + 1: sub-block i / 8 of the register's 4 */
+    const __m512i pick = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0,
+                                          0, 0, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi16(4);
+    for (int64_t s = 0; s < nb; s++) {
+        const uint8_t *blk = wr + s * BB;
+        _mm_prefetch((const char *)(blk + PF6), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + PF6 + 192), _MM_HINT_T0);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        uint16_t hd;
+        memcpy(&hd, blk + 208, 2);
+        const float d = q4_h2f(hd);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i scw = _mm512_castsi256_si512(sc16);
+        __m512i isum[8];
+        for (int r = 0; r < R; r++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(bs + r * (k / 16) + s * 16));
+            const __m256i m = _mm256_slli_epi32(_mm256_madd_epi16(sc16, b), 5);
+            isum[r] = _mm512_castsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), m));
+            isum[r] = _mm512_inserti64x4(isum[r], _mm256_setzero_si256(), 1);
+        }
+        __m512i idx = pick;
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            const __m512i qa_ = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shA), m2), 4));
+            const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shB), m2), 4));
+            const __m512i sa = _mm512_permutexvar_epi16(idx, scw);
+            idx = _mm512_add_epi16(idx, four);
+            const __m512i sb = _mm512_permutexvar_epi16(idx, scw);
+            idx = _mm512_add_epi16(idx, four);
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = qa + r * k + s * QB + 128 * h;
+                const __m512i pa = _mm512_madd_epi16(_mm512_maddubs_epi16(qa_, _mm512_loadu_si512((const void *)a)), sa);
+                const __m512i pb = _mm512_madd_epi16(_mm512_maddubs_epi16(qb, _mm512_loadu_si512((const void *)(a + 64))), sb);
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(pa, pb));
+            }
+        }
+        for (int r = R; r < 8; r++) isum[r] = _mm512_setzero_si512();
+        const __m256 xd = _mm256_loadu_ps(dx + s * rp);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), xd), _mm256_cvtepi32_ps(sums8(isum))));
+    }
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int r = 0; r < R; r++) res[r * ldo] = out[r];
+}
+#endif
+
 /* one row against one weight row, in plain C: the same integers and the same float steps */
 static void q6_row_scalar(const uint8_t *wr, int64_t nb, const int8_t *qa, const float *dx, int64_t rp,
                           const int16_t *bs, float *res) {
@@ -178,7 +256,18 @@ int q6k_matmul(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t r
                 for (int64_t o = ot; o < n && o < ot + OT6; o++) {
                     const uint8_t *wr = w + o * nb * BB;
                     float *res = out + r0 * ldo + o;
-#ifdef __AVX2__
+#ifdef WIDE6
+                    switch (rt) {
+                        case 1: q6_rows(wr, nb, k, q, dd, rp, b, 1, res, ldo); break;
+                        case 2: wide6_rows(wr, nb, k, q, dd, rp, b, 2, res, ldo); break;
+                        case 3: wide6_rows(wr, nb, k, q, dd, rp, b, 3, res, ldo); break;
+                        case 4: wide6_rows(wr, nb, k, q, dd, rp, b, 4, res, ldo); break;
+                        case 5: wide6_rows(wr, nb, k, q, dd, rp, b, 5, res, ldo); break;
+                        case 6: wide6_rows(wr, nb, k, q, dd, rp, b, 6, res, ldo); break;
+                        case 7: wide6_rows(wr, nb, k, q, dd, rp, b, 7, res, ldo); break;
+                        default: wide6_rows(wr, nb, k, q, dd, rp, b, 8, res, ldo); break;
+                    }
+#elif defined(__AVX2__)
                     switch (rt) {
                         case 1: q6_rows(wr, nb, k, q, dd, rp, b, 1, res, ldo); break;
                         case 2: q6_rows(wr, nb, k, q, dd, rp, b, 2, res, ldo); break;
