@@ -523,7 +523,9 @@ def _low_bit_globals(
         embed = lm = quantize_weight(embed_w, fmt, device, dtype, int8_kernel)
     elif fmt in ("int8", "q4"):
         lm = quantize_weight(shards.get("lm_head.weight"), fmt, device, dtype, int8_kernel)
-        embed = _owned(embed_w, dtype).to(device)
+        # a 16-bit table stays 16-bit under fp32: a lookup upcasts the rows it reads (as read_globals)
+        keep = dtype == torch.float32 and embed_w.dtype in (torch.bfloat16, torch.float16)
+        embed = embed_w if keep else _owned(embed_w, dtype).to(device)
     else:
         lm = quantize_weight(embed_w if tied else shards.get("lm_head.weight").to(read), fmt, device, dtype)
         embed = _owned(embed_w, dtype).to(device)

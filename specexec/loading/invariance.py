@@ -245,6 +245,9 @@ def _candidates(device: torch.device, cfg: ModelConfig | None = None) -> list[Ti
     return [Tiling(r, False, False, KEY_BLOCK, rows, r) for r in CUDA_TILES]
 
 
+BLOCK_CHECK_ROWS = 4096  # output rows the check gives a block-format linear (the head's 0.93 GB of fp32 is not needed)
+
+
 def weight_wrapper(fmt: str) -> Callable[[Tensor], Any]:
     """How a random dense weight becomes a weight of format ``fmt`` for the check: ``dense`` as it is, ``int8`` as
     a CPU target's int8 weight (the ``int8pack`` kernel, :class:`~specexec.formats.int8.Int8Linear`), ``q4`` as
@@ -280,6 +283,8 @@ def find(
     """Check the candidate tilings on ``cfg``'s shapes; (the invariant one or None, {}, a note).
     ``fmt``: the linears' weight format (:func:`weight_wrapper`)."""
     shapes = head_shapes(cfg)
+    if fmt == "q4":  # each output of the block kernels is its own weight row's fixed sequence: more rows add no path
+        shapes = [(min(out, BLOCK_CHECK_ROWS), inp) for out, inp in shapes]
     wrap = weight_wrapper(fmt)
     # the smallest invariant tile, F.linear's when it has one: w @ x.T has passed random weights and failed real ones
     found = next((t for t in _candidates(device, cfg) if linear_invariant(shapes, dtype, device, t, wrap)), None)

@@ -135,7 +135,7 @@ def model_weight_bytes(cfg: ModelConfig, fmt: str, itemsize: int) -> int:
     untied embedding (and an NF4 model's tied one) stays dense. Norms and biases stay at ``itemsize``.
     Exact for what the loader allocates (a test checks), except a ``q4`` model on a GGUF's own blocks: its Q6_K
     tensors hold 6.56 bits a value and an untied embedding stays in the file's blocks: the file's mix decides (the demo
-    target holds 0.7 GB less).
+    target holds 0.7 GB less). An untied 16-bit embedding under an fp32 int8 / q4 model stays 16-bit: half counted.
     """
     if fmt == "dense":
         return param_count(cfg) * itemsize
