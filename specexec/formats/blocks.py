@@ -67,14 +67,8 @@ class Q6KLinear:
 
     def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
         """x (T, in) -> (T, out) in x's dtype; every row's result is independent of the others."""
-        n, k = self.shape
-        xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
-        out = torch.empty(xf.shape[0], n)
-        if xf.shape[0] and native.kernel().q6k_matmul(
-            self.packed.data_ptr(), n, k, xf.data_ptr(), xf.shape[0], out.data_ptr(), n
-        ):
-            raise MemoryError("the Q6_K kernel could not allocate its scratch memory")
-        return out.reshape(*x.shape[:-1], n).to(x.dtype)
+        w, (n, k) = self.packed.data_ptr(), self.shape
+        return _product(x, self.shape, lambda xp, rows, out: native.kernel().q6k_matmul(w, n, k, xp, rows, out, n))
 
     def nbytes(self) -> int:
         return self.packed.numel()
@@ -102,16 +96,22 @@ class Fused:
         return self
 
     def linear(self, x: Tensor, invariant: bool = False) -> Tensor:
-        n, k = self.shape
-        xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
-        out = torch.empty(xf.shape[0], n)
-        t = table(self)
-        if xf.shape[0] and native.kernel().block_matmul(t.data_ptr(), k, xf.data_ptr(), xf.shape[0], out.data_ptr()):
-            raise MemoryError("the block kernels could not allocate their scratch memory")
-        return out.reshape(*x.shape[:-1], n).to(x.dtype)
+        t, k = table(self), self.shape[1]  # t: alive through the call (it holds the parts' addresses)
+        return _product(x, self.shape, lambda xp, n, out: native.kernel().block_matmul(t.data_ptr(), k, xp, n, out))
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
+
+
+def _product(x: Tensor, shape: tuple[int, int], call: Any) -> Tensor:
+    """x (..., in) times a CPU block weight of ``shape`` (out, in), in x's dtype: ``call(x address, rows, out
+    address)`` runs the C product on x's rows in fp32 and returns nonzero when its scratch memory cannot be had."""
+    n, k = shape
+    xf = x.detach().reshape(-1, k).to(torch.float32).contiguous()
+    out = torch.empty(xf.shape[0], n)
+    if xf.shape[0] and call(xf.data_ptr(), xf.shape[0], out.data_ptr()):
+        raise MemoryError("the block kernels could not allocate their scratch memory")
+    return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 BLOCK_LINEARS = (Q4Linear, Q6KLinear, Fused)  # the CPU weights the C layer pass runs

@@ -69,6 +69,18 @@ static inline int32_t hsum256(__m256i v) { /* integer sums: exact in any order *
     return _mm_cvtsi128_si32(s);
 }
 
+/* A block's header: the row's stream prefetched PF6 bytes ahead, its fp16 scale d; returns its sub-scales. */
+static inline __attribute__((always_inline)) const int8_t *q6_head(const uint8_t *blk, float *d) {
+    _mm_prefetch((const char *)(blk + PF6), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + PF6 + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + PF6 + 128), _MM_HINT_T0);
+    _mm_prefetch((const char *)(blk + PF6 + 192), _MM_HINT_T0);
+    uint16_t hd;
+    memcpy(&hd, blk + 208, 2);
+    *d = q4_h2f(hd);
+    return (const int8_t *)(blk + 192);
+}
+
 /* lane r: the sum of the 8 lanes of v[r] (r < 4) */
 static inline __m128i sums4(const __m256i *v) {
     const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -85,14 +97,8 @@ static inline __attribute__((always_inline)) void q6_rows(const uint8_t *wr, int
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
     for (int64_t s = 0; s < nb; s++) {
         const uint8_t *blk = wr + s * BB;
-        _mm_prefetch((const char *)(blk + PF6), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 192), _MM_HINT_T0);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        uint16_t hd;
-        memcpy(&hd, blk + 208, 2);
-        const float d = q4_h2f(hd);
+        float d;
+        const int8_t *sc = q6_head(blk, &d);
         /* -32 sc times the activation sums, started in the integer sum: madd pairs sub-blocks 2i, 2i + 1 */
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i isum[RT6];
@@ -164,14 +170,8 @@ static inline __attribute__((always_inline)) void wide6_rows(const uint8_t *wr, 
     const __m512i four = _mm512_set1_epi16(4);
     for (int64_t s = 0; s < nb; s++) {
         const uint8_t *blk = wr + s * BB;
-        _mm_prefetch((const char *)(blk + PF6), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + PF6 + 192), _MM_HINT_T0);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        uint16_t hd;
-        memcpy(&hd, blk + 208, 2);
-        const float d = q4_h2f(hd);
+        float d;
+        const int8_t *sc = q6_head(blk, &d);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         const __m512i scw = _mm512_castsi256_si512(sc16);
         __m512i isum[8];
