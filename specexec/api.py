@@ -201,16 +201,16 @@ class _Found:
 
 def _layers_in_gguf(offload: Any, draft: str | None, dev: torch.device, dtype: str) -> bool:
     """Whether a GGUF target converts without its layers, embedding and lm_head (no 16-bit copy on disk): an NF4
-    target is quantized from the GGUF's blocks, and a CPU target whose weights are left to ``auto`` or ``q4``
-    runs the file's own blocks (its layers read from the file at load; without a C compiler, ``auto`` reads them
-    into the format the CPU probe picks). A self draft or
-    heads (which read the target's 16-bit weights) keep the copy."""
+    target is quantized from the GGUF's blocks, and a CPU target whose weights are left to ``auto`` (with the
+    compute dtype) or asked as ``q4`` runs the file's own blocks, read from the file at load (without a C compiler,
+    ``auto`` reads them into the format the CPU probe picks). A self draft or heads (which read the target's 16-bit
+    weights) keep the copy."""
     if draft in (SELF_DRAFT, HEADS_DRAFT):
         return False
     want = offload.target_dtype if offload is not None else "auto"
     if want == "nf4":
         return True
-    if dev.type != "cpu" or want not in ("auto", "q4") or dtype not in ("auto", "fp32"):
+    if dev.type != "cpu" or not (want == "auto" and dtype == "auto" or want == "q4" and dtype in ("auto", "fp32")):
         return False
     return offload is None or offload.mode not in ("ram", "ssd")
 
