@@ -159,6 +159,7 @@ static inline __m256i sums8(const __m512i *v) {
 static inline __attribute__((always_inline)) void wide6_rows(const uint8_t *wr, int64_t nb, int64_t k,
                                                              const int8_t *qa, const float *dx, int64_t rp,
                                                              const int16_t *bs, const int R, float *res, int64_t ldo) {
+    float acc1 = 0.f;
     __m256 acc = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
     /* the high bits of values 0-31 sit at shift 0 of qh, of 32-63 at shift 2 (and 4, 6 for 64-95, 96-127) */
@@ -200,10 +201,15 @@ static inline __attribute__((always_inline)) void wide6_rows(const uint8_t *wr, 
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(pa, pb));
             }
         }
+        if (R == 1) {
+            acc1 += d * dx[s * rp] * (float)_mm512_reduce_add_epi32(isum[0]);
+            continue;
+        }
         for (int r = R; r < 8; r++) isum[r] = _mm512_setzero_si512();
         const __m256 xd = _mm256_loadu_ps(dx + s * rp);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), xd), _mm256_cvtepi32_ps(sums8(isum))));
     }
+    if (R == 1) { res[0] = acc1; return; }
     float out[8];
     _mm256_storeu_ps(out, acc);
     for (int r = 0; r < R; r++) res[r * ldo] = out[r];
@@ -258,7 +264,7 @@ int q6k_matmul(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t r
                     float *res = out + r0 * ldo + o;
 #ifdef WIDE6
                     switch (rt) {
-                        case 1: q6_rows(wr, nb, k, q, dd, rp, b, 1, res, ldo); break;
+                        case 1: wide6_rows(wr, nb, k, q, dd, rp, b, 1, res, ldo); break;
                         case 2: wide6_rows(wr, nb, k, q, dd, rp, b, 2, res, ldo); break;
                         case 3: wide6_rows(wr, nb, k, q, dd, rp, b, 3, res, ldo); break;
                         case 4: wide6_rows(wr, nb, k, q, dd, rp, b, 4, res, ldo); break;
