@@ -33,8 +33,14 @@ def serve(
         envvar="SPECEXEC_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1/* (also from $SPECEXEC_API_KEY).",
     ),
+    parallel: int | None = typer.Option(
+        None,
+        "--parallel",
+        help="Requests generated together, their steps packed into one target pass (default: as many as fit in "
+        "a quarter of the free memory, at most 4).",
+    ),
     queue: int = typer.Option(
-        8, "--queue", help="Requests that may wait while one generates; more get HTTP 429.", rich_help_panel=o.ADVANCED
+        8, "--queue", help="Requests that may wait while --parallel run; more get HTTP 429.", rich_help_panel=o.ADVANCED
     ),
     served_model_name: str | None = typer.Option(
         None,
@@ -79,6 +85,8 @@ def serve(
             raise ConfigError("port", port, "must be in 0..65535", f"--port must be in 0..65535, got {port}")
         if queue < 0:
             raise ConfigError("queue", queue, "must be >= 0", f"--queue must be >= 0, got {queue}")
+        if parallel is not None and parallel < 1:
+            raise ConfigError("parallel", parallel, "must be >= 1", f"--parallel must be >= 1, got {parallel}")
         if max_body_kb < 1:
             raise ConfigError(
                 "max_body_kb", max_body_kb, "must be >= 1", f"--max-body-kb must be >= 1, got {max_body_kb}"
@@ -94,6 +102,7 @@ def serve(
             method=s.method,
             tree=tree,
             chain=chain,
+            parallel=parallel,
         )
         o.notices_before_load(model)
         sock = listen(host, port)

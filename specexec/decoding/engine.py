@@ -15,6 +15,7 @@ that a new prompt would otherwise drop, and restores the one sharing the longest
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Generator, Iterator, Sequence
@@ -34,7 +35,8 @@ from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
 from specexec.loading import cpu_probe, invariance
 from specexec.loading.checkpoint import TokenizerInfo
 from specexec.model import sizes
-from specexec.model.kv_cache import common_prefix
+from specexec.model.joint import JointPasses, KVRegion
+from specexec.model.kv_cache import KVCache, common_prefix
 from specexec.model.prefix_store import PrefixStore
 from specexec.model.transformer import Transformer
 from specexec.policy import AdaptiveBudget, BudgetPolicy, PolicyState, measure_costs
@@ -73,6 +75,26 @@ def default_prefix_cache_bytes() -> int:
     """The prefix cache's default budget: min(1 GiB, 10% of the available RAM), where its snapshots live (host
     RAM for a GPU engine too)."""
     return int(min(PREFIX_CACHE_MAX, PREFIX_CACHE_SHARE * psutil.virtual_memory().available))
+
+
+LANE_CHUNK = {"cpu": 64, "cuda": 1024}  # prompt rows a joint round serves beside the running steps, by device
+
+
+MAX_PARALLEL = 4  # the most requests a server generates together by default
+LANE_MEMORY_SHARE = 0.25  # ... whose caches fit in this share of the free memory they live in
+
+
+def lane_bytes(model: Transformer, slots: int) -> int:
+    """A lane's KV cache for ``model``: ``slots`` slots of every layer's keys and values."""
+    c = model.cfg
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * slots * model.dtype.itemsize
+
+
+def lane_chunk(device: torch.device, room: int) -> int:
+    """The most rows of one pass a joint round serves: a share of a prompt small enough that the running requests'
+    steps go on while it is prefilled (a CPU pass costs about its rows; a streamed GPU pass is copy-bound), and
+    never less than a whole step's tree."""
+    return max(LANE_CHUNK.get(device.type, LANE_CHUNK["cuda"]), room)
 
 
 def default_ngram(tree: TreeConfig, device: torch.device) -> NGramConfig | None:
@@ -323,6 +345,8 @@ class Engine:
         self.prefix_cache = PrefixStore(budget)  # snapshots of committed states other prompts dropped
         self._tree_room = 0
         self._draft_room = 0
+        self.lane: int | None = None  # this engine's lane among several concurrent ones (:meth:`lanes`); None: alone
+        self.joint: JointPasses | None = None  # the lanes' pass rendezvous
         # what the budget policies measured and learnt (costs, rates), kept across generations
         self.policies = PolicyState(costs_dir)
         self._lookup = LookupRecord()  # what prompt lookup measured on earlier texts: a new text's prior
@@ -362,6 +386,10 @@ class Engine:
         d_len = common_prefix(dm.tokens, tokens) if dm is not None and own else 0
         self.prefix_cache.save(tokens, st.cache, dm.cache if dm is not None and own else None, d_len)
 
+    def save_live(self) -> None:
+        """Keep the committed sequence in the prefix cache too (another lane may get this conversation next)."""
+        self._save_live()
+
     def _forget_live(self) -> None:
         """Forget the live committed sequence (the prefix cache's snapshots stay)."""
         if self.state:
@@ -393,14 +421,22 @@ class Engine:
         return n - live
 
     # -- capacity -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _rooms(tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> tuple[int, int]:
+        """The slots a step needs past the committed tokens: in the target's cache, and in the draft's (which also
+        holds every expanded node: max_beams a level beyond the tree)."""
+        room = sizes.step_room(tree, chain, ngram.max_nodes if ngram is not None else 0)
+        return room, room + tree.largest + tree.max_beams
+
     def _ensure_room(self, tree: TreeConfig, chain: ChainConfig, ngram: NGramConfig | None) -> None:
         """(Re)allocate caches so a step of this tree size fits after ``context`` committed tokens."""
-        extra = ngram.max_nodes if ngram is not None else 0
-        room = sizes.step_room(tree, chain, extra)
-        # the draft also holds every expanded node: max_beams a level beyond the tree
-        draft_room = room + tree.largest + tree.max_beams
+        room, draft_room = self._rooms(tree, chain, ngram)
         if self.state is not None and room <= self._tree_room and draft_room <= self._draft_room:
             return
+        if self.lane is not None:  # a lane's region of the pooled caches is sized once, for the server's settings
+            raise ConfigError(
+                "tree", room, f"needs {room} cache slots a step; the lanes were sized for {self._tree_room}"
+            )
         self._save_live()  # the new caches start empty
         if self.state is None or room > self._tree_room:
             self._tree_room = room
@@ -417,6 +453,62 @@ class Engine:
                 static_rows=self._static[1],
             )
             self._link_prefix()
+
+    def lanes(
+        self, n: int, tree: TreeConfig | None = None, chain: ChainConfig | None = None, chunk: int | None = None
+    ) -> list[Engine]:
+        """``n`` engines that generate concurrently, each in its own thread, their passes packed into joint passes
+        (:mod:`specexec.model.joint`): each has its own committed sequence in a region of one pooled cache per
+        model, sized for ``tree`` / ``chain``; they share the models, the prefix cache and what the policies
+        measured. ``chunk``: the most rows of one pass a joint round serves (a prompt longer than that is
+        prefilled over several rounds beside the others' steps; default :func:`lane_chunk`). This engine's own
+        caches are freed (they come back at its next use)."""
+        if n < 1:
+            raise ConfigError("parallel", n, "must be >= 1")
+        tree = self._capped(tree or TreeConfig())
+        chain = chain or ChainConfig()
+        ngram = default_ngram(tree, self.target.device) if self.draft is not None else None
+        room, draft_room = self._rooms(tree, chain, ngram)
+        self._save_live()
+        self.state, self.draft_model = None, None
+        joint = JointPasses(lane_chunk(self.target.device, room) if chunk is None else chunk)
+        t_cap, d_cap = self.context + room, self.context + draft_room + 1
+        c = self.target.cfg
+        t_pool = KVCache(c.num_layers, c.num_kv_heads, n * t_cap, c.head_dim, self.target.dtype, self.target.device)
+        d_pool = None
+        if self.draft is not None:
+            d = self.draft.cfg
+            d_pool = KVCache(d.num_layers, d.num_kv_heads, n * d_cap, d.head_dim, self.draft.dtype, self.draft.device)
+        out = []
+        for i in range(n):
+            e = copy.copy(self)
+            e.lane, e.joint = i, joint
+            e._tree_room, e._draft_room = room, draft_room
+            e.state = TargetState(self.target, t_cap, KVRegion(t_pool, i * t_cap, t_cap, joint))
+            if self.draft is not None:
+                assert d_pool is not None
+                # eager passes: a lane's draft passes pack with the other lanes' (no per-lane captured graphs)
+                e.draft_model = DraftModel(self.draft, d_cap - 1, static=False,
+                                           cache=KVRegion(d_pool, i * d_cap, d_cap, joint))  # fmt: skip
+                e._link_prefix()
+            out.append(e)
+        return out
+
+    def default_parallel(self, tree: TreeConfig | None = None, chain: ChainConfig | None = None) -> int:
+        """How many requests a server runs together by default: the lanes whose caches fit in a share of the memory
+        they live in (:data:`LANE_MEMORY_SHARE` of the available RAM, or of the free GPU memory), at most
+        :data:`MAX_PARALLEL`; 1 where passes cannot pack (a target that is not row-invariant)."""
+        if not self.target.row_invariant():
+            return 1
+        tree = self._capped(tree or TreeConfig())
+        ngram = default_ngram(tree, self.target.device) if self.draft is not None else None
+        room, draft_room = self._rooms(tree, chain or ChainConfig(), ngram)
+        need = lane_bytes(self.target, self.context + room)
+        if self.draft is not None:
+            need += lane_bytes(self.draft, self.context + draft_room + 1)
+        dev = self.target.device
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else psutil.virtual_memory().available
+        return max(1, min(MAX_PARALLEL, int(LANE_MEMORY_SHARE * free // max(need, 1))))
 
     def _link_prefix(self) -> None:
         """Point the draft at the target's cache for its committed prefix (``share_prefix``), or unlink it."""

@@ -46,9 +46,9 @@ OnStep = Callable[[StepInfo], bool | None]  # an on_step hook: False (or Cancell
 class TargetState:
     """The committed sequence and the target model's KV cache."""
 
-    def __init__(self, model: Transformer, capacity: int) -> None:
+    def __init__(self, model: Transformer, capacity: int, cache: KVCache | None = None) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(capacity)
+        self.cache: KVCache = model.new_cache(capacity) if cache is None else cache  # given: a lane's region
         self.seq: list[int] = []  # committed tokens; the last one is pending (in no cache yet)
         self.t_len = 0  # seq[:t_len] is in the target cache
 

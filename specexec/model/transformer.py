@@ -32,6 +32,7 @@ from specexec.formats.layers import NativeLayers
 from specexec.formats.subset import SubsetHead
 from specexec.model import tree_attn
 from specexec.model.attention import blocked, native, native_ready, plan_keys, row_keys, sdpa, sdpa_bias
+from specexec.model.joint import KVRegion
 from specexec.model.kv_cache import KVCache
 from specexec.model.tree_attn import tree_attention, tree_keys
 
@@ -427,6 +428,10 @@ class Transformer:
         a target's). ``hidden``: append the final normed hidden states (T', D) the logits are computed from (what
         Medusa-style heads read).
         """
+        if isinstance(cache, KVRegion):  # a lane of several generations: its passes go through the rendezvous
+            assert trace is None, "a lane's passes keep no trace"
+            return cache.joint.forward(self, cache, tokens, positions, cache_slots, mask, logits_rows, fused_norm,
+                                       hidden)  # fmt: skip
         c = self.cfg
         head = self.globals.lm_head
         if isinstance(head, SubsetHead):
@@ -479,6 +484,16 @@ class Transformer:
         if logits_rows is not None:
             x = x[logits_rows]
         return self._head(x, norm, hidden)
+
+    def row_invariant(self) -> bool:
+        """Is every row's result the same bits in any pass, beside any other rows? True for the one-call CPU
+        layers and for shape-invariant passes whose attention reads each row's own slots (the CPU's C kernel, the
+        GPU's tree kernel); then several generations' rows can share a pass (:mod:`specexec.model.joint`)."""
+        if isinstance(self.globals.lm_head, SubsetHead):  # its vocabulary follows the tokens a pass reads
+            return False
+        if self._native_layers() is not None:
+            return True
+        return self.tiling is not None and (native_ready(self.device, self.dtype) or tree_attn.ready(self.device))
 
     def _head(self, x: Tensor, norm: Callable[[Tensor, Tensor, float], Tensor], hidden: list[Tensor] | None) -> Tensor:
         """The final norm and the output layer over the rows' final hidden states x (T', D) -> fp32 logits; a

@@ -94,9 +94,10 @@ class DraftModel:
         capacity: int,
         static: bool | None = None,
         static_rows: int = 128,
+        cache: KVCache | None = None,
     ) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(capacity + 1)
+        self.cache: KVCache = model.new_cache(capacity + 1) if cache is None else cache  # given: a lane's region
         self.usable = capacity  # slots [0, capacity) hold real entries; slot ``capacity`` is scratch
         self._tokens: list[int] = []
         # a draft's numerics only change what it proposes: on a GPU its RMSNorm runs as one fused kernel (a 7B pass

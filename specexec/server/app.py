@@ -66,10 +66,13 @@ class ServerConfig:
     method: str | None = None  # None: specexec with a draft, else ar
     tree: TreeConfig | None = None
     chain: ChainConfig | None = None
+    parallel: int | None = None  # requests generated together (None: as many as the memory plan admits)
 
     def __post_init__(self) -> None:
         if self.queue < 0:
             raise ValueError(f"queue must be >= 0, got {self.queue}")
+        if self.parallel is not None and self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.model_name.strip():
@@ -124,9 +127,13 @@ def create_app(
     html = page_html()
 
     def ready(eng: Any) -> None:
-        state.worker = Worker(eng, config.queue, method=config.method, tree=config.tree, chain=config.chain)
+        n = config.parallel
+        if n is None:
+            plan = getattr(eng, "default_parallel", None)
+            n = plan(config.tree, config.chain) if callable(plan) else 1
+        state.worker = Worker(eng, config.queue, method=config.method, tree=config.tree, chain=config.chain, parallel=n)
         state.engine = eng
-        log.info("ready: serving %r (context %d tokens) ", config.model_name, eng.context)
+        log.info("ready: serving %r (context %d tokens, %d requests at once)", config.model_name, eng.context, n)
 
     def load_in_thread() -> None:
         t0 = time.perf_counter()
@@ -210,7 +217,10 @@ def create_app(
                 "status": "ok",
                 "model": config.model_name,
                 "busy": w.busy,
+                "active": w.active_count,
                 "waiting": w.waiting,
+                "parallel": w.parallel,
+                "packed_passes": w.packed_passes,
                 "queue": config.queue,
                 "context": state.engine.context,
                 **prefix_cache(state.engine),

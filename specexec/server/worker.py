@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from specexec.config import ChainConfig, SamplingConfig, TreeConfig
 from specexec.decoding.constraint import Constraint, ConstraintError
 from specexec.decoding.text import render_chat
 from specexec.errors import SpecexecError
+from specexec.model.kv_cache import common_prefix
 from specexec.server import tools as tl
 from specexec.server.protocol import ApiError, GenRequest, TokenLogprob
 
@@ -257,7 +259,9 @@ class Job:
 
 
 class Worker:
-    """The single thread that runs the engine. ``max_waiting`` jobs may wait while one runs; more → 429."""
+    """The thread that runs the engine: ``parallel`` jobs at once (each in a lane thread of its own, their passes
+    packed into joint passes, :meth:`Engine.lanes`; 1: the engine itself, one job at a time). ``max_waiting`` jobs
+    may wait while ``parallel`` run; more → 429."""
 
     def __init__(
         self,
@@ -266,15 +270,23 @@ class Worker:
         method: str | None = None,
         tree: TreeConfig | None = None,
         chain: ChainConfig | None = None,
+        parallel: int = 1,
     ) -> None:
         if max_waiting < 0:
             raise ValueError(f"queue must be >= 0, got {max_waiting}")
-        self.engine, self.max_waiting = engine, max_waiting
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.engine, self.max_waiting, self.parallel = engine, max_waiting, parallel
         self.method, self.tree, self.chain = method, tree, chain
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0  # waiting + running
-        self.running: Job | None = None
+        self.active: set[Job] = set()
+        # the lanes' engines and which are free; their stream() setups (prefix cache, policies) run one at a time
+        self._lanes: list[Any] = engine.lanes(parallel, tree, chain) if parallel > 1 else [engine]
+        self._free = list(range(len(self._lanes)))
+        self._lane_free = threading.Condition(self._lock)
+        self._setup = threading.Lock()
         self.completed = 0
         self.cancelled = 0
         self.last: Job | None = None  # the last job the worker finished (tests inspect it)
@@ -286,18 +298,37 @@ class Worker:
     @property
     def waiting(self) -> int:
         with self._lock:
-            return self._pending - (1 if self.running is not None else 0)
+            return self._pending - len(self.active)
+
+    @property
+    def active_count(self) -> int:
+        """Jobs generating now."""
+        with self._lock:
+            return len(self.active)
+
+    @property
+    def packed_passes(self) -> int:
+        """Passes that ran in a joint pass beside another request's."""
+        joint = getattr(self._lanes[0], "joint", None)
+        return joint.packed if joint is not None else 0
 
     @property
     def busy(self) -> bool:
-        return self.running is not None
+        return bool(self.active)
+
+    @property
+    def running(self) -> Job | None:
+        """A running job (None: none runs)."""
+        with self._lock:
+            return next(iter(self.active), None)
 
     def check_room(self) -> None:
-        """Raise ApiError 429 when ``max_waiting`` jobs already wait behind a running one."""
-        if self._pending >= 1 + self.max_waiting:
+        """Raise ApiError 429 when ``max_waiting`` jobs already wait behind ``parallel`` running ones."""
+        if self._pending >= self.parallel + self.max_waiting:
+            runs = "one generation runs" if self.parallel == 1 else f"{self.parallel} generations run"
             raise ApiError(
                 429,
-                f"the server is busy: one generation runs and {self.max_waiting} wait; retry shortly",
+                f"the server is busy: {runs} and {self.max_waiting} wait; retry shortly",
                 None,
                 "queue_full",
                 headers={"Retry-After": "1"},
@@ -330,8 +361,9 @@ class Worker:
                 break
             if j is not None:
                 j.cancel()
-        if self.running is not None:
-            self.running.cancelled.set()
+        with self._lock:
+            for j in self.active:
+                j.cancelled.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -342,12 +374,28 @@ class Worker:
             if job is None:
                 return
             with self._lock:
+                while not self._free:
+                    self._lane_free.wait()
                 if job.state != "waiting":
                     continue  # withdrawn while waiting
                 job.state = "running"
-                self.running = job
+                self.active.add(job)
+                lane = self._pick(job)
+            if self.parallel == 1:
+                self._job(job, lane)
+            else:
+                threading.Thread(target=self._job, args=(job, lane), name=f"specexec-lane-{lane}", daemon=True).start()
+
+    def _pick(self, job: Job) -> int:
+        """A free lane for ``job`` (holding the lock): the one whose committed sequence shares most of its prompt."""
+        best = max(self._free, key=lambda i: common_prefix(getattr(self._lanes[i], "seq", ()), job.ids))
+        self._free.remove(best)
+        return best
+
+    def _job(self, job: Job, lane: int) -> None:
+        try:
             try:
-                self._generate(job)
+                self._generate(job, self._lanes[lane])
             except ApiError as e:
                 log.warning("generation refused: %s", e.message)
                 job.emit("error", e)
@@ -357,15 +405,16 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - keep serving; the client gets a 500 envelope
                 log.exception("generation failed")
                 job.emit("error", e)
-            finally:
-                with self._lock:
-                    job.state = "done"
-                    self.running = None
-                    self._pending -= 1
-                    self.last = job
+        finally:
+            with self._lock:
+                job.state = "done"
+                self.active.discard(job)
+                self._pending -= 1
+                self.last = job
+                self._free.append(lane)
+                self._lane_free.notify()
 
-    def _generate(self, job: Job) -> None:
-        eng = self.engine
+    def _generate(self, job: Job, eng: Any) -> None:
         t0 = time.perf_counter()
         extra: dict[str, Any] = {}
         if job.constraint is not None:
@@ -373,16 +422,17 @@ class Worker:
         if job.logprobs is not None:
             extra["logprobs"] = job.logprobs
         try:
-            g = eng.stream(
-                job.ids,
-                job.max_new,
-                method=self.method,
-                sampling_cfg=job.sampling,
-                tree=self.tree,
-                chain=self.chain,
-                stop=job.stops,
-                **extra,
-            )
+            with self._setup:
+                g = eng.stream(
+                    job.ids,
+                    job.max_new,
+                    method=self.method,
+                    sampling_cfg=job.sampling,
+                    tree=self.tree,
+                    chain=self.chain,
+                    stop=job.stops,
+                    **extra,
+                )
         except ConstraintError as e:
             if job.constraint is None:
                 raise
@@ -390,18 +440,25 @@ class Worker:
             raise ApiError(400, msg, job.constraint_param) from None
         sent = 0  # tokens whose log-probs were sent
         try:
-            for piece in g:  # one piece per decode step (a step whose text is held back yields none)
-                if job.cancelled.is_set():
-                    break
-                if job.logprobs is not None:
-                    sent = self._send_logprobs(job, g.logprobs, sent, len(g.tokens))
-                job.emit("text", piece)
+            joint = getattr(eng, "joint", None)
+            with joint.lane() if joint is not None else nullcontext():
+                for piece in g:  # one piece per decode step (a step whose text is held back yields none)
+                    if job.cancelled.is_set():
+                        break
+                    if job.logprobs is not None:
+                        sent = self._send_logprobs(job, g.logprobs, sent, len(g.tokens))
+                    job.emit("text", piece)
         except ConstraintError as e:  # the grammar failed part-way (a limit hit): an error event ends the answer
             if job.constraint is None:
                 raise
             raise ApiError(400, f"{job.constraint_param}: {e}", job.constraint_param) from None
         finally:
             g.close()  # a safe cancel between pieces; a no-op once the generation has ended
+            if (
+                getattr(eng, "joint", None) is not None
+            ):  # another lane may get this conversation next: keep it in the prefix cache
+                with self._setup:
+                    eng.save_live()
         result = g.result
         assert result is not None
         job.generated = len(result.tokens)

@@ -128,7 +128,12 @@ def ref(pair):
 def live(pair):
     engine = load_engine(pair)
     config = ServerConfig(
-        model_name="tiny", queue=1, max_body_bytes=64 * 1024, tree=TREE, defaults=Defaults(max_new_tokens=32)
+        model_name="tiny",
+        queue=1,
+        max_body_bytes=64 * 1024,
+        tree=TREE,
+        defaults=Defaults(max_new_tokens=32),
+        parallel=1,
     )
     with LiveServer(create_app(config, engine=engine)) as srv:
         yield srv
