@@ -29,6 +29,7 @@ def test_the_scripts_are_the_kept_ones():
         "bench_cpu.py",
         "bench_gpu.py",
         "bench_offload.py",
+        "bench_server.py",
         "bench_structured.py",
         "check_exact.py",
     ]
@@ -262,6 +263,30 @@ def test_bench_structured_smoke_times_four_configs_checks_exactness_and_validity
     assert "| default-schema/ar-schema |" in printed and "| default-schema/default-free |" in printed
     assert "SMOKE RUN" in printed and "Exactness: 0 mismatches" in printed
     assert md.read_text() == printed[:-1]  # the same tables (print adds one newline)
+
+
+def test_bench_server_smoke_drives_a_served_tiny_pair_with_concurrent_openai_clients(json_tiny_pair, tmp_path, capsys,
+                                                                                   monkeypatch):  # fmt: skip
+    """bench_server.py starts ``specexec serve`` at each --parallel, drives it at each client count, checks every
+    greedy answer against the 1-client ones and reports the resent conversation; exit 0."""
+    target, draft = json_tiny_pair
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    out, md = tmp_path / "server.json", tmp_path / "server.md"
+    argv = ["--smoke", "--target", str(target), "--draft", str(draft), "--context", "1024", "--parallel", "1,3"]
+    argv += ["--clients", "1,3", "--requests", "3", "--max-tokens", "12", "--out", str(out), "--md", str(md)]
+    assert script("bench_server").main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert [r["parallel"] for r in rep["runs"]] == [1, 3] and rep["mismatches"] == 0
+    assert all([row["clients"] for row in r["rows"]] == [1, 3] for r in rep["runs"])
+    assert rep["runs"][1]["health"]["parallel"] == 3 and rep["resend"]["first_ttft_s"] > 0
+    assert "| 3 | 3 |" in md.read_text()
+
+
+@pytest.mark.parametrize("bad", [["--clients", "2,4"], ["--parallel", "0"], ["--requests", "99"], ["--clients", "x"]])
+def test_bench_server_refuses_bad_options_with_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        script("bench_server").main(bad)
+    assert e.value.code == 2
 
 
 def test_bench_structured_checks_answers_against_the_schema():
