@@ -239,6 +239,40 @@ def test_specexec_auto_budget_equals_ar(engine, ar_outputs):
 
 
 @slow
+def test_requests_generated_together_equal_their_solo_answers(engine, ar_outputs):
+    """Three lanes (``serve --parallel 3``): greedy and seeded sampled requests whose passes are packed into joint
+    passes give exactly their solo answers."""
+    import threading
+
+    from specexec.config import SamplingConfig
+
+    samp = SamplingConfig(temperature=0.8, seed=7)
+    engine.reset()
+    sampled = engine.generate(PROMPTS[3], 32, sampling_cfg=samp).tokens
+    lanes = engine.lanes(3)
+    jobs = [(PROMPTS[0], None), (PROMPTS[1], None), (PROMPTS[3], samp)]
+    got: list[list[int] | None] = [None] * 3
+
+    def run(i: int) -> None:
+        prompt, s = jobs[i]
+        g = lanes[i].stream(prompt, 32 if s else 48, sampling_cfg=s)
+        with lanes[i].joint.lane():
+            for _ in g:
+                pass
+        assert g.result is not None
+        got[i] = g.result.tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert got == [ar_outputs[PROMPTS[0]], ar_outputs[PROMPTS[1]], sampled]
+    assert lanes[0].joint.packed > 0
+    engine.reset()
+
+
+@slow
 def test_seeded_sampling_equals_seeded_ar(engine):
     """Sampling through the tree walk draws with noise keyed by (seed, position): with invariant target passes the
     default method's sampled text is seeded AR's, token for token."""

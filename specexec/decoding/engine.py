@@ -708,6 +708,8 @@ class Engine:
             raise SpecexecError("token ids out of the model's vocabulary")
         self._save_live()
         self._forget_live()
+        if self.state is None:  # freed for lanes (:meth:`lanes`): this engine's own caches come back
+            self._ensure_room(TreeConfig(), ChainConfig(), None)
         assert self.state is not None
         dev = self.target.device
         x = torch.tensor(ids, device=dev)
