@@ -101,6 +101,7 @@ FLAGS: dict[str, str] = {
     "cache_dir": "--cache-dir",
     "disk_mb": "--disk-mb",
     "prefix_cache_gb": "--prefix-cache-gb",
+    "parallel": "--parallel",
 }
 
 

@@ -31,7 +31,7 @@ from specexec.config import NEEDS_DRAFT, NGRAM_LEN_GPU, ChainConfig, SamplingCon
 from specexec.decoding.constraint import Constraint, GrammarState, TokenLogprob, grammar_tokenizer
 from specexec.decoding.loop import Cancelled, OnStep, TargetState, decode, pass_timer
 from specexec.decoding.text import ChatTemplateError, TextStream, check_stops, encode_text, render_chat
-from specexec.errors import ConfigError, InvalidPrompt, SpecexecError, setting
+from specexec.errors import ConfigError, InvalidPrompt, OutOfMemory, SpecexecError, setting
 from specexec.loading import cpu_probe, invariance
 from specexec.loading.checkpoint import TokenizerInfo
 from specexec.model import sizes
@@ -88,6 +88,11 @@ def lane_bytes(model: Transformer, slots: int) -> int:
     """A lane's KV cache for ``model``: ``slots`` slots of every layer's keys and values."""
     c = model.cfg
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * slots * model.dtype.itemsize
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory a device's caches can take now: free GPU memory, or the RAM available."""
+    return int(torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available)
 
 
 def lane_chunk(device: torch.device, room: int) -> int:
@@ -469,10 +474,23 @@ class Engine:
         chain = chain or ChainConfig()
         ngram = default_ngram(tree, self.target.device) if self.draft is not None else None
         room, draft_room = self._rooms(tree, chain, ngram)
-        self._save_live()
-        self.state, self.draft_model = None, None
-        joint = JointPasses(lane_chunk(self.target.device, room) if chunk is None else chunk)
         t_cap, d_cap = self.context + room, self.context + draft_room + 1
+        self._save_live()
+        self.state, self.draft_model = None, None  # freed first: the pools may take their place
+        each = lane_bytes(self.target, t_cap) + (lane_bytes(self.draft, d_cap) if self.draft is not None else 0)
+        free = free_bytes(self.target.device)
+        if n * each > free:
+            fit = int(free // each)
+            where = "GPU memory" if self.target.device.type == "cuda" else "RAM"
+            raise OutOfMemory(
+                f"{setting('parallel', n)} needs {n * each / 1e9:.1f} GB of {where} for its KV caches "
+                f"({each / 1e6:,.0f} MB a request at {setting('context', self.context)}) and {free / 1e9:.1f} GB is "
+                f"free: use {setting('parallel', max(fit, 1))} or a smaller {setting('context')}",
+                where,
+                n * each,
+                int(free),
+            )
+        joint = JointPasses(lane_chunk(self.target.device, room) if chunk is None else chunk)
         c = self.target.cfg
         t_pool = KVCache(c.num_layers, c.num_kv_heads, n * t_cap, c.head_dim, self.target.dtype, self.target.device)
         d_pool = None
@@ -506,8 +524,7 @@ class Engine:
         need = lane_bytes(self.target, self.context + room)
         if self.draft is not None:
             need += lane_bytes(self.draft, self.context + draft_room + 1)
-        dev = self.target.device
-        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else psutil.virtual_memory().available
+        free = free_bytes(self.target.device)
         return max(1, min(MAX_PARALLEL, int(LANE_MEMORY_SHARE * free // max(need, 1))))
 
     def _link_prefix(self) -> None:

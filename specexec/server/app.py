@@ -140,14 +140,13 @@ def create_app(
         log.info("loading the model...")
         try:
             eng = loader()  # type: ignore[misc]
+            log.info("loaded in %.1f s", time.perf_counter() - t0)
+            ready(eng)  # the lanes' caches too: a --parallel that does not fit is a loading error
         except BaseException as e:  # noqa: BLE001 - reported through /health and on_load_error
             state.error = str(e) if isinstance(e, SpecexecError) else f"{type(e).__name__}: {e}"
             log.error("loading failed: %s", state.error)
             if on_load_error is not None:
                 on_load_error(e)
-            return
-        log.info("loaded in %.1f s", time.perf_counter() - t0)
-        ready(eng)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -20,7 +20,7 @@ from offload.plan import OffloadConfig
 from specexec import api
 from specexec.config import SamplingConfig
 from specexec.decoding.constraint import Constraint
-from specexec.errors import ConfigError
+from specexec.errors import ConfigError, OutOfMemory
 from specexec.formats import q4
 from tests.conftest import make_noisy_copy, make_tiny
 from tests.server.test_structured_server import VOCAB, save_byte_tokenizer
@@ -174,3 +174,12 @@ def test_lanes_refuse_a_bigger_tree_than_they_were_sized_for(pair, tmp_path):
         lane.stream(PROMPTS[0], 4, tree=TreeConfig.fixed(64))
     with pytest.raises(ConfigError):
         engine.lanes(0)
+
+
+def test_more_lanes_than_memory_holds_are_refused_naming_what_fits(pair, tmp_path):
+    engine = _load(pair, tmp_path)
+    with pytest.raises(OutOfMemory) as e:
+        engine.lanes(10**7)
+    msg = str(e.value)
+    assert "parallel=10000000 needs" in msg and "use parallel=" in msg and "a smaller context" in msg
+    assert engine.generate(PROMPTS[0], 4).tokens  # the engine itself still generates

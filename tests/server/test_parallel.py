@@ -10,8 +10,10 @@ place at once and changes nobody else's text; past ``--parallel`` running and ``
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,12 +24,32 @@ from tests.server.test_server import LiveServer
 from tests.server.test_structured_server import ADD, ASK, SCHEMA, TREE, WEATHER, byte_pair, load  # noqa: F401
 
 PARALLEL = 3
-LONG = 400  # a long answer, for the requests that leave or hold their place
+LONG = 600  # a long answer (this pair never prefers EOS), for the requests that leave or hold their place
 
 
 @pytest.fixture(scope="module")
-def live(byte_pair, tmp_path_factory):  # noqa: F811
-    engine = load(byte_pair, tmp_path_factory.mktemp("home"))
+def pair(byte_pair, tmp_path_factory) -> tuple[Path, Path]:  # noqa: F811
+    """The byte-level pair whose LM heads never prefer EOS: a greedy answer runs to max_tokens (a request that must
+    still be running when another arrives)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("no_eos")
+    eos = json.loads((byte_pair[0] / "config.json").read_text())["eos_token_id"]
+    out = []
+    for src in byte_pair:
+        dst = root / src.name
+        shutil.copytree(src, dst)
+        for f in dst.glob("*.safetensors"):
+            sd = load_file(f)
+            sd["lm_head.weight"][eos] = 0
+            save_file(sd, f, metadata={"format": "pt"})
+        out.append(dst)
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def live(pair, tmp_path_factory):
+    engine = load(pair, tmp_path_factory.mktemp("home"))
     config = ServerConfig(
         model_name="tiny", tree=TREE, queue=1, parallel=PARALLEL, defaults=Defaults(max_new_tokens=48)
     )
@@ -117,11 +139,13 @@ def test_requests_sent_together_answer_as_alone(live):
 
 def test_a_client_leaving_frees_its_place_and_changes_no_other_answer(live):
     story = [{"role": "user", "content": "Write a long story."}]
-    bodies = [{"messages": ASK, "temperature": 0, "max_tokens": LONG, "stream": True},  # ~300 tokens
-              {"messages": story, "temperature": 0, "max_tokens": LONG}]  # fmt: skip
+    bodies = [{"messages": ASK, "temperature": 0, "max_tokens": LONG, "stream": True},
+              {"messages": story, "temperature": 0, "max_tokens": 100}]  # fmt: skip
     alone = [_ask(live, b) for b in bodies]
+    assert alone[0][-1] == ("", "length")  # the leaving request alone runs to its max_tokens
     leaving = httpx.Client(timeout=300)
     with leaving.stream("POST", live.url + "/v1/chat/completions", json=bodies[0]) as r:
+        assert r.status_code == 200
         next(iter(r.iter_lines()))  # it generates
         got: list[Any] = [None, None]
         t = threading.Thread(target=lambda: got.__setitem__(1, _ask(live, bodies[1])))
@@ -137,7 +161,7 @@ def test_a_client_leaving_frees_its_place_and_changes_no_other_answer(live):
 
 def test_past_parallel_and_queue_a_request_gets_429(live):
     clients = [httpx.Client(timeout=300) for _ in range(PARALLEL + 1)]
-    body = {"messages": ASK, "max_tokens": LONG, "stream": True}
+    body = {"messages": ASK, "max_tokens": LONG, "stream": True, "temperature": 0}
     streams = [c.stream("POST", live.url + "/v1/chat/completions", json=body) for c in clients]
     try:
         for s in streams:
@@ -151,3 +175,12 @@ def test_past_parallel_and_queue_a_request_gets_429(live):
             c.close()
     live.wait_idle()
     assert _health(live)["active"] == 0
+
+
+def test_a_parallel_setting_that_does_not_fit_is_a_loading_error(pair, tmp_path):
+    engine = load(pair, tmp_path)
+    config = ServerConfig(model_name="tiny", tree=TREE, parallel=10**7)
+    with LiveServer(create_app(config, loader=lambda: engine)) as srv:
+        assert _until(lambda: _health(srv)["status"] == "error")
+        h = httpx.get(srv.url + "/health", timeout=30)
+        assert h.status_code == 503 and "parallel=10000000 needs" in h.json()["message"]
