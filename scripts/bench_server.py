@@ -10,7 +10,8 @@ the requests one after another.
 Reported per (parallel, clients): wall seconds, aggregate tokens/s (all completion tokens over the wall time) and
 its ratio to the 1-client row of the same server, per-request decode tokens/s (tokens after the first over the
 time after the first token) as min / median / max and the min/max ratio of the requests that ran beside others
-(fair shares), time to first token (median, max), and the server's resident memory at the end.
+(fair shares), time to first token (median, max), and the server's resident memory after the row (rows of
+interleaved conversations one after another: memory that stays flat does not creep).
 
 Exactness: greedy answers must be the same text at every client count and every --parallel (each request's
 answer is its solo answer); a difference is counted as a mismatch (exit 1).
@@ -258,7 +259,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {run['parallel']} | {r['clients']} | {r['wall_s']:.1f} | {r['aggregate_tok_s']:.2f} | "
                 f"{r['aggregate_tok_s'] / base:.2f}x | {_f(pr.get('min'))} / {_f(pr.get('median'))} / "
                 f"{_f(pr.get('max'))} | {_f(r['fair_share_min_over_max'])} | {r['ttft_s']['median']:.2f} / "
-                f"{r['ttft_s']['max']:.2f} | {_f(run['rss_gb'])} |"
+                f"{r['ttft_s']['max']:.2f} | {_f(r['rss_gb'])} |"
             )
     rs = report.get("resend")
     if rs:
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 if reference is None:
                     reference = row["texts"]
                 mismatches += sum(a != b for a, b in zip(row.pop("texts"), reference))
+                row["rss_gb"] = srv.rss_gb()  # after each row: a flat column is memory that does not creep
                 rows.append(row)
                 print(f"parallel {par}, {c} clients: {row['aggregate_tok_s']:.2f} tok/s aggregate", flush=True)
             run = {"parallel": par, "health": srv.health, "rows": rows, "rss_gb": srv.rss_gb()}

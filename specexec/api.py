@@ -162,6 +162,8 @@ def load(
         engine.target_weights = t_fmt
     if use_heads:
         engine.heads = _load_heads(found.target, target, home)
+    if offload is not None and offload.gpu_memory_gb is not None and dev.type == "cuda":
+        engine.gpu_cap = int(offload.gpu_memory_gb * 1e9)
     return engine
 
 

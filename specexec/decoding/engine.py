@@ -90,9 +90,13 @@ def lane_bytes(model: Transformer, slots: int) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * slots * model.dtype.itemsize
 
 
-def free_bytes(device: torch.device) -> int:
-    """The memory a device's caches can take now: free GPU memory, or the RAM available."""
-    return int(torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available)
+def free_bytes(device: torch.device, cap: int | None = None) -> int:
+    """The memory a device's caches can take now: the RAM available, or the free GPU memory within ``cap`` bytes
+    of the process's (the user's GPU memory cap; None: none)."""
+    if device.type != "cuda":
+        return int(psutil.virtual_memory().available)
+    free = int(torch.cuda.mem_get_info(device)[0])
+    return free if cap is None else max(0, min(free, cap - int(torch.cuda.memory_reserved(device))))
 
 
 def lane_chunk(device: torch.device, room: int) -> int:
@@ -352,6 +356,7 @@ class Engine:
         self._draft_room = 0
         self.lane: int | None = None  # this engine's lane among several concurrent ones (:meth:`lanes`); None: alone
         self.joint: JointPasses | None = None  # the lanes' pass rendezvous
+        self.gpu_cap: int | None = None  # the GPU memory the user capped the process at (bytes; lanes stay inside)
         # what the budget policies measured and learnt (costs, rates), kept across generations
         self.policies = PolicyState(costs_dir)
         self._lookup = LookupRecord()  # what prompt lookup measured on earlier texts: a new text's prior
@@ -478,7 +483,7 @@ class Engine:
         self._save_live()
         self.state, self.draft_model = None, None  # freed first: the pools may take their place
         each = lane_bytes(self.target, t_cap) + (lane_bytes(self.draft, d_cap) if self.draft is not None else 0)
-        free = free_bytes(self.target.device)
+        free = free_bytes(self.target.device, self.gpu_cap)
         if n * each > free:
             fit = int(free // each)
             where = "GPU memory" if self.target.device.type == "cuda" else "RAM"
@@ -524,7 +529,7 @@ class Engine:
         need = lane_bytes(self.target, self.context + room)
         if self.draft is not None:
             need += lane_bytes(self.draft, self.context + draft_room + 1)
-        free = free_bytes(self.target.device)
+        free = free_bytes(self.target.device, self.gpu_cap)
         return max(1, min(MAX_PARALLEL, int(LANE_MEMORY_SHARE * free // max(need, 1))))
 
     def _link_prefix(self) -> None:
