@@ -217,17 +217,30 @@ def is_present(alias: str, home: Path | None = None) -> bool:
     return _cached_snapshot(entry.hf_id) is not None
 
 
+def gguf_file(alias: str, home: Path | None = None) -> Path | None:
+    """A ``pypi-gguf`` alias's assembled GGUF when it is complete on disk (a CPU target runs it as it is, and a
+    conversion starts from it with no download); else None."""
+    entry = get_entry(alias)
+    if entry.source != "pypi-gguf":
+        return None
+    path = cache_home(home) / "gguf" / f"{alias}.gguf"
+    return path if _gguf_matches_size(path, entry) else None
+
+
 def list_models(home: Path | None = None) -> list[dict]:
-    """One row per alias: ``alias``, ``source`` (PyPI wheels or HF id), ``path`` (str), ``present`` (bool)."""
-    return [
-        {
+    """One row per alias: ``alias``, ``source`` (PyPI wheels or HF id), ``path`` (str: the converted directory, or
+    the GGUF where only that is here), ``present`` (bool: loadable without a download)."""
+    rows = []
+    for alias, entry in aliases().items():
+        path, present = local_path(alias, home), is_present(alias, home)
+        gguf = None if present else gguf_file(alias, home)
+        rows.append({
             "alias": alias,
             "source": entry.source_label,
-            "path": str(local_path(alias, home)),
-            "present": is_present(alias, home),
-        }
-        for alias, entry in aliases().items()
-    ]
+            "path": str(gguf if gguf is not None else path),
+            "present": present or gguf is not None,
+        })  # fmt: skip
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- resolve

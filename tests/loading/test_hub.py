@@ -433,10 +433,15 @@ def test_a_cpu_target_alias_fetches_its_gguf_and_converts_no_weights(tmp_path, m
     small = hub.resolve("fake", progress=False, home=home, layers_in_gguf=True)
     assert convert.is_complete(small) and convert.layers_in_gguf(small) and fetched == [1]
     assert not hub.is_present("fake", home)
+    # `models list` shows it present (loadable without a download), at its GGUF
+    (row,) = hub.list_models(home)
+    assert row["present"] and row["path"] == str(hub.cache_home(home) / "gguf" / "fake.gguf")
     written = sum(p.stat().st_size for p in small.iterdir())
     assert written < len(data) // 4  # no weights but the small tensors
     assert hub.resolve("fake", progress=False, home=home, layers_in_gguf=True) == small
     full = hub.resolve("fake", progress=False, home=home)  # another use: the full conversion, no download
     assert full == hub.cache_home(home) / "models" / "fake" and hub.is_present("fake", home) and fetched == [1]
+    assert hub.list_models(home)[0]["path"] == str(full)
+    assert not hub.list_models(tmp_path / "empty")[0]["present"]
     with pytest.raises(SpecexecError, match="not downloaded yet"):
         hub.resolve("fake", pull_missing=False, progress=False, home=tmp_path / "empty", layers_in_gguf=True)
