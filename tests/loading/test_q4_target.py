@@ -129,7 +129,7 @@ def test_the_kernel_computes_its_integer_definition_bit_for_bit(k):
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(k)) * 3
     x[4] = 0  # a zero row: scale 0
     want = _reference(q, x)
-    for a, b in ((0, 19), (0, 1), (7, 8), (3, 5), (11, 19)):
+    for a, b in ((0, 19), (0, 1), (7, 8), (3, 5), (11, 19), (0, 3), (0, 4), (1, 6), (2, 8), (0, 7), (2, 13)):
         assert torch.equal(q.linear(x[a:b]), want[a:b]), (k, a, b)
 
 
