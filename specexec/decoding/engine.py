@@ -77,7 +77,7 @@ def default_prefix_cache_bytes() -> int:
     return int(min(PREFIX_CACHE_MAX, PREFIX_CACHE_SHARE * psutil.virtual_memory().available))
 
 
-LANE_CHUNK = {"cpu": 64, "cuda": 1024}  # prompt rows a joint round serves beside the running steps, by device
+CPU_LANE_ROWS = 64  # the rows of one joint pass on a CPU
 
 
 MAX_PARALLEL = 4  # the most requests a server generates together by default
@@ -100,10 +100,10 @@ def free_bytes(device: torch.device, cap: int | None = None) -> int:
 
 
 def lane_chunk(device: torch.device, room: int) -> int:
-    """The most rows of one pass a joint round serves: a share of a prompt small enough that the running requests'
-    steps go on while it is prefilled (a CPU pass costs about its rows; a streamed GPU pass is copy-bound), and
-    never less than a whole step's tree."""
-    return max(LANE_CHUNK.get(device.type, LANE_CHUNK["cuda"]), room)
+    """The most rows of one joint pass: on a GPU, the rows of one step (``room``), what the memory plan left
+    activations room for; on a CPU, also a share of a prompt small enough that the running requests' steps go on
+    while it is prefilled (a CPU pass costs about its rows)."""
+    return room if device.type == "cuda" else max(CPU_LANE_ROWS, room)
 
 
 def default_ngram(tree: TreeConfig, device: torch.device) -> NGramConfig | None:
@@ -470,8 +470,8 @@ class Engine:
         """``n`` engines that generate concurrently, each in its own thread, their passes packed into joint passes
         (:mod:`specexec.model.joint`): each has its own committed sequence in a region of one pooled cache per
         model, sized for ``tree`` / ``chain``; they share the models, the prefix cache and what the policies
-        measured. ``chunk``: the most rows of one pass a joint round serves (a prompt longer than that is
-        prefilled over several rounds beside the others' steps; default :func:`lane_chunk`). This engine's own
+        measured. ``chunk``: the most rows of one joint pass (a prompt is prefilled over several rounds beside
+        the others' steps; default :func:`lane_chunk`). This engine's own
         caches are freed (they come back at its next use)."""
         if n < 1:
             raise ConfigError("parallel", n, "must be >= 1")

@@ -12,9 +12,11 @@ row's result is the same bits in any pass and beside any other rows, and attenti
 position order); then each request's logits are exactly those of its solo run. Other models run each lane's pass
 alone, in turn.
 
-Chunked prefill: a round takes at most ``chunk`` rows of each pass. A longer pass (a joining request's prompt)
-is served over several rounds while the running requests' steps go on beside it; its rows attend only to rows
-before them (a prompt is causal, a tree lists parents first), so splitting it changes nothing.
+Chunked prefill: one joint pass holds at most ``chunk`` rows (the engine sizes it to the rows its memory plan
+left room for); a round packs the waiting passes into as few joint passes as that allows, and a longer pass (a
+joining request's prompt) is served over several rounds while the running requests' steps go on beside it. Its
+rows attend only to rows before them (a prompt is causal, a tree lists parents first), so splitting it changes
+nothing.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ class _Pass:
 
 
 class JointPasses:
-    """The rendezvous of the lanes' passes (see the module docstring). ``chunk``: the most rows of one pass a
-    round serves. Counters for ``/health`` and tests: ``rounds``, ``packed`` (passes that ran beside another)."""
+    """The rendezvous of the lanes' passes (see the module docstring). ``chunk``: the most rows of one joint pass.
+    Counters for ``/health`` and tests: ``rounds``, ``packed`` (passes that ran beside another)."""
 
     def __init__(self, chunk: int) -> None:
         if chunk < 1:
@@ -179,18 +181,30 @@ class JointPasses:
             model = group[0].model
             if alone or len(group) == 1 or not model.row_invariant():
                 for p in group:
-                    self._run([p])
-            else:
-                self._run(group)
-                self.packed += len(group)
+                    self._run([(p, min(p.rows - p.done, self.chunk))])
+                continue
+            # the steps first, whole; a prompt's rows fill what is left of the pass (the rest waits a round)
+            packs: list[list[tuple[_Pass, int]]] = [[]]
+            room = self.chunk
+            for p in sorted(group, key=lambda q: q.rows - q.done):
+                if room == 0:
+                    packs.append([])
+                    room = self.chunk
+                take = min(p.rows - p.done, room)
+                packs[-1].append((p, take))
+                room -= take
+            for pack in packs:
+                self._run(pack)
+                if len(pack) > 1:
+                    self.packed += len(pack)
 
-    def _run(self, group: list[_Pass]) -> None:
-        """One pass over the pool: the next chunk of each pass in ``group`` (all on one model and pool)."""
+    def _run(self, group: list[tuple[_Pass, int]]) -> None:
+        """One pass over the pool: the next ``take`` rows of each pass in ``group`` (all on one model and pool)."""
         try:
-            model, pool = group[0].model, group[0].region.pool
-            dev = group[0].tokens.device
-            spans = [(p, p.done, min(p.rows, p.done + self.chunk)) for p in group]
-            width = max(p.region.base + p.mask.shape[1] for p in group)
+            model, pool = group[0][0].model, group[0][0].region.pool
+            dev = group[0][0].tokens.device
+            spans = [(p, p.done, p.done + take) for p, take in group]
+            width = max(p.region.base + p.mask.shape[1] for p, _ in group)
             total = sum(b - a for _, a, b in spans)
             mask = torch.zeros(total, width, dtype=torch.bool, device=dev)
             toks, pos, slots, rows, counts = [], [], [], [], []
@@ -208,9 +222,9 @@ class JointPasses:
             picked = torch.cat(rows)
             # a round whose rows nobody reads (a prompt's middle chunks) still computes one row's logits
             read = picked if picked.numel() else torch.tensor([total - 1], device=dev)
-            hidden: list[Tensor] | None = [] if any(p.hidden is not None for p in group) else None
+            hidden: list[Tensor] | None = [] if any(p.hidden is not None for p, _ in group) else None
             out = model.forward(torch.cat(toks), torch.cat(pos), torch.cat(slots), mask, pool, logits_rows=read,
-                                fused_norm=group[0].fused_norm, hidden=hidden)  # fmt: skip
+                                fused_norm=group[0][0].fused_norm, hidden=hidden)  # fmt: skip
             h = None if hidden is None else torch.cat(hidden)
             at = 0
             for (p, _, b), n in zip(spans, counts):
@@ -222,5 +236,5 @@ class JointPasses:
                 p.done = b
                 p.finished = b >= p.rows
         except BaseException as e:  # noqa: BLE001 - every pass of the group gets the error, in its own thread
-            for p in group:
+            for p, _ in group:
                 p.error, p.finished = e, True
