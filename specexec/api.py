@@ -64,6 +64,7 @@ def load(
     share_prefix: bool = True,
     invariant: bool = True,
     prefix_cache_bytes: int | None = None,
+    parallel: int = 1,
 ) -> Engine:
     """Load a target and an optional draft into an :class:`~specexec.decoding.engine.Engine`.
 
@@ -110,9 +111,13 @@ def load(
         prefix_cache_bytes: the budget of the prefix cache across conversations: snapshots (in host RAM) of
             committed keys and values another prompt would drop, restored for a later prompt that shares their
             prefix (:mod:`specexec.model.prefix_store`); None: min(1 GiB, 10% of the available RAM); 0: off.
+        parallel: the requests that will generate together (:meth:`Engine.lanes`, ``serve --parallel``): the
+            memory plan holds that many KV caches (a streamed target keeps fewer layers resident to make room).
     """
     if context < 8:
         raise ConfigError("context", context, "must be >= 8 tokens")
+    if parallel < 1:
+        raise ConfigError("parallel", parallel, "must be >= 1")
     if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
         raise ConfigError("prefix_cache_bytes", prefix_cache_bytes, "must be >= 0 (0: no prefix cache)")
     tree = tree or TreeConfig()
@@ -135,7 +140,7 @@ def load(
         context = limit
     d_dt, d_fmt = _draft_format(found, draft_dtype, dtype, dev)
     t_fmt, t_dt = _target_format(found.target_cfg, dtype, dev, offload, found.target)
-    mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree, t_fmt, t_dt)
+    mem = _plan_memory(found, dev, dtype, draft_dtype, d_dt, d_fmt, offload, context, tree, t_fmt, t_dt, parallel)
     # the draft first: it stays resident, and the target's memory plan accounted for it
     d_model = _load_draft(found, dev, d_dt, mem, draft_vocab)
     if invariant and mem.offload is None and t_dt is not None:
@@ -320,9 +325,11 @@ def _plan_memory(
     tree: TreeConfig,
     t_fmt: str = "dense",
     t_dt: torch.dtype | None = None,
+    lanes: int = 1,
 ) -> _MemoryPlan:
     """Plan the target's placement (a streamed target: with the draft format and tree that leave room for its ring)
-    and check that weights, KV caches and tree buffers fit (:func:`specexec.loading.memory.check_engine`)."""
+    and check that weights, KV caches (``lanes`` of each) and tree buffers fit
+    (:func:`specexec.loading.memory.check_engine`)."""
     t_cfg, d_cfg = found.target_cfg, found.draft_cfg
     d_isz = d_dt.itemsize if d_dt is not None else 4  # activations and the draft's KV cache
     d_stored = sizes.stored_weights(found.draft) if found.draft is not None else None
@@ -343,7 +350,9 @@ def _plan_memory(
             pick = draft_choice.picker(d_cfg, t_cfg, dev)
 
         def reserve(tree: TreeConfig, fmt: str) -> sizes.PlanReservations:
-            return sizes.plan_reservations(t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=draft_bytes(fmt))
+            return sizes.plan_reservations(
+                t_cfg, d_cfg, context, t_isz, d_isz, tree, draft_weights=draft_bytes(fmt), lanes=lanes
+            )
 
         plan, d_fmt, planned = plan_streamed(found.target, dev, dtype, offload, reserve, formats, tree, pick)
         if planned.max_budget < tree.max_budget:
@@ -364,7 +373,7 @@ def _plan_memory(
         t_weights = stored.resident_bytes(t_isz, t_cfg, t_fmt)
     d_weights = draft_bytes(d_fmt)
     memory.check_engine(
-        t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights
+        t_cfg, d_cfg, dev, context, t_isz, d_isz, tree, target_weights=t_weights, draft_weights=d_weights, lanes=lanes
     )
     return _MemoryPlan(plan, tree, tree_cap, d_fmt, d_weights)
 
@@ -464,6 +473,7 @@ class ModelOptions:
     invariant: bool = True  # shape-invariant target passes (False: fastest kernels, for benchmarks)
     prefix_cache_bytes: int | None = None  # the prefix cache's budget across conversations (None: load's default)
     draft_choice: str | None = None  # how draft="auto" chose the draft: the line the command line shows
+    parallel: int = 1  # requests the caches are planned for (a server's --parallel)
 
 
 def load_engine(
@@ -499,4 +509,5 @@ def load_engine(
             draft_vocab=opts.draft_vocab,
             invariant=opts.invariant,
             prefix_cache_bytes=opts.prefix_cache_bytes,
+            parallel=opts.parallel,
         )

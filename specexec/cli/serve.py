@@ -91,7 +91,7 @@ def serve(
             raise ConfigError(
                 "max_body_kb", max_body_kb, "must be >= 1", f"--max-body-kb must be >= 1, got {max_body_kb}"
             )
-        model = replace(model, prefix_cache_bytes=prefix_bytes)
+        model = replace(model, prefix_cache_bytes=prefix_bytes, parallel=parallel or 1)
         name = served_model_name or default_model_name(s.target)
         config = ServerConfig(
             model_name=name,

@@ -95,9 +95,11 @@ def check_engine(
     target_weights: int | None = None,
     draft_weights: int | None = None,
     have: int | None = None,
+    lanes: int = 1,
 ) -> sizes.EngineMemory:
     """Raise :class:`NotEnoughMemory` unless everything an engine with these settings allocates on ``device``
-    fits in ``have`` bytes (default: what the device has free, less a margin). Returns the estimate."""
+    fits in ``have`` bytes (default: what the device has free, less a margin); ``lanes``: requests generating
+    together, each with its own KV caches. Returns the estimate."""
     context = min(context, target.max_position_embeddings)
     need = sizes.engine_memory(
         target,
@@ -110,6 +112,7 @@ def check_engine(
         target_weights=target_weights,
         draft_weights=draft_weights,
         ngram_nodes=tree.ngram_nodes(device) if draft is not None else 0,
+        lanes=lanes,
     )
     if have is None:
         have = available_bytes(device) - MARGIN_BYTES
@@ -141,15 +144,17 @@ def check_engine(
             max(have, 0),
             largest_budget=best,
         )
+    each = f" for each of {setting('parallel', lanes)} requests" if lanes > 1 else ""
     if need.kv >= need.weights:
-        fix = f"lower {setting('context')}"
+        fix = f"lower {setting('context')}" + (f" or {setting('parallel')}" if lanes > 1 else "")
     else:
         fix = f"use a smaller model or a 16-bit {setting('dtype')}" + (
             f", or {setting('OffloadConfig.mode')}" if device.type == "cuda" else ""
         )
     raise NotEnoughMemory(
         f"not enough {where}: the weights need {need.weights / GB:.2f} GB, the KV caches for "
-        f"{setting('context', context)} {need.kv / GB:.2f} GB and the other tree buffers {need.workspace / GB:.2f} GB "
+        f"{setting('context', context)}{each} {need.kv / GB:.2f} GB and the other tree buffers "
+        f"{need.workspace / GB:.2f} GB "
         f"({need.total / GB:.2f} GB in all), but {free}: {fix}",
         resource,
         need.total,

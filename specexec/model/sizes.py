@@ -428,9 +428,11 @@ def engine_memory(
     target_weights: int | None = None,
     draft_weights: int | None = None,
     ngram_nodes: int = 0,
+    lanes: int = 1,
 ) -> EngineMemory:
     """Bytes an engine allocates with these configs. ``context`` is clamped to the target's
-    ``max_position_embeddings`` (as :func:`specexec.api.load` does).
+    ``max_position_embeddings`` (as :func:`specexec.api.load` does). ``lanes``: requests generating together,
+    each with KV caches of its own (:meth:`Engine.lanes`).
 
     ``target_weights``/``draft_weights``: resident weight bytes when known better than the config's parameter
     count at the itemsize (e.g. from :func:`stored_weights`); pass ``target_weights=0`` for an offloaded target.
@@ -443,7 +445,7 @@ def engine_memory(
         weights += param_count(draft) * draft_itemsize if draft_weights is None else draft_weights
         kv += kv_bytes(draft, context, draft_itemsize)
     step = step_buffers(target, draft, context, tree, chain, target_itemsize, draft_itemsize, ngram_nodes)
-    return EngineMemory(weights=weights, kv_context=kv, step=step)
+    return EngineMemory(weights=weights, kv_context=kv * lanes, step=step)
 
 
 @dataclass(frozen=True)
@@ -464,6 +466,7 @@ def plan_reservations(
     draft_itemsize: int,
     tree: TreeConfig,
     draft_weights: int | None = None,
+    lanes: int = 1,
 ) -> PlanReservations:
     """:class:`PlanReservations` for these configs (the plan counts the target's own logits and activations in
     its workspace). ``draft_weights``: the draft's resident bytes (e.g. :func:`model_weight_bytes` of a low-bit
@@ -472,7 +475,7 @@ def plan_reservations(
     merged = (tree.ngram if tree.ngram is not None else NGRAM_NODES_GPU) if draft is not None else 0
     est = engine_memory(
         target, draft, context, target_itemsize, draft_itemsize, tree,
-        target_weights=0, draft_weights=draft_weights, ngram_nodes=merged,
+        target_weights=0, draft_weights=draft_weights, ngram_nodes=merged, lanes=lanes,
     )  # fmt: skip
     others = est.total - est.weights - est.step.logits - est.step.target_activations
     return PlanReservations(est.weights, others, min(step_room(tree, None, merged) - 1, tree.verify_chunk))

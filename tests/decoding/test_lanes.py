@@ -183,3 +183,16 @@ def test_more_lanes_than_memory_holds_are_refused_naming_what_fits(pair, tmp_pat
     msg = str(e.value)
     assert "parallel=10000000 needs" in msg and "use parallel=" in msg and "a smaller context" in msg
     assert engine.generate(PROMPTS[0], 4).tokens  # the engine itself still generates
+
+
+def test_the_memory_plan_holds_the_requests_caches(pair, tmp_path):
+    """``load(parallel=N)`` (``serve --parallel N``) plans N requests' KV caches: too many is refused before the
+    models load, naming the setting."""
+    from specexec.loading.memory import NotEnoughMemory
+
+    with pytest.raises(NotEnoughMemory) as e:
+        _load(pair, tmp_path, parallel=10**6)
+    assert "for each of parallel=1000000 requests" in str(e.value) and "or parallel" in str(e.value)
+    with pytest.raises(ConfigError):
+        _load(pair, tmp_path, parallel=0)
+    assert _load(pair, tmp_path, parallel=3).lanes(3)
