@@ -240,7 +240,7 @@ def test_specexec_auto_budget_equals_ar(engine, ar_outputs):
 
 @slow
 def test_requests_generated_together_equal_their_solo_answers(engine, ar_outputs):
-    """Three lanes (``serve --parallel 3``): greedy and seeded sampled requests whose passes are packed into joint
+    """Two lanes (``serve --parallel 2``): a greedy and a seeded sampled request whose passes are packed into joint
     passes give exactly their solo answers."""
     import threading
 
@@ -249,26 +249,27 @@ def test_requests_generated_together_equal_their_solo_answers(engine, ar_outputs
     samp = SamplingConfig(temperature=0.8, seed=7)
     engine.reset()
     sampled = engine.generate(PROMPTS[3], 32, sampling_cfg=samp).tokens
-    lanes = engine.lanes(3)
-    jobs = [(PROMPTS[0], None), (PROMPTS[1], None), (PROMPTS[3], samp)]
-    got: list[list[int] | None] = [None] * 3
+    lanes = engine.lanes(2)
+    jobs = [(PROMPTS[0], None, 48), (PROMPTS[3], samp, 32)]
+    got: list[list[int] | None] = [None] * 2
 
     def run(i: int) -> None:
-        prompt, s = jobs[i]
-        g = lanes[i].stream(prompt, 32 if s else 48, sampling_cfg=s)
+        prompt, s, n = jobs[i]
+        g = lanes[i].stream(prompt, n, sampling_cfg=s)
         with lanes[i].joint.lane():
             for _ in g:
                 pass
         assert g.result is not None
         got[i] = g.result.tokens
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
-    assert got == [ar_outputs[PROMPTS[0]], ar_outputs[PROMPTS[1]], sampled]
+    assert got == [ar_outputs[PROMPTS[0]], sampled]
     assert lanes[0].joint.packed > 0
+    lanes.clear()  # the pooled caches go before the next test
     engine.reset()
 
 

@@ -622,7 +622,7 @@ def test_real_pair_chat_equals_engine(real_pair):
     tree = TreeConfig.fixed(32, early_stop=False)  # fixed: no measured (timing-dependent) choices
     msgs = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     engine.reset()
-    with LiveServer(create_app(ServerConfig(model_name="demo", tree=tree), engine=engine)) as srv:
+    with LiveServer(create_app(ServerConfig(model_name="demo", tree=tree, parallel=1), engine=engine)) as srv:
         r = srv.client().chat.completions.create(model="demo", messages=msgs, max_tokens=16, temperature=0)
     engine.reset()
     want = engine.generate(msgs[0]["content"], 16, tree=tree, chat=True)

@@ -822,7 +822,7 @@ def test_real_pair_structured_output_tools_and_logprobs(real_pair):
         "additionalProperties": False,
     }
     person = [{"role": "user", "content": "Invent a person: JSON with name and age."}]
-    with LiveServer(create_app(ServerConfig(model_name="demo", tree=tree), engine=engine)) as srv:
+    with LiveServer(create_app(ServerConfig(model_name="demo", tree=tree, parallel=1), engine=engine)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=1200)
         named = {"type": "function", "function": {"name": "get_weather"}}
         t = c.chat.completions.create(
