@@ -802,13 +802,16 @@ def demo_ggufs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _convert_in_child(gguf_path: Path, out: Path) -> int:
-    """Convert in a child process of its own; return its peak RSS in bytes."""
+    """Convert in a child process of its own; return its peak RSS in bytes: the high-water mark of the child's own
+    address space (VmHWM), not ru_maxrss, which keeps what the child counted of this process's pages before it
+    started the interpreter."""
     code = (
-        "import resource, sys\n"
+        "import sys\n"
         "from pathlib import Path\n"
         "from specexec.loading.convert import gguf_to_hf_dir\n"
         "gguf_to_hf_dir(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0]\n"
+        "print(int(hwm.split()[1]) * 1024)\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
