@@ -150,7 +150,8 @@ def test_a_client_leaving_frees_its_place_and_changes_no_other_answer(live):
         got: list[Any] = [None, None]
         t = threading.Thread(target=lambda: got.__setitem__(1, _ask(live, bodies[1])))
         t.start()
-        assert _until(lambda: _health(live)["active"] == 2)
+        # both run (on a slow machine the short one may finish before /health is read: then it ran beside it)
+        assert _until(lambda: _health(live)["active"] == 2 or not t.is_alive())
     leaving.close()  # the client leaves mid-answer
     assert _until(lambda: _health(live)["active"] <= 1)
     t.join(300)
